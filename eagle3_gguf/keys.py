@@ -1,0 +1,128 @@
+"""Every GGUF key, tensor name and architecture fact this project uses, in one place.
+
+Checked against the pinned llama.cpp (llama-cpp-python 0.3.36, build 0c1e570): keys against
+`src/llama-arch.cpp` / `gguf-py/gguf/constants.py`, tensor names against `src/models/eagle3.cpp`.
+`tests/test_keys.py` re-derives them from the vendored tree when it is present.
+"""
+
+from __future__ import annotations
+
+ARCH_EAGLE3 = "eagle3"
+ARCH_LLAMA = "llama"
+
+# -- general keys ---------------------------------------------------------------------------------
+KEY_ARCHITECTURE = "general.architecture"
+KEY_NAME = "general.name"
+KEY_FILE_TYPE = "general.file_type"
+KEY_ALIGNMENT = "general.alignment"
+
+# -- per-architecture keys ("{arch}." prefix) -----------------------------------------------------
+KEY_CONTEXT_LENGTH = "{arch}.context_length"
+KEY_EMBEDDING_LENGTH = "{arch}.embedding_length"
+KEY_BLOCK_COUNT = "{arch}.block_count"
+KEY_FEED_FORWARD_LENGTH = "{arch}.feed_forward_length"
+KEY_VOCAB_SIZE = "{arch}.vocab_size"
+KEY_HEAD_COUNT = "{arch}.attention.head_count"
+KEY_HEAD_COUNT_KV = "{arch}.attention.head_count_kv"
+KEY_KEY_LENGTH = "{arch}.attention.key_length"
+KEY_VALUE_LENGTH = "{arch}.attention.value_length"
+KEY_RMS_EPS = "{arch}.attention.layer_norm_rms_epsilon"
+KEY_ROPE_DIMENSION_COUNT = "{arch}.rope.dimension_count"
+KEY_ROPE_FREQ_BASE = "{arch}.rope.freq_base"
+KEY_ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"
+KEY_ROPE_SCALING_FACTOR = "{arch}.rope.scaling.factor"
+KEY_ROPE_SCALING_ORIG_CTX = "{arch}.rope.scaling.original_context_length"
+
+# -- EAGLE-3 keys (LLM_KV_TARGET_LAYERS, LLM_KV_TARGET_HIDDEN_SIZE, LLM_KV_NORM_BEFORE_*) ----------
+KEY_TARGET_LAYERS = "{arch}.target_layers"  # exactly 3 ids, input-of-layer convention
+KEY_TARGET_HIDDEN_SIZE = "{arch}.target_hidden_size"
+KEY_NORM_BEFORE_RESIDUAL = "{arch}.norm_before_residual"  # optional, default false
+KEY_NORM_BEFORE_FC = "{arch}.norm_before_fc"  # optional, default false
+
+# -- tokenizer ------------------------------------------------------------------------------------
+TOKENIZER_PREFIX = "tokenizer."
+KEY_TOKENIZER_MODEL = "tokenizer.ggml.model"
+KEY_TOKENIZER_TOKENS = "tokenizer.ggml.tokens"
+KEY_CHAT_TEMPLATE = "tokenizer.chat_template"
+
+
+def arch_key(template: str, arch: str) -> str:
+    """Fill the `{arch}` prefix of a per-architecture key."""
+    return template.format(arch=arch)
+
+
+# -- tensor names (src/models/eagle3.cpp, LLM_TENSOR_NAMES) ---------------------------------------
+T_TOKEN_EMBD = "token_embd.weight"  # optional in a head: the target's is borrowed via ctx_other
+T_OUTPUT_NORM = "output_norm.weight"
+T_OUTPUT = "output.weight"  # optional in a head: the target's lm_head is borrowed when absent
+T_ROPE_FREQS = "rope_freqs.weight"
+T_FC = "fc.weight"  # {3 * n_embd_tgt, n_embd}
+T_ENC_OUTPUT_NORM = "enc.output_norm.weight"  # only with norm_before_fc
+T_D2T = "d2t"  # I64 [n_draft_vocab], absolute target token ids
+
+T_ATTN_NORM = "blk.{bid}.attn_norm.weight"  # input_layernorm, on the token embedding
+T_ATTN_NORM_2 = "blk.{bid}.attn_norm_2.weight"  # hidden_norm, on g
+T_ATTN_Q = "blk.{bid}.attn_q.weight"
+T_ATTN_K = "blk.{bid}.attn_k.weight"
+T_ATTN_V = "blk.{bid}.attn_v.weight"
+T_ATTN_OUT = "blk.{bid}.attn_output.weight"
+T_FFN_NORM = "blk.{bid}.ffn_norm.weight"
+T_FFN_GATE = "blk.{bid}.ffn_gate.weight"
+T_FFN_UP = "blk.{bid}.ffn_up.weight"
+T_FFN_DOWN = "blk.{bid}.ffn_down.weight"
+
+
+def blk(template: str, bid: int = 0) -> str:
+    """Fill the block index of a per-layer tensor name."""
+    return template.format(bid=bid)
+
+
+# Tensors every eagle3 head must carry (create_tensor(..., 0) in load_arch_tensors).
+EAGLE3_REQUIRED_TENSORS = (
+    T_FC,
+    T_OUTPUT_NORM,
+    blk(T_ATTN_NORM),
+    blk(T_ATTN_NORM_2),
+    blk(T_ATTN_Q),
+    blk(T_ATTN_K),
+    blk(T_ATTN_V),
+    blk(T_ATTN_OUT),
+    blk(T_FFN_NORM),
+    blk(T_FFN_GATE),
+    blk(T_FFN_UP),
+    blk(T_FFN_DOWN),
+)
+
+# Target architectures whose graph sets `t_layer_inp` at the pin, so that
+# llama_set_embeddings_layer_inp works (any other arch hits GGML_ASSERT in llama-graph.cpp).
+# Derived from src/models/*.cpp + llama_model_mapping + LLM_ARCH_NAMES; see tests/test_keys.py.
+HOOKED_TARGET_ARCHS = frozenset({
+    "bailingmoe3", "deepseek4", "gemma4", "gpt-oss", "hunyuan_vl", "lfm2", "llama", "mimo2",
+    "minimax-01", "minimax-m2", "muse-glimmer", "nanbeige", "nemotron_h", "qwen3", "qwen35",
+    "qwen35moe", "qwen3moe", "qwen3next", "qwen4exp",
+})
+
+# Target architectures whose graph also sets `t_h_nextn` (the final hidden state), so that a head
+# asking for layer id == n_layer gets real features. The llama graph does not: there the pinned
+# upstream runtime silently reads zeros, and we refuse the pair instead.
+FINAL_OUTPUT_TARGET_ARCHS = frozenset({
+    "bailingmoe3", "deepseek4", "gemma4", "gpt-oss", "mimo2", "nemotron_h", "qwen35", "qwen35moe", "qwen3next",
+})
+
+# Layout of the staging API in libllama (src/llama-ext.h has no extern "C": Itanium-mangled names).
+MANGLED_SYMBOLS = {
+    "llama_set_embeddings_layer_inp": "_Z30llama_set_embeddings_layer_inpP13llama_contextjb",
+    "llama_get_embeddings_layer_inp": "_Z30llama_get_embeddings_layer_inpP13llama_contextj",
+    "llama_set_embeddings_nextn": "_Z26llama_set_embeddings_nextnP13llama_contextbb",
+    "llama_get_embeddings_nextn": "_Z26llama_get_embeddings_nextnP13llama_context",
+    "llama_get_embeddings_nextn_ith": "_Z30llama_get_embeddings_nextn_ithP13llama_contexti",
+    "llama_model_target_layer_ids": "_Z28llama_model_target_layer_idsPK11llama_model",
+    "llama_model_target_layer_ids_n": "_Z30llama_model_target_layer_ids_nPK11llama_model",
+}
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+
+# -- added by the converter (convert/): general.quantization_version, written by upstream's
+#    convert_hf_to_gguf.py (gguf.GGML_QUANT_VERSION = 2) and by ours for every head --------------
+KEY_QUANTIZATION_VERSION = "general.quantization_version"
+GGML_QUANT_VERSION = 2

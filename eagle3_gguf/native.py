@@ -1,0 +1,440 @@
+"""ctypes binding: llama.cpp's EAGLE-3 staging API on the libllama that llama_cpp loaded.
+
+llama-cpp-python binds the public C API (llama.h). EAGLE-3 also needs the staging functions of
+`src/llama-ext.h`, which are declared without `extern "C"` and so are exported under their
+Itanium-mangled names. They are resolved here on `llama_cpp.llama_cpp._lib`, the very library
+llama-cpp-python uses, so a context made by `llama_cpp.Llama` and one made here are interchangeable.
+
+Owner classes, one per C handle, free in `close()` (idempotent) and work as context managers:
+`Model` (llama_model), `Context` (llama_context), `Batch` (llama_batch), `BatchExt` (llama_batch_ext).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import llama_cpp
+from llama_cpp import llama_cpp as C
+
+from . import keys
+from .errors import Eagle3Error, NativeError
+
+_lib = C._lib
+ctx_p = C.llama_context_p_ctypes
+model_p = C.llama_model_p_ctypes
+
+LLAMA_PROCESS_TYPE_ENCODE = 0
+LLAMA_PROCESS_TYPE_DECODE = 1
+
+# ------------------------------------------------------------------------------------------------
+# Staging API (src/llama-ext.h), resolved by mangled name
+# ------------------------------------------------------------------------------------------------
+
+_missing: list[str] = []
+
+
+def _bind(name: str, argtypes: list, restype) -> Callable:
+    for symbol in (keys.MANGLED_SYMBOLS[name], name):
+        try:
+            fn = getattr(_lib, symbol)
+        except AttributeError:
+            continue
+        fn.argtypes = argtypes
+        fn.restype = restype
+        return fn
+    _missing.append(name)
+
+    def unavailable(*_args):
+        require_ext()
+
+    unavailable.__name__ = name
+    return unavailable
+
+
+def require_ext() -> None:
+    """Raise one clear error if the loaded libllama lacks any EAGLE-3 staging symbol."""
+    if _missing:
+        raise NativeError(
+            f"the loaded libllama lacks {', '.join(_missing)} (llama-cpp-python {llama_cpp.__version__}); "
+            f"eagle3-gguf needs llama-cpp-python=={keys.LLAMA_CPP_PYTHON_VERSION}: "
+            f"pip install 'llama-cpp-python=={keys.LLAMA_CPP_PYTHON_VERSION}'"
+        )
+
+
+# LLAMA_API void llama_set_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid, bool value);
+llama_set_embeddings_layer_inp = _bind(
+    "llama_set_embeddings_layer_inp", [ctx_p, ctypes.c_uint32, ctypes.c_bool], None)
+
+# LLAMA_API float * llama_get_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid);
+llama_get_embeddings_layer_inp = _bind(
+    "llama_get_embeddings_layer_inp", [ctx_p, ctypes.c_uint32], ctypes.POINTER(ctypes.c_float))
+
+# LLAMA_API void llama_set_embeddings_nextn(struct llama_context * ctx, bool value, bool masked);
+llama_set_embeddings_nextn = _bind(
+    "llama_set_embeddings_nextn", [ctx_p, ctypes.c_bool, ctypes.c_bool], None)
+
+# LLAMA_API float * llama_get_embeddings_nextn(struct llama_context * ctx);
+llama_get_embeddings_nextn = _bind(
+    "llama_get_embeddings_nextn", [ctx_p], ctypes.POINTER(ctypes.c_float))
+
+# LLAMA_API float * llama_get_embeddings_nextn_ith(struct llama_context * ctx, int32_t i);
+llama_get_embeddings_nextn_ith = _bind(
+    "llama_get_embeddings_nextn_ith", [ctx_p, ctypes.c_int32], ctypes.POINTER(ctypes.c_float))
+
+# LLAMA_API const int32_t * llama_model_target_layer_ids(const struct llama_model * model);
+llama_model_target_layer_ids = _bind(
+    "llama_model_target_layer_ids", [model_p], ctypes.POINTER(ctypes.c_int32))
+
+# LLAMA_API uint32_t llama_model_target_layer_ids_n(const struct llama_model * model);
+llama_model_target_layer_ids_n = _bind(
+    "llama_model_target_layer_ids_n", [model_p], ctypes.c_uint32)
+
+
+# ------------------------------------------------------------------------------------------------
+# llama.cpp's log → Python logging (quiet unless the application asks)
+# ------------------------------------------------------------------------------------------------
+
+log = logging.getLogger("eagle3_gguf.llama_cpp")
+log.addHandler(logging.NullHandler())
+log.propagate = False  # silent by default; enable_llama_log() opts in
+
+# enum ggml_log_level { NONE = 0, INFO = 1, WARN = 2, ERROR = 3, DEBUG = 4, CONT = 5 };
+_GGML_TO_LOGGING = {0: logging.CRITICAL, 1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR,
+                    4: logging.DEBUG}
+_log_state = {"level": logging.INFO, "line": ""}
+
+
+@C.llama_log_callback
+def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+    if level != 5:
+        _log_state["level"] = _GGML_TO_LOGGING.get(level, logging.INFO)
+    _log_state["line"] += text.decode("utf-8", errors="replace")
+    if _log_state["line"].endswith("\n"):
+        line, _log_state["line"] = _log_state["line"].rstrip("\n"), ""
+        log.log(_log_state["level"], "%s", line)
+
+
+def install_log_callback() -> None:
+    """Route llama.cpp's (and ggml's) log into the `eagle3_gguf.llama_cpp` logger."""
+    C.llama_log_set(_log_callback, ctypes.c_void_p(0))
+
+
+def enable_llama_log(enabled: bool = True) -> None:
+    """Let llama.cpp's log through to the application's handlers (the CLI's `-v`)."""
+    log.propagate = enabled
+    log.setLevel(logging.DEBUG if enabled else logging.CRITICAL)
+
+
+install_log_callback()
+
+
+def default_threads() -> int:
+    """Threads for llama.cpp: every core on small machines, half of them (physical cores) on big ones."""
+    n = os.cpu_count() or 1
+    return n if n <= 4 else n // 2
+
+
+# ------------------------------------------------------------------------------------------------
+# Owner classes
+# ------------------------------------------------------------------------------------------------
+
+
+class _Owner:
+    """Frees its C handle once, in close(); usable as a context manager."""
+
+    ptr = None
+
+    def close(self) -> None:
+        if self.ptr:
+            self._free(self.ptr)
+        self.ptr = None
+
+    def _free(self, ptr) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may already be gone
+            pass
+
+    def _live(self):
+        if not self.ptr:
+            raise Eagle3Error(f"{type(self).__name__} is closed")
+        return self.ptr
+
+
+class Model(_Owner):
+    """A llama_model loaded from a GGUF file."""
+
+    def __init__(self, path: str | Path, *, n_gpu_layers: int = 0, use_mmap: bool = True):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise Eagle3Error(f"{self.path}: no such file")
+        params = C.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.use_mmap = use_mmap
+        ptr = C.llama_model_load_from_file(str(self.path).encode(), params)
+        if not ptr:
+            raise Eagle3Error(f"{self.path}: llama.cpp could not load it (run with -v to see why)")
+        self.ptr = ptr
+        self.vocab = C.llama_model_get_vocab(ptr)
+
+    def _free(self, ptr) -> None:
+        C.llama_model_free(ptr)
+
+    @property
+    def n_embd(self) -> int:
+        return C.llama_model_n_embd(self._live())
+
+    @property
+    def n_layer(self) -> int:
+        return C.llama_model_n_layer(self._live())
+
+    @property
+    def n_vocab(self) -> int:
+        return C.llama_vocab_n_tokens(self.vocab)
+
+    @property
+    def arch(self) -> str:
+        return self.meta(keys.KEY_ARCHITECTURE) or ""
+
+    def meta(self, key: str) -> str | None:
+        """A metadata value as llama.cpp renders it, or None when absent."""
+        buf = ctypes.create_string_buffer(4096)
+        n = C.llama_model_meta_val_str(self._live(), key.encode(), buf, len(buf))
+        return None if n < 0 else buf.value.decode("utf-8", errors="replace")
+
+    def target_layer_ids(self) -> list[int]:
+        """An EAGLE-3 head's extract layers (input-of-layer ids); empty for other models."""
+        require_ext()
+        n = llama_model_target_layer_ids_n(self._live())
+        ids = llama_model_target_layer_ids(self.ptr)
+        return [int(ids[i]) for i in range(n)] if n and ids else []
+
+    def chat_template(self) -> str | None:
+        tmpl = C.llama_model_chat_template(self._live(), None)
+        return tmpl.decode("utf-8") if tmpl else None
+
+
+class Context(_Owner):
+    """A llama_context; `ctx_other` pairs an EAGLE-3 head with its target."""
+
+    def __init__(self, model: Model, *, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int | None = None,
+                 n_threads: int | None = None, ctx_other: "Context | None" = None, n_seq_max: int = 1):
+        self.model = model
+        self.ctx_other = ctx_other  # keeps the target alive while the head borrows from it
+        threads = n_threads or default_threads()
+        params = C.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = min(n_ubatch or n_batch, n_batch)
+        params.n_seq_max = n_seq_max
+        params.n_threads = threads
+        params.n_threads_batch = threads
+        params.no_perf = True
+        if ctx_other is not None:
+            params.ctx_other = ctx_other._live()
+        ptr = C.llama_init_from_model(model._live(), params)
+        if not ptr:
+            raise Eagle3Error(f"{model.path}: llama.cpp could not create a context (n_ctx={n_ctx}; -v shows why)")
+        self.ptr = ptr
+        self._owned = True
+        self._layer_inp: set[int] = set()
+        self._nextn = False
+        self._decoded = False
+
+    @classmethod
+    def borrow(cls, ptr, model: Model) -> "Context":
+        """Wrap a context someone else owns (e.g. `llama_cpp.Llama._ctx.ctx`); close() won't free it."""
+        self = cls.__new__(cls)
+        self.model, self.ctx_other, self.ptr, self._owned = model, None, ptr, False
+        self._layer_inp, self._nextn, self._decoded = set(), False, False
+        return self
+
+    def _free(self, ptr) -> None:
+        if self._owned:
+            C.llama_free(ptr)
+
+    @property
+    def n_ctx(self) -> int:
+        return C.llama_n_ctx(self._live())
+
+    @property
+    def n_batch(self) -> int:
+        return C.llama_n_batch(self._live())
+
+    @property
+    def n_ubatch(self) -> int:
+        return C.llama_n_ubatch(self._live())
+
+    # -- memory (KV cache) -----------------------------------------------------------------------
+    def seq_rm(self, seq_id: int, p0: int, p1: int = -1) -> bool:
+        return bool(C.llama_memory_seq_rm(C.llama_get_memory(self._live()), seq_id, p0, p1))
+
+    def pos_max(self, seq_id: int = 0) -> int:
+        return int(C.llama_memory_seq_pos_max(C.llama_get_memory(self._live()), seq_id))
+
+    def clear(self) -> None:
+        C.llama_memory_clear(C.llama_get_memory(self._live()), True)
+
+    # -- running graphs ----------------------------------------------------------------------------
+    def decode(self, batch: "Batch") -> None:
+        rc = C.llama_decode(self._live(), batch.struct)
+        if rc != 0:
+            raise Eagle3Error(f"llama_decode failed (rc={rc}): the context may be full (raise -c)")
+        self._decoded = True
+
+    def process(self, kind: int, batch: "BatchExt") -> None:
+        rc = C.llama_process(self._live(), kind, batch._live())
+        if rc != 0:
+            what = "ENCODE" if kind == LLAMA_PROCESS_TYPE_ENCODE else "DECODE"
+            raise Eagle3Error(f"llama_process({what}) failed (rc={rc}): the draft context may be full (raise -c)")
+        self._decoded = True
+
+    def logits(self, n_rows: int) -> np.ndarray:
+        """The output rows of the last decode, in batch order.  # [n_rows, n_vocab] (view)"""
+        ptr = C.llama_get_logits(self._live())
+        if not ptr:
+            raise Eagle3Error("no logits: the last batch requested none")
+        return np.ctypeslib.as_array(ptr, shape=(n_rows, self.model.n_vocab))
+
+    def logits_ith(self, i: int) -> np.ndarray:
+        ptr = C.llama_get_logits_ith(self._live(), i)
+        if not ptr:
+            raise Eagle3Error(f"no logits for batch row {i}")
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))  # [n_vocab] (view)
+
+    # -- hidden-state extraction (staging API) ----------------------------------------------------
+    def set_layer_inp(self, lid: int, enabled: bool = True) -> None:
+        """Ask for the input hidden state of layer `lid` (0..n_layer-1) on every decoded token."""
+        require_ext()
+        if not 0 <= lid < self.model.n_layer:
+            raise Eagle3Error(f"layer id {lid} out of range for a {self.model.n_layer}-layer model")
+        llama_set_embeddings_layer_inp(self._live(), lid, enabled)
+        (self._layer_inp.add if enabled else self._layer_inp.discard)(lid)
+        self._decoded = False
+
+    def layer_inp(self, lid: int, n_tokens: int) -> np.ndarray:
+        """Layer `lid`'s input rows of the last decode.  # [n_tokens, n_embd] (view)"""
+        if lid not in self._layer_inp or not self._decoded:
+            raise Eagle3Error(f"layer {lid} input was not extracted: call set_layer_inp({lid}) and decode first")
+        ptr = llama_get_embeddings_layer_inp(self._live(), lid)
+        return np.ctypeslib.as_array(ptr, shape=(n_tokens, self.model.n_embd))
+
+    def set_nextn(self, enabled: bool = True, masked: bool = True) -> None:
+        """Ask for the pre-norm hidden state (EAGLE-3: g from the encoder, h from the decoder)."""
+        require_ext()
+        llama_set_embeddings_nextn(self._live(), enabled, masked)
+        self._nextn = enabled
+        self._decoded = False
+
+    def nextn(self, n_rows: int) -> np.ndarray:
+        """All pre-norm rows of the last graph.  # [n_rows, n_embd] (view)"""
+        if not self._nextn or not self._decoded:
+            raise Eagle3Error("pre-norm hidden states were not requested: call set_nextn() and run a graph first")
+        ptr = llama_get_embeddings_nextn(self._live())
+        if not ptr:
+            raise Eagle3Error("llama.cpp returned no pre-norm hidden states")
+        return np.ctypeslib.as_array(ptr, shape=(n_rows, self.model.n_embd))
+
+    def nextn_ith(self, i: int) -> np.ndarray:
+        """The pre-norm row of batch row i.  # [n_embd] (view)"""
+        if not self._nextn or not self._decoded:
+            raise Eagle3Error("pre-norm hidden states were not requested: call set_nextn() and run a graph first")
+        ptr = llama_get_embeddings_nextn_ith(self._live(), i)
+        if not ptr:
+            raise Eagle3Error(f"no pre-norm hidden state for batch row {i}")
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_embd,))
+
+
+class Batch(_Owner):
+    """A llama_batch of token ids for sequence 0, filled from numpy."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.struct = C.llama_batch_init(capacity, 0, 1)
+        self.ptr = True  # the struct is held by value; close() frees its arrays
+        for i in range(capacity):
+            self.struct.n_seq_id[i] = 1
+            self.struct.seq_id[i][0] = 0
+        self._token = np.ctypeslib.as_array(self.struct.token, shape=(capacity,))  # [capacity] int32
+        self._pos = np.ctypeslib.as_array(self.struct.pos, shape=(capacity,))  # [capacity] int32
+        self._logits = np.ctypeslib.as_array(self.struct.logits, shape=(capacity,))  # [capacity] int8
+
+    def _free(self, _ptr) -> None:
+        C.llama_batch_free(self.struct)
+
+    def set(self, tokens, pos0: int, *, logits: str = "last") -> int:
+        """Fill with `tokens` at positions pos0.. ; logits for "all" rows, the "last" one, or "none"."""
+        n = len(tokens)
+        if not 0 < n <= self.capacity:
+            raise Eagle3Error(f"batch of {n} tokens does not fit capacity {self.capacity}")
+        self._live()
+        self._token[:n] = tokens
+        self._pos[:n] = np.arange(pos0, pos0 + n, dtype=np.int32)
+        self._logits[:n] = 1 if logits == "all" else 0
+        if logits == "last":
+            self._logits[n - 1] = 1
+        self.struct.n_tokens = n
+        return n
+
+
+class BatchExt(_Owner):
+    """A llama_batch_ext (token ids and/or embedding rows per entry), for llama_process."""
+
+    def __init__(self, ctx: Context):
+        ptr = C.llama_batch_ext_init(ctx._live())
+        if not ptr:
+            raise Eagle3Error("llama_batch_ext_init failed")
+        self.ptr = ptr
+        self.n = 0
+
+    def _free(self, ptr) -> None:
+        C.llama_batch_ext_free(ptr)
+
+    def clear(self) -> None:
+        C.llama_batch_ext_clear(self._live())
+        self.n = 0
+
+    def _check(self, ok, what: str) -> None:
+        if (isinstance(ok, bool) and not ok) or (not isinstance(ok, bool) and ok < 0):
+            raise Eagle3Error(f"llama_batch_ext: {what} failed ({ok})")
+
+    def add_embd(self, row: np.ndarray, pos: int, *, output: bool = True, seq_id: int = 0) -> int:
+        """Add an entry carrying only an embedding row (the EAGLE-3 encoder input)."""
+        row = np.ascontiguousarray(row, dtype=np.float32)  # [n_embd_inp]
+        embd = C.llama_embd(row.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, row.size)
+        idx = C.llama_batch_ext_add_embd(self._live(), seq_id, embd)
+        self._check(idx, "add_embd")
+        self._finish(idx, pos, output)
+        return idx
+
+    def add_token(self, token: int, pos: int, embd: np.ndarray | None = None, *, output: bool = True,
+                  seq_id: int = 0) -> int:
+        """Add a token entry, optionally carrying an embedding row too (EAGLE-3 decoder: token + g)."""
+        idx = C.llama_batch_ext_add_token(self._live(), seq_id, int(token))
+        self._check(idx, "add_token")
+        if embd is not None:
+            row = np.ascontiguousarray(embd, dtype=np.float32)  # [n_embd]
+            e = C.llama_embd(row.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, row.size)
+            self._check(bool(C.llama_batch_ext_set_embd_token(self.ptr, idx, e)), "set_embd_token")
+        self._finish(idx, pos, output)
+        return idx
+
+    def _finish(self, idx: int, pos: int, output: bool) -> None:
+        p = ctypes.c_int32(pos)
+        self._check(bool(C.llama_batch_ext_set_pos(self.ptr, idx, ctypes.byref(p))), "set_pos")
+        self._check(bool(C.llama_batch_ext_set_output_logits(self.ptr, idx, output)), "set_output")
+        self.n += 1

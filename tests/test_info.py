@@ -1,0 +1,71 @@
+"""`eagle3-gguf info` on targets and heads, and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+CLI = [sys.executable, "-m", "eagle3_gguf.cli.main"]
+
+
+def run(*args):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_help_lists_commands():
+    r = run("--help")
+    assert r.returncode == 0
+    assert "info" in r.stdout
+
+
+def test_info_target_smollm2(smollm2_path):
+    r = run("info", str(smollm2_path), "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["kind"] == "target" and d["architecture"] == "llama"
+    assert (d["n_layer"], d["n_embd"], d["n_vocab"]) == (30, 576, 49152)
+    assert d["extraction_supported"] is True and d["chat_template"] is True
+    r = run("info", str(smollm2_path))
+    assert "EAGLE-3 target   yes" in r.stdout
+
+
+def test_info_head(tiny_head_d2t):
+    r = run("info", str(tiny_head_d2t), "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["kind"] == "eagle3-head" and d["target_layers"] == [0, 2, 5]
+    assert d["target_hidden_size"] == 64 and d["draft_vocab"] == 512
+    assert d["norm_before_residual"] is False and d["norm_before_fc"] is False
+    assert d["own_output"] is True and d["own_token_embd"] is False
+    types = {t["name"]: t["type"] for t in d["tensors"]}
+    assert types["d2t"] == "I64" and types["fc.weight"] == "F32"
+    text = run("info", str(tiny_head_d2t)).stdout
+    assert "target layers    [0, 2, 5]" in text and "draft vocab      512 tokens (d2t)" in text
+
+
+@pytest.mark.parametrize("case", ["missing", "not-gguf", "truncated-header", "truncated-data", "directory"])
+def test_info_bad_input_one_line_exit_2(case, tmp_path, tiny_head):
+    path = tmp_path / "x.gguf"
+    expected = {
+        "missing": f"error: {path}: no such file",
+        "not-gguf": f"error: {path}: not a GGUF file (expected magic 'GGUF', found b'hell')",
+        "truncated-header": f"error: {path}: not a valid GGUF (truncated or corrupt",
+        "truncated-data": f"error: {path}: truncated GGUF (tensor data ",
+        "directory": f"error: {tmp_path}: not a file",
+    }[case]
+    data = tiny_head.read_bytes()
+    if case == "not-gguf":
+        path.write_text("hello world")
+    elif case == "truncated-header":
+        path.write_bytes(data[:100])
+    elif case == "truncated-data":
+        path.write_bytes(data[: len(data) - 1000])
+    r = run("info", str(tmp_path if case == "directory" else path))
+    assert r.returncode == 2
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(expected), lines[0]

@@ -1,0 +1,106 @@
+"""The binding, exercised for real: extraction on a target decode, a head on ctx_other, llama_process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eagle3_gguf import keys, native
+from eagle3_gguf.errors import Eagle3Error, NativeError
+from eagle3_gguf.native import (LLAMA_PROCESS_TYPE_DECODE, LLAMA_PROCESS_TYPE_ENCODE, Batch, BatchExt, Context,
+                                Model)
+
+
+def test_staging_symbols_resolve_by_mangled_name():
+    lib = native._lib
+    for name, mangled in keys.MANGLED_SYMBOLS.items():
+        assert hasattr(lib, mangled), name
+    assert native._missing == []
+
+
+def test_missing_symbol_is_one_clear_error(monkeypatch):
+    monkeypatch.setattr(native, "_missing", ["llama_set_embeddings_layer_inp"])
+    with pytest.raises(NativeError) as e:
+        native.require_ext()
+    assert str(e.value).startswith("the loaded libllama lacks llama_set_embeddings_layer_inp")
+    assert "llama-cpp-python==0.3.36" in str(e.value)
+
+
+def test_owners_close_idempotently_and_work_as_context_managers(tiny_target):
+    with Model(tiny_target) as m:
+        with Context(m, n_ctx=64, n_batch=16) as c:
+            b = BatchExt(c)
+            b.close()
+            b.close()
+            assert b.ptr is None
+        assert c.ptr is None
+        c.close()
+    assert m.ptr is None
+    m.close()
+    with pytest.raises(Eagle3Error, match="Model is closed"):
+        _ = m.n_embd
+
+
+def test_model_load_failure_is_an_error_not_an_abort(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 20)
+    with pytest.raises(Eagle3Error, match="llama.cpp could not load it"):
+        Model(bad)
+
+
+def test_target_extraction_head_encode_decode(tiny_target, tiny_head):
+    with Model(tiny_target) as tm, Model(tiny_head) as hm:
+        assert hm.arch == "eagle3" and hm.target_layer_ids() == [1, 3, 5]
+        assert tm.target_layer_ids() == []
+        with Context(tm, n_ctx=128, n_batch=32) as tc, Context(hm, n_ctx=128, n_batch=32, ctx_other=tc) as hc:
+            for lid in hm.target_layer_ids():
+                tc.set_layer_inp(lid)
+            hc.set_nextn(True, masked=True)
+            tokens = [1, 17, 300, 4000, 12, 9, 77]
+            with Batch(32) as b:
+                b.set(tokens, 0, logits="all")
+                tc.decode(b)
+            feats = [tc.layer_inp(lid, len(tokens)).copy() for lid in hm.target_layer_ids()]
+            for f in feats:
+                assert f.shape == (len(tokens), tm.n_embd)  # [n_tokens, n_embd_tgt]
+                assert np.isfinite(f).all() and np.abs(f).sum() > 0
+            assert not np.allclose(feats[0], feats[1])
+            x = np.concatenate(feats, axis=1)  # [n_tokens, 3 * n_embd_tgt]
+            with BatchExt(hc) as be:
+                for i, row in enumerate(x):
+                    be.add_embd(row, i)
+                hc.process(LLAMA_PROCESS_TYPE_ENCODE, be)
+                g = hc.nextn(len(tokens)).copy()  # [n_tokens, n_embd]
+                assert g.shape == (len(tokens), hm.n_embd) and np.isfinite(g).all()
+                be.clear()
+                for k in range(len(tokens) - 1):
+                    be.add_token(tokens[k + 1], k, g[k], output=k == len(tokens) - 2)
+                hc.process(LLAMA_PROCESS_TYPE_DECODE, be)
+                logits = hc.logits_ith(len(tokens) - 2)
+                assert logits.shape == (tm.n_vocab,) and np.isfinite(logits).all()
+                h = hc.nextn_ith(len(tokens) - 2)
+                assert h.shape == (hm.n_embd,) and np.isfinite(h).all()
+            assert hc.pos_max() == len(tokens) - 2
+
+
+def test_layer_inp_guarded_before_extraction(tiny_target):
+    with Model(tiny_target) as tm, Context(tm, n_ctx=64, n_batch=16) as tc:
+        with pytest.raises(Eagle3Error, match="layer 2 input was not extracted"):
+            tc.layer_inp(2, 1)
+        with pytest.raises(Eagle3Error, match="layer id 6 out of range for a 6-layer model"):
+            tc.set_layer_inp(6)
+
+
+def test_head_with_d2t_scatters_into_target_vocab(tiny_target, tiny_head_d2t):
+    from gguf import GGUFReader
+
+    d2t = next(t for t in GGUFReader(tiny_head_d2t).tensors if t.name == "d2t").data.astype(np.int64)
+    with Model(tiny_target) as tm, Model(tiny_head_d2t) as hm:
+        with Context(tm, n_ctx=64, n_batch=16) as tc, Context(hm, n_ctx=64, n_batch=16, ctx_other=tc) as hc:
+            hc.set_nextn(True)
+            with BatchExt(hc) as be:
+                be.add_token(5, 0, np.ones(hm.n_embd, np.float32))
+                hc.process(LLAMA_PROCESS_TYPE_DECODE, be)
+            logits = hc.logits_ith(0)
+            finite = np.flatnonzero(np.isfinite(logits))
+            assert np.array_equal(finite, np.sort(d2t))
