@@ -241,6 +241,7 @@ class Context(_Owner):
         params.n_batch = n_batch
         params.n_ubatch = min(n_ubatch or n_batch, n_batch)
         params.n_seq_max = n_seq_max
+        params.kv_unified = True  # one cache for all sequences: batches keep their row order in ubatches
         params.n_threads = threads
         params.n_threads_batch = threads
         params.no_perf = True
@@ -377,16 +378,24 @@ class Batch(_Owner):
         C.llama_batch_free(self.struct)
 
     def set(self, tokens, pos0: int, *, logits: str = "last") -> int:
-        """Fill with `tokens` at positions pos0.. ; logits for "all" rows, the "last" one, or "none"."""
+        """Fill with `tokens` of sequence 0 at positions pos0.. ; logits for "all" rows, the "last" one,
+        or "none"."""
+        n = len(tokens)
+        return self.set_rows(tokens, np.arange(pos0, pos0 + n, dtype=np.int32), np.zeros(n, np.int32),
+                             np.full(n, logits == "all") if logits != "last" else np.arange(n) == n - 1)
+
+    def set_rows(self, tokens, pos, seq_ids, outputs) -> int:
+        """Fill row by row: several sequences in one batch (one seq id per row).
+        # tokens, pos, seq_ids, outputs: [n] each"""
         n = len(tokens)
         if not 0 < n <= self.capacity:
             raise Eagle3Error(f"batch of {n} tokens does not fit capacity {self.capacity}")
         self._live()
         self._token[:n] = tokens
-        self._pos[:n] = np.arange(pos0, pos0 + n, dtype=np.int32)
-        self._logits[:n] = 1 if logits == "all" else 0
-        if logits == "last":
-            self._logits[n - 1] = 1
+        self._pos[:n] = pos
+        self._logits[:n] = np.asarray(outputs, dtype=np.int8)
+        for i, s in enumerate(seq_ids):
+            self.struct.seq_id[i][0] = int(s)
         self.struct.n_tokens = n
         return n
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Build upstream's reference tools from vendor/llama.cpp into a cache folder keyed by the pin.
 
-Tools: llama-speculative-simple, llama-cli, llama-bench, llama-quantize (for differential tests and
-benchmarks). Prints the bin folder. Reused when already built. Extra CMake flags come from
+Tools: llama-speculative-simple, llama-completion, llama-bench, llama-quantize (for differential tests
+and benchmarks). At the pin, `llama-completion` is the classic one-shot CLI; `llama-cli` became the
+chat front end of llama-server and needs its web UI build, so it is not built here. Prints the bin folder. Reused when already built. Extra CMake flags come from
 CMAKE_ARGS, e.g. CMAKE_ARGS="-DGGML_CUDA=on" (macOS builds Metal by default).
 """
 
@@ -17,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pin import VENDOR_DIR, read_pin  # noqa: E402
 
-TOOLS = ["llama-speculative-simple", "llama-cli", "llama-bench", "llama-quantize"]
+TOOLS = ["llama-speculative-simple", "llama-completion", "llama-bench", "llama-quantize"]
 
 
 def bin_dir() -> Path:

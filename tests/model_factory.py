@@ -35,6 +35,12 @@ def _rand(rng: np.random.Generator, *shape: int, scale: float | None = None) -> 
     return (rng.standard_normal(shape) * (scale if scale is not None else fan_in ** -0.5)).astype(np.float32)
 
 
+def _q8(w: np.ndarray) -> tuple[np.ndarray, "gguf.GGMLQuantizationType"]:
+    """Q8_0 bytes of a weight matrix (gguf-py's quantizer); llama.cpp's CPU kernels then give the same
+    logits for a row whether it is decoded alone or in a batch, as with real quantized models."""
+    return gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+
+
 def _norm(rng: np.random.Generator, n: int) -> np.ndarray:
     return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)  # [n]
 
@@ -62,28 +68,34 @@ def _common_hparams(w: gguf.GGUFWriter, arch: str, d: TinyDims, n_vocab: int, n_
 
 
 def write_tiny_target(path: str | Path, dims: TinyDims = TinyDims(), *, seed: int = 0,
-                      tokenizer_from: Path | None = None) -> Path:
-    """A random llama-arch target with SmolLM2's tokenizer (F32 weights, tied embeddings)."""
+                      tokenizer_from: Path | None = None, arch: str = keys.ARCH_LLAMA) -> Path:
+    """A random llama-arch target with SmolLM2's tokenizer (Q8_0 matrices, tied embeddings).
+    `arch` relabels it (e.g. "qwen2") for the tests of refused pairs; only llama ones load."""
     path = Path(path)
     rng = np.random.default_rng(seed)
     d = dims
     hd = d.n_embd // d.n_head
-    w = gguf.GGUFWriter(str(path), keys.ARCH_LLAMA)
-    w.add_name("tiny-random-llama")
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-random-{arch}")
     n_vocab = copy_tokenizer(tokenizer_from or smollm2_path(), w)
-    _common_hparams(w, keys.ARCH_LLAMA, d, n_vocab, d.n_layer)
-    w.add_tensor(keys.T_TOKEN_EMBD, _rand(rng, n_vocab, d.n_embd, scale=1.0))  # [n_vocab, n_embd]
+    _common_hparams(w, arch, d, n_vocab, d.n_layer)
+
+    def mat(name: str, *shape: int, scale: float | None = None) -> None:
+        data, qtype = _q8(_rand(rng, *shape, scale=scale))
+        w.add_tensor(name, data, raw_dtype=qtype)
+
+    mat(keys.T_TOKEN_EMBD, n_vocab, d.n_embd, scale=0.5)  # [n_vocab, n_embd]
     w.add_tensor(keys.T_OUTPUT_NORM, _norm(rng, d.n_embd))
     for i in range(d.n_layer):
         w.add_tensor(keys.blk(keys.T_ATTN_NORM, i), _norm(rng, d.n_embd))
-        w.add_tensor(keys.blk(keys.T_ATTN_Q, i), _rand(rng, d.n_head * hd, d.n_embd))  # [n_head*hd, n_embd]
-        w.add_tensor(keys.blk(keys.T_ATTN_K, i), _rand(rng, d.n_head_kv * hd, d.n_embd))
-        w.add_tensor(keys.blk(keys.T_ATTN_V, i), _rand(rng, d.n_head_kv * hd, d.n_embd))
-        w.add_tensor(keys.blk(keys.T_ATTN_OUT, i), _rand(rng, d.n_embd, d.n_head * hd))
+        mat(keys.blk(keys.T_ATTN_Q, i), d.n_head * hd, d.n_embd)  # [n_head*hd, n_embd]
+        mat(keys.blk(keys.T_ATTN_K, i), d.n_head_kv * hd, d.n_embd)
+        mat(keys.blk(keys.T_ATTN_V, i), d.n_head_kv * hd, d.n_embd)
+        mat(keys.blk(keys.T_ATTN_OUT, i), d.n_embd, d.n_head * hd)
         w.add_tensor(keys.blk(keys.T_FFN_NORM, i), _norm(rng, d.n_embd))
-        w.add_tensor(keys.blk(keys.T_FFN_GATE, i), _rand(rng, d.n_ff, d.n_embd))  # [n_ff, n_embd]
-        w.add_tensor(keys.blk(keys.T_FFN_UP, i), _rand(rng, d.n_ff, d.n_embd))
-        w.add_tensor(keys.blk(keys.T_FFN_DOWN, i), _rand(rng, d.n_embd, d.n_ff))  # [n_embd, n_ff]
+        mat(keys.blk(keys.T_FFN_GATE, i), d.n_ff, d.n_embd)  # [n_ff, n_embd]
+        mat(keys.blk(keys.T_FFN_UP, i), d.n_ff, d.n_embd)
+        mat(keys.blk(keys.T_FFN_DOWN, i), d.n_embd, d.n_ff)  # [n_embd, n_ff]
     return _write(w, path)
 
 

@@ -1,0 +1,44 @@
+"""The target's three hidden-state features, as EAGLE-3 reads them: the same code path for the
+session at inference and for training-data capture, so both see identical features."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import Eagle3Error
+from .native import Context
+
+
+class TargetFeatures:
+    """Turns on extraction of the given layer inputs on a target context and gathers them.
+
+    Layer ids follow the GGUF's input-of-layer convention: id i < n_layer is the input of layer i;
+    id == n_layer is the final hidden state (read through the target's nextn output).
+    """
+
+    def __init__(self, target: Context, layers: list[int]):
+        self.target = target
+        self.layers = list(layers)
+        self.n_layer = target.model.n_layer
+        self.n_embd = target.model.n_embd
+        for lid in self.layers:
+            if 0 <= lid < self.n_layer:
+                target.set_layer_inp(lid, True)
+            elif lid == self.n_layer:
+                target.set_nextn(True, masked=False)
+            else:
+                raise Eagle3Error(f"target layer id {lid} is outside 0..{self.n_layer} for this target")
+
+    @property
+    def width(self) -> int:
+        return len(self.layers) * self.n_embd
+
+    def gather(self, n_rows: int, rows: np.ndarray | None = None) -> np.ndarray:
+        """Rows of the last target decode (the first n_rows, or the given row indices), the layers
+        concatenated in order.  # [n_rows or len(rows), 3 * n_embd_tgt]"""
+        parts = []
+        for lid in self.layers:
+            full = (self.target.layer_inp(lid, n_rows) if lid < self.n_layer
+                    else self.target.nextn(n_rows))  # [n_rows, n_embd_tgt]
+            parts.append(full if rows is None else full[rows])
+        return np.concatenate(parts, axis=1)

@@ -1,0 +1,121 @@
+"""Load a target and an EAGLE-3 head as a pair, after checking in pure Python that they fit.
+
+Every check runs on the GGUF headers before llama.cpp sees the files, because the pinned
+llama.cpp answers most mismatches with GGML_ASSERT (an abort, not an error).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import keys
+from .errors import Eagle3Error
+from .gguf_file import HeadInfo, TargetInfo, read_gguf
+from .native import Context, Model, default_threads
+
+
+@dataclass
+class PairConfig:
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_threads: int | None = None
+    n_gpu_layers: int = 0
+    draft_n_ctx: int | None = None  # defaults to n_ctx
+
+
+def check_pair(target: TargetInfo, head: HeadInfo, d2t: np.ndarray | None = None) -> None:
+    """Raise one Eagle3Error line for the first thing that keeps the two from working together."""
+    if not target.hooked:
+        raise Eagle3Error(
+            f"{target.path.name}: the pinned llama.cpp cannot extract hidden states from '{target.arch}' models "
+            f"(supported: {', '.join(sorted(keys.HOOKED_TARGET_ARCHS))})")
+    if head.target_hidden_size != target.n_embd:
+        raise Eagle3Error(
+            f"head expects target hidden size {head.target_hidden_size}, but {target.path.name} has {target.n_embd}: "
+            "this head was trained for another model")
+    for lid in head.target_layers:
+        if lid < 0 or lid > target.n_layer:
+            raise Eagle3Error(
+                f"head extracts target layer {lid}, but {target.path.name} has {target.n_layer} layers "
+                f"(ids 0..{target.n_layer}): reconvert the head with --layer-ids")
+        if lid == target.n_layer and target.arch not in keys.FINAL_OUTPUT_TARGET_ARCHS:
+            raise Eagle3Error(
+                f"head extracts layer id {lid} (the final output), which the pinned llama.cpp does not expose for "
+                f"'{target.arch}' targets: reconvert the head with --layer-ids below {target.n_layer}")
+    if head.n_vocab != target.n_vocab:
+        raise Eagle3Error(
+            f"head vocab ({head.n_vocab}) differs from the target's ({target.n_vocab}): the head belongs to another "
+            "tokenizer")
+    if head.draft_vocab is not None and not head.own_output:
+        raise Eagle3Error(f"{head.path.name}: head has a d2t map but no lm_head (output.weight) of its own")
+    if d2t is not None and d2t.size and (d2t.min() < 0 or d2t.max() >= target.n_vocab):
+        raise Eagle3Error(f"{head.path.name}: d2t maps to token ids outside the target vocab (0..{target.n_vocab - 1})")
+
+
+def read_pair(target_path: str | Path, head_path: str | Path) -> tuple[TargetInfo, HeadInfo]:
+    """Read and check both headers; no C call."""
+    tg = read_gguf(target_path, with_tokens=False)
+    hg = read_gguf(head_path, with_tokens=False)
+    if tg.arch == keys.ARCH_EAGLE3:
+        raise Eagle3Error(f"{tg.path}: this is an EAGLE-3 head; pass it with --draft and the target with -m")
+    target = TargetInfo.from_gguf(tg)
+    head = HeadInfo.from_gguf(hg)
+    check_pair(target, head, _read_d2t(head_path) if head.draft_vocab else None)
+    return target, head
+
+
+def _read_d2t(path: str | Path) -> np.ndarray:
+    from gguf import GGUFReader
+
+    t = next(t for t in GGUFReader(path).tensors if t.name == keys.T_D2T)
+    return np.asarray(t.data, dtype=np.int64).reshape(-1)  # [n_draft_vocab]
+
+
+@dataclass
+class Pair:
+    """A loaded target and head, with their contexts (the head's borrows from the target's)."""
+
+    target_info: TargetInfo
+    head_info: HeadInfo
+    target_model: Model
+    target: Context
+    head_model: Model
+    head: Context
+
+    def close(self) -> None:
+        for owner in (self.head, self.head_model, self.target, self.target_model):
+            owner.close()
+
+    def __enter__(self) -> "Pair":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load_pair(target_path: str | Path, head_path: str | Path, config: PairConfig = PairConfig(),
+              target_model: Model | None = None, target_ctx: Context | None = None) -> Pair:
+    """Check, then load both models and make the contexts. An existing target model/context
+    (e.g. from llama_cpp.Llama) may be passed in to be shared instead of loaded again."""
+    target_info, head_info = read_pair(target_path, head_path)
+    threads = config.n_threads or default_threads()
+    opened: list = []
+    try:
+        if target_model is None:
+            target_model = Model(target_path, n_gpu_layers=config.n_gpu_layers)
+            opened.append(target_model)
+        if target_ctx is None:
+            target_ctx = Context(target_model, n_ctx=config.n_ctx, n_batch=config.n_batch, n_threads=threads)
+            opened.append(target_ctx)
+        head_model = Model(head_path, n_gpu_layers=config.n_gpu_layers)
+        opened.append(head_model)
+        head_ctx = Context(head_model, n_ctx=config.draft_n_ctx or config.n_ctx, n_batch=config.n_batch,
+                           n_threads=threads, ctx_other=target_ctx)
+    except BaseException:
+        for owner in reversed(opened):
+            owner.close()
+        raise
+    return Pair(target_info, head_info, target_model, target_ctx, head_model, head_ctx)

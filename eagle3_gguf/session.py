@@ -1,0 +1,137 @@
+"""Eagle3Session: the EAGLE-3 head's side of speculative decoding, over the native binding.
+
+Lifecycle (the semantics of upstream's `common_speculative_impl_draft_eagle3`, written anew):
+
+- `process(tokens, pos0)` after every target decode whose first `len(tokens)` rows the target kept:
+  gather the three extracted layer inputs of those rows → draft encoder (`llama_process(ENCODE)`) → g;
+  then the draft decoder stores the pairs (token[p+1], g[p]) at position p. The last row's pair needs
+  the next token, which is not known yet: it is deferred (`pending_g` at `pending_pos`).
+- `draft(id_last, n_max, p_min)`: seed step (id_last, pending_g) at pending_pos, then autoregressive
+  steps that feed the draft's own pre-norm hidden state back in place of g.
+- `accept(n_accepted)`: drop the draft's speculative KV entries (everything after the seed), so that
+  the following `process` of the kept rows writes the pairs built from the target's real features.
+
+Unlike upstream, rows the target rejected never reach the draft encoder or decoder.
+
+Positions: the target holds token t_i at position i. The draft holds at position i the pair
+(t_{i+1}, g_i), where g_i = fc(target features of t_i); its output there predicts t_{i+2}.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import Eagle3Error
+from .extract import TargetFeatures
+from .native import LLAMA_PROCESS_TYPE_DECODE, LLAMA_PROCESS_TYPE_ENCODE, BatchExt, Context
+
+
+class Eagle3Session:
+    def __init__(self, target: Context, draft: Context, target_layers: list[int] | None = None):
+        self.target = target
+        self.draft_ctx = draft
+        self.layers = list(target_layers if target_layers is not None else draft.model.target_layer_ids())
+        if len(self.layers) != 3:
+            raise Eagle3Error(f"an EAGLE-3 head extracts exactly 3 target layers, this one names {self.layers}")
+        self.extract = TargetFeatures(target, self.layers)
+        self.n_embd = draft.model.n_embd
+        draft.set_nextn(True, masked=True)
+        self.batch = BatchExt(draft)
+        self.n_ubatch = draft.n_ubatch
+        self.pending_g = np.zeros(self.n_embd, dtype=np.float32)  # [n_embd]
+        self.pending_pos = -1
+
+    def close(self) -> None:
+        self.batch.close()
+
+    def __enter__(self) -> "Eagle3Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def reset(self) -> None:
+        """Forget everything (new prompt): clears the draft KV and the deferred row."""
+        self.draft_ctx.clear()
+        self.pending_pos = -1
+
+    # -- features --------------------------------------------------------------------------------
+    def features(self, n_rows: int) -> np.ndarray:
+        """The three extracted target layers of the last target decode's first n_rows rows,
+        concatenated as the head's encoder expects.  # [n_rows, 3 * n_embd_tgt]"""
+        return self.extract.gather(n_rows)
+
+    def encode(self, feats: np.ndarray) -> np.ndarray:
+        """Run the head's encoder (fc) on feature rows.  # [n, 3 * n_embd_tgt] -> [n, n_embd]"""
+        n = feats.shape[0]
+        g = np.empty((n, self.n_embd), dtype=np.float32)  # [n, n_embd]
+        base = self.draft_ctx.pos_max() + 1  # the encoder ignores positions; llama.cpp wants them after the KV
+        for i in range(0, n, self.n_ubatch):
+            chunk = feats[i:i + self.n_ubatch]
+            self.batch.clear()
+            for j, row in enumerate(chunk):
+                self.batch.add_embd(row, base + j, output=True)
+            self.draft_ctx.process(LLAMA_PROCESS_TYPE_ENCODE, self.batch)
+            g[i:i + len(chunk)] = self.draft_ctx.nextn(len(chunk))
+        return g
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def process(self, tokens: list[int], pos0: int, feats: np.ndarray | None = None) -> None:
+        """Feed the head the rows the target kept: tokens at positions pos0.. (rows 0..n-1 of the
+        target's last decode, unless `feats` is given).  # feats: [n, 3 * n_embd_tgt]"""
+        n = len(tokens)
+        if n == 0:
+            return
+        if feats is None:
+            feats = self.features(n)
+        g = self.encode(feats)  # [n, n_embd]
+        self.batch.clear()
+        # complete the deferred pair when the draft has not already written it (draft() seeds it)
+        if self.pending_pos >= 0 and self.pending_pos + 1 == pos0 and self.draft_ctx.pos_max() < self.pending_pos:
+            self.batch.add_token(tokens[0], self.pending_pos, self.pending_g, output=False)
+        for k in range(n - 1):
+            self.batch.add_token(tokens[k + 1], pos0 + k, g[k], output=False)
+        if self.batch.n:
+            self.draft_ctx.process(LLAMA_PROCESS_TYPE_DECODE, self.batch)
+        self.pending_g = g[n - 1].copy()
+        self.pending_pos = pos0 + n - 1
+
+    def draft(self, id_last: int, n_max: int, p_min: float = 0.0) -> list[int]:
+        """Draft up to n_max tokens that follow id_last (the target's newest token); stop early when
+        the top draft probability falls under p_min."""
+        if n_max <= 0:
+            return []
+        if self.pending_pos < 0:
+            raise Eagle3Error("draft() before process(): feed the head the prompt first")
+        ctx = self.draft_ctx
+        ctx.seq_rm(0, self.pending_pos, -1)
+        out: list[int] = []
+        token, g, pos = id_last, self.pending_g, self.pending_pos
+        while True:
+            self.batch.clear()
+            self.batch.add_token(token, pos, g, output=True)
+            ctx.process(LLAMA_PROCESS_TYPE_DECODE, self.batch)
+            logits = ctx.logits_ith(0)  # [n_vocab]
+            token = int(np.argmax(logits))
+            if p_min > 0.0 and _top_prob(logits, token) < p_min:
+                break
+            out.append(token)
+            if len(out) >= n_max:
+                break
+            g = ctx.nextn_ith(0).copy()  # [n_embd] pre-norm hidden state → next step's g
+            pos += 1
+        return out
+
+    def accept(self, n_accepted: int) -> None:
+        """The target kept n_accepted drafted tokens: drop the draft's speculative KV entries past the
+        seed pair, so that process() of the kept rows rewrites them from real target features."""
+        if n_accepted < 0:
+            raise Eagle3Error(f"accept({n_accepted}): the count of accepted tokens cannot be negative")
+        if self.pending_pos >= 0:
+            self.draft_ctx.seq_rm(0, self.pending_pos + 1, -1)
+
+
+def _top_prob(logits: np.ndarray, token: int) -> float:
+    """Softmax probability of `token`.  # logits: [n_vocab], -inf outside the draft vocab"""
+    top = logits[token]
+    return float(1.0 / np.exp(logits - top).sum())

@@ -1,0 +1,122 @@
+"""Speculation statistics: what happened in one run, as a dataclass, a table and JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class SpecStats:
+    draft_max: int = 0  # K
+    n_prompt: int = 0
+    n_generated: int = 0
+    n_target_forwards: int = 0  # target decodes that produced a token: the prefill + one per verify cycle
+    n_drafted: int = 0
+    n_accepted: int = 0
+    accept_hist: list[int] = field(default_factory=list)  # [K + 1]: cycles that accepted 0..K drafts
+    drafted_by_pos: list[int] = field(default_factory=list)  # [K]: drafts offered at position i
+    accepted_by_pos: list[int] = field(default_factory=list)  # [K]: drafts accepted at position i
+    t_prefill: float = 0.0
+    t_target: float = 0.0  # verify decodes + choosing tokens
+    t_draft: float = 0.0  # Eagle3Session.draft
+    t_process: float = 0.0  # Eagle3Session.accept + process (encoder + decoder on kept rows)
+    t_total: float = 0.0  # generation after the prompt, everything included
+    stop_reason: str = ""
+
+    def __post_init__(self) -> None:
+        k = self.draft_max
+        self.accept_hist = self.accept_hist or [0] * (k + 1)
+        self.drafted_by_pos = self.drafted_by_pos or [0] * k
+        self.accepted_by_pos = self.accepted_by_pos or [0] * k
+
+    def record_cycle(self, n_drafted: int, n_accepted: int) -> None:
+        self.n_drafted += n_drafted
+        self.n_accepted += n_accepted
+        self.accept_hist[n_accepted] += 1
+        for i in range(n_drafted):
+            self.drafted_by_pos[i] += 1
+        for i in range(n_accepted):
+            self.accepted_by_pos[i] += 1
+
+    # -- derived figures -----------------------------------------------------------------------
+    @property
+    def acceptance_rate(self) -> float:
+        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per target forward (prefill included)."""
+        return self.n_generated / self.n_target_forwards if self.n_target_forwards else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.n_generated / self.t_total if self.t_total > 0 else 0.0
+
+    @property
+    def t_overhead(self) -> float:
+        return max(self.t_total - self.t_target - self.t_draft - self.t_process, 0.0)
+
+    def acceptance_by_pos(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_by_pos, self.drafted_by_pos)]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(acceptance_rate=self.acceptance_rate, tau=self.tau, tokens_per_second=self.tokens_per_second,
+                 t_overhead=self.t_overhead, acceptance_by_pos=self.acceptance_by_pos())
+        return d
+
+    def table(self) -> str:
+        rows = [
+            ("prompt tokens", f"{self.n_prompt}"),
+            ("generated tokens", f"{self.n_generated}"),
+            ("target forwards", f"{self.n_target_forwards}"),
+        ]
+        if self.draft_max:
+            rows += [
+                ("drafted / accepted", f"{self.n_drafted} / {self.n_accepted}"),
+                ("acceptance rate", f"{self.acceptance_rate:.1%}"),
+                ("tau (tokens/forward)", f"{self.tau:.2f}"),
+                (f"accepted 0..{self.draft_max} (cycles)", " ".join(str(x) for x in self.accept_hist)),
+                ("acceptance by position", " ".join(f"{x:.2f}" for x in self.acceptance_by_pos())),
+            ]
+        t = self.t_total or 1e-9
+        rows += [
+            ("time: target / draft / process / other",
+             f"{self.t_target:.2f}s {self.t_draft:.2f}s {self.t_process:.2f}s {self.t_overhead:.2f}s "
+             f"({self.t_target / t:.0%} {self.t_draft / t:.0%} {self.t_process / t:.0%} {self.t_overhead / t:.0%})"),
+            ("prompt time", f"{self.t_prefill:.2f}s"),
+            ("speed", f"{self.tokens_per_second:.1f} tok/s"),
+            ("stopped by", self.stop_reason),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+@dataclass
+class RunResult:
+    tokens: list[int]
+    text: str
+    stats: SpecStats
+
+
+@dataclass
+class Comparison:
+    """A speculative run beside a target-only run of the same prompt."""
+
+    speculative: RunResult
+    baseline: RunResult
+
+    @property
+    def identical(self) -> bool:
+        return self.speculative.tokens == self.baseline.tokens
+
+    @property
+    def speedup(self) -> float:
+        b = self.baseline.stats.tokens_per_second
+        return self.speculative.stats.tokens_per_second / b if b else 0.0
+
+    def to_json(self) -> str:
+        return json.dumps({"speculative": self.speculative.stats.to_dict(), "baseline": self.baseline.stats.to_dict(),
+                           "identical": self.identical, "speedup": self.speedup,
+                           "text": self.speculative.text}, indent=2)

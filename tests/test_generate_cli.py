@@ -1,0 +1,122 @@
+"""`eagle3-gguf generate`: mismatched pairs and bad flags give one line and exit 2; a good run streams
+the target's text and reports statistics."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from eagle3_gguf.cli.main import app
+from eagle3_gguf.errors import Eagle3Error
+from eagle3_gguf.gguf_file import HeadInfo, TargetInfo, read_gguf
+from eagle3_gguf.pair import check_pair
+from model_factory import HeadSpec, TinyDims, write_random_head, write_tiny_target
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def one_line_error(r, expected: str) -> None:
+    assert r.exit_code == 2, (r.exit_code, r.output)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0] == f"error: {expected}", lines[0]
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory, tiny_target):
+    d = tmp_path_factory.mktemp("heads")
+    mk = lambda name, **kw: write_random_head(d / name, HeadSpec(**kw), tokenizer_from=tiny_target)  # noqa: E731
+    return {
+        "wide": mk("wide.gguf", n_embd_tgt=128, target_layers=(1, 3, 5)),
+        "far": mk("far.gguf", n_embd_tgt=64, target_layers=(1, 3, 9)),
+        "final": mk("final.gguf", n_embd_tgt=64, target_layers=(1, 3, 6)),
+    }
+
+
+@pytest.fixture(scope="module")
+def qwen2_target(tmp_path_factory, tiny_target):
+    return write_tiny_target(tmp_path_factory.mktemp("q") / "qwen2.gguf", TinyDims(), arch="qwen2",
+                             tokenizer_from=tiny_target)
+
+
+def test_pair_mismatches_one_line_exit_2(tiny_target, tiny_head, heads, qwen2_target):
+    base = ["generate", "-m", str(tiny_target), "-p", "hi", "-n", "4"]
+    one_line_error(invoke(*base, "--draft", str(heads["wide"])),
+                   "head expects target hidden size 128, but tiny-target.gguf has 64: this head was trained for "
+                   "another model")
+    one_line_error(invoke(*base, "--draft", str(heads["far"])),
+                   "head extracts target layer 9, but tiny-target.gguf has 6 layers (ids 0..6): reconvert the head "
+                   "with --layer-ids")
+    one_line_error(invoke(*base, "--draft", str(heads["final"])),
+                   "head extracts layer id 6 (the final output), which the pinned llama.cpp does not expose for "
+                   "'llama' targets: reconvert the head with --layer-ids below 6")
+    one_line_error(invoke(*base, "--draft", str(tiny_target)),
+                   f"{tiny_target}: architecture is 'llama', not an EAGLE-3 head ('eagle3')")
+    one_line_error(invoke("generate", "-m", str(tiny_head), "--draft", str(tiny_head), "-p", "hi"),
+                   f"{tiny_head}: this is an EAGLE-3 head; pass it with --draft and the target with -m")
+    r = invoke("generate", "-m", str(qwen2_target), "--draft", str(tiny_head), "-p", "hi")
+    assert r.exit_code == 2
+    assert r.stderr.startswith("error: qwen2.gguf: the pinned llama.cpp cannot extract hidden states from 'qwen2' "
+                               "models (supported: bailingmoe3, deepseek4, gemma4, gpt-oss,")
+
+
+def test_vocab_and_lm_head_mismatches(tiny_target, tiny_head):
+    target = TargetInfo.from_gguf(read_gguf(tiny_target, with_tokens=False))
+    head = HeadInfo.from_gguf(read_gguf(tiny_head, with_tokens=False))
+    with pytest.raises(Eagle3Error) as e:
+        check_pair(target, dataclasses.replace(head, n_vocab=32000))
+    assert str(e.value) == ("head vocab (32000) differs from the target's (49152): the head belongs to another "
+                            "tokenizer")
+    with pytest.raises(Eagle3Error) as e:
+        check_pair(target, dataclasses.replace(head, draft_vocab=512, own_output=False))
+    assert str(e.value) == "tiny-head.gguf: head has a d2t map but no lm_head (output.weight) of its own"
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["-n", "0"], "-n must be at least 1 (got 0)"),
+    (["--draft-max", "40"], "--draft-max must be between 0 and 32 (got 40)"),
+    (["--temp", "-1"], "--temp cannot be negative (got -1.0)"),
+    (["--draft-p-min", "1.5"], "--draft-p-min must be in [0, 1) (got 1.5)"),
+    (["-t", "0"], "-t must be at least 1 (got 0)"),
+    (["-f", "/nonexistent/prompt.txt", "-p", "x"], "give the prompt with -p or -f, not both"),
+    (["-f", "/nonexistent/prompt.txt"], "/nonexistent/prompt.txt: no such prompt file"),
+])
+def test_bad_flags_one_line_exit_2(tiny_target, tiny_head, flags, expected):
+    one_line_error(invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), *flags), expected)
+
+
+def test_missing_model_file(tiny_head, tmp_path):
+    one_line_error(invoke("generate", "-m", str(tmp_path / "nope.gguf"), "--draft", str(tiny_head), "-p", "x"),
+                   f"{tmp_path / 'nope.gguf'}: no such file")
+
+
+def test_prompt_longer_than_context(tiny_target, tiny_head):
+    one_line_error(invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-c", "256",
+                          "-p", "word " * 400),
+                   "the prompt has 401 tokens, the context only 256: raise -c")  # 400 words + the trailing space
+
+
+def test_generate_json_with_baseline(tiny_target, tiny_head):
+    r = invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-p", "The capital of France is",
+               "-n", "24", "--baseline", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["identical"] is True
+    st = d["stats"]
+    assert st["n_generated"] == 24 and st["n_accepted"] + st["n_target_forwards"] == 24
+    assert st["draft_max"] == 4 and len(st["accept_hist"]) == 5
+    assert d["baseline"]["n_generated"] == 24 and d["speedup"] > 0
+
+
+def test_generate_streams_text_and_prints_stats(tiny_target, tiny_head):
+    r = invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-p", "Hello", "-n", "8",
+               "--baseline")
+    assert r.exit_code == 0, r.output
+    assert "identical output   yes" in r.stderr
+    assert "tau (tokens/forward)" in r.stderr and "acceptance by position" in r.stderr
+    assert r.stdout.endswith("\n") and len(r.stdout.strip()) > 0

@@ -1,0 +1,181 @@
+"""Eagle3Session + the verify loop: lossless output, the draft KV after accept(n), statistics."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from eagle3_gguf.decode import Decoder, GenerateConfig, Sampler
+from eagle3_gguf.pair import PairConfig, load_pair
+from eagle3_gguf.session import Eagle3Session
+from eagle3_gguf.tokens import Message, apply_chat_template, tokenize
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,"]
+
+
+class OracleSession(Eagle3Session):
+    """Runs the real head (so its KV moves as usual) but returns the target's own future tokens,
+    corrupted after a scheduled number of correct ones: every acceptance length gets exercised."""
+
+    def __init__(self, *args, full: list[int], schedule: list[int], **kw):
+        super().__init__(*args, **kw)
+        self.full = full
+        self.schedule = itertools.cycle(schedule)
+
+    def draft(self, id_last: int, n_max: int, p_min: float = 0.0) -> list[int]:
+        real = super().draft(id_last, n_max, p_min)
+        start = self.pending_pos + 2  # id_last sits at pending_pos + 1
+        truth = self.full[start:start + len(real)]
+        good = next(self.schedule)
+        return [t if i < good else (t + 1) % 49152 for i, t in enumerate(truth)]
+
+
+def check_stats_add_up(st, n_tokens: int) -> None:
+    assert st.n_accepted + st.n_target_forwards == st.n_generated
+    assert st.n_generated == n_tokens + (1 if st.stop_reason == "eos" else 0)
+    assert sum(st.accept_hist) == st.n_target_forwards - 1
+    assert sum(st.accepted_by_pos) == st.n_accepted and sum(st.drafted_by_pos) == st.n_drafted
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_target, tiny_head):
+    with load_pair(tiny_target, tiny_head, PairConfig(n_ctx=512, n_batch=64)) as pair:
+        yield pair
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 6])
+def test_greedy_equals_target_only_tiny(tiny_pair, k):
+    with Eagle3Session(tiny_pair.target, tiny_pair.head) as s, Decoder(tiny_pair.target, s) as d:
+        for text in PROMPTS:
+            prompt = tokenize(tiny_pair.target_model, text)
+            cfg = GenerateConfig(n_predict=40, draft_max=k)
+            base = d.generate(prompt, cfg, speculative=False)
+            spec = d.generate(prompt, cfg, speculative=True)
+            assert spec.tokens == base.tokens
+            assert spec.stats.n_drafted > 0
+            check_stats_add_up(spec.stats, len(spec.tokens))
+
+
+def test_forced_acceptance_every_length(tiny_pair):
+    k = 4
+    with Decoder(tiny_pair.target) as plain:
+        prompt = tokenize(tiny_pair.target_model, PROMPTS[1])
+        base = plain.generate(prompt, GenerateConfig(n_predict=60, draft_max=0), speculative=False)
+    full = prompt + base.tokens
+    with OracleSession(tiny_pair.target, tiny_pair.head, full=full, schedule=[0, 1, 2, 3, 4, 4, 2]) as s, \
+            Decoder(tiny_pair.target, s) as d:
+        spec = d.generate(prompt, GenerateConfig(n_predict=60, draft_max=k))
+    assert spec.tokens == base.tokens
+    st = spec.stats
+    assert all(st.accept_hist[n] > 0 for n in range(k + 1)), st.accept_hist
+    assert st.tau > 1.5
+    check_stats_add_up(st, len(spec.tokens))
+
+
+def hot(seed: int) -> Sampler:
+    """A sampler that really samples on the tiny random model, whose logits are very peaked."""
+    return Sampler(1.5, seed=seed, top_k=0, top_p=1.0, min_p=0.0)
+
+
+def test_sampling_is_lossless_with_the_same_seed(tiny_pair):
+    prompt = tokenize(tiny_pair.target_model, PROMPTS[2])
+    with Decoder(tiny_pair.target) as plain:
+        base = plain.generate(prompt, GenerateConfig(n_predict=40), hot(7), speculative=False)
+        other = plain.generate(prompt, GenerateConfig(n_predict=40), hot(8), speculative=False)
+    assert base.tokens != other.tokens  # the seed matters, so the equality below means something
+    full = prompt + base.tokens
+    with OracleSession(tiny_pair.target, tiny_pair.head, full=full, schedule=[3, 0, 2]) as s, \
+            Decoder(tiny_pair.target, s) as d:
+        spec = d.generate(prompt, GenerateConfig(n_predict=40, draft_max=3), hot(7))
+    assert spec.tokens == base.tokens
+    assert spec.stats.n_accepted > 0
+
+
+def _fresh_draft(pair, session, tokens: list[int], id_last: int, k: int):
+    """What a fresh run gives: prefill `tokens` in one batch, process them, draft after id_last."""
+    from eagle3_gguf.native import Batch
+
+    pair.target.clear()
+    session.reset()
+    with Batch(len(tokens)) as b:
+        b.set(tokens, 0, logits="last")
+        pair.target.decode(b)
+    session.process(tokens, 0)
+    drafted = session.draft(id_last, k)
+    return drafted, session.draft_ctx.logits_ith(0).copy(), session.draft_ctx.pos_max()
+
+
+@pytest.mark.parametrize("n_acc", [0, 1, 2, 3, 4])
+def test_accept_leaves_draft_kv_as_a_fresh_run(tiny_pair, n_acc):
+    """After draft → verify → accept(n) → process(kept rows), drafting again gives what a fresh
+    session that saw the same accepted tokens gives."""
+    from eagle3_gguf.native import Batch
+
+    k = 4
+    model = tiny_pair.target_model
+    seq = tokenize(model, "A long sentence that we will use as the ground truth for this test, word by word.")
+    p = 6  # prompt length; seq[p] is id_last
+    with Eagle3Session(tiny_pair.target, tiny_pair.head) as s:
+        # session A: prompt, one draft, a verify batch whose first n_acc drafts are "right"
+        tiny_pair.target.clear()
+        s.reset()
+        with Batch(64) as b:
+            b.set(seq[:p], 0, logits="last")
+            tiny_pair.target.decode(b)
+            s.process(seq[:p], 0)
+            drafts = s.draft(seq[p], k)
+            assert len(drafts) == k
+            rows = [seq[p]] + seq[p + 1:p + 1 + n_acc] + [9999] * (k - n_acc)
+            b.set(rows, p, logits="all")
+            tiny_pair.target.decode(b)
+        tiny_pair.target.seq_rm(0, p + n_acc + 1, -1)
+        s.accept(n_acc)
+        s.process(rows[:n_acc + 1], p)
+        nxt = seq[p + n_acc + 1]
+        drafted_a = s.draft(nxt, k)
+        logits_a = s.draft_ctx.logits_ith(0).copy()
+        pos_a = s.draft_ctx.pos_max()
+        # session B: fresh, prefilled with the same accepted tokens
+        drafted_b, logits_b, pos_b = _fresh_draft(tiny_pair, s, seq[:p + n_acc + 1], nxt, k)
+    assert pos_a == pos_b == p + n_acc + k - 1
+    assert drafted_a == drafted_b
+    np.testing.assert_allclose(logits_a, logits_b, rtol=1e-3, atol=1e-3)
+
+
+def test_context_full_stops_cleanly(tiny_target, tiny_head):
+    with load_pair(tiny_target, tiny_head, PairConfig(n_ctx=256, n_batch=64)) as pair:
+        n_ctx = pair.target.n_ctx
+        prompt = tokenize(pair.target_model, "word " * (n_ctx - 40))
+        with Eagle3Session(pair.target, pair.head) as s, Decoder(pair.target, s) as d:
+            r = d.generate(prompt, GenerateConfig(n_predict=500, draft_max=4))
+            base = d.generate(prompt, GenerateConfig(n_predict=500, draft_max=4), speculative=False)
+    assert r.stats.stop_reason == base.stats.stop_reason == "context full"
+    assert len(prompt) + len(r.tokens) == n_ctx + 1  # the last token is sampled, never stored
+    assert r.tokens == base.tokens
+
+
+@pytest.mark.slow
+def test_greedy_equals_target_only_smollm2(smollm2_path, tmp_path):
+    from model_factory import HeadSpec, write_random_head
+
+    head = write_random_head(tmp_path / "h.gguf", HeadSpec(576, (2, 15, 27), n_embd=576, n_head=9, n_head_kv=3,
+                                                           n_ff=1536, draft_vocab=2048), tokenizer_from=smollm2_path)
+    with load_pair(smollm2_path, head, PairConfig(n_ctx=1024)) as pair:
+        model = pair.target_model
+        prompts = [tokenize(model, apply_chat_template(model, [Message("user", q)]), add_special=False)
+                   for q in ("Write a haiku about autumn.", "Explain what a hash map is.")]
+        with Decoder(pair.target) as plain:
+            bases = [plain.generate(pr, GenerateConfig(n_predict=64), speculative=False) for pr in prompts]
+        with Eagle3Session(pair.target, pair.head) as s, Decoder(pair.target, s) as d:
+            for pr, base in zip(prompts, bases):
+                spec = d.generate(pr, GenerateConfig(n_predict=64, draft_max=4))
+                assert spec.tokens == base.tokens
+                check_stats_add_up(spec.stats, len(spec.tokens))
+        full = prompts[0] + bases[0].tokens
+        with OracleSession(pair.target, pair.head, full=full, schedule=[4, 1, 3, 0, 2]) as s, \
+                Decoder(pair.target, s) as d:
+            spec = d.generate(prompts[0], GenerateConfig(n_predict=64, draft_max=4))
+        assert spec.tokens == bases[0].tokens
+        assert spec.stats.n_accepted > 20
