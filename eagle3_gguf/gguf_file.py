@@ -1,22 +1,166 @@
 """Read a GGUF's metadata and tensor table in pure Python, before any C call can abort on it.
 
-`read_gguf` turns every way a file can be wrong (missing, not a GGUF, truncated) into one
-`Eagle3Error` line. `TargetInfo` and `HeadInfo` are what the pair check, `info` and the converter
-need to know about the two kinds of file.
+`read_gguf_metadata` parses the header, key/values and tensor table through mmap, keeping token
+strings as raw bytes: ~50x faster than gguf.GGUFReader on a 49k-token vocab. `read_gguf` turns every
+way a file can be wrong (missing, not a GGUF, truncated) into one `Eagle3Error` line. `TargetInfo` and
+`HeadInfo` are what the pair check, `info` and the converter need to know about the two kinds of file.
 """
 
 from __future__ import annotations
 
+import mmap
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as GT
+from gguf import GGUFValueType as VT
 
 from . import keys
 from .errors import Eagle3Error
 
 GGUF_MAGIC = b"GGUF"
+
+
+@dataclass
+class KeyValue:
+    key: str
+    value: Any
+    vtype: VT
+    sub_type: VT | None = None
+
+
+def tensor_bytes(shape: list[int], t: GT) -> int:
+    """Stored bytes of a tensor of GGUF shape `shape` (ne[0] = row length first) and type `t`."""
+    block, size = GGML_QUANT_SIZES[t]
+    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    return n // block * size
+
+
+# ------------------------------------------------------------------------------------------------
+# Fast metadata reader
+# ------------------------------------------------------------------------------------------------
+
+_SCALARS = {VT.UINT8: "<B", VT.INT8: "<b", VT.UINT16: "<H", VT.INT16: "<h", VT.UINT32: "<I", VT.INT32: "<i",
+            VT.FLOAT32: "<f", VT.BOOL: "<?", VT.UINT64: "<Q", VT.INT64: "<q", VT.FLOAT64: "<d"}
+
+
+@dataclass
+class TensorInfo:
+    name: str
+    shape: list[int]  # GGUF order: ne[0] (the row length) first
+    ggml_type: GT
+    offset: int  # absolute file offset of its data
+
+
+@dataclass
+class GGUFMetadata:
+    path: Path
+    kvs: list[KeyValue]  # in file order, typed as stored
+    tensors: list[TensorInfo]
+
+    def tensor(self, name: str) -> TensorInfo | None:
+        return next((t for t in self.tensors if t.name == name), None)
+
+    def tensor_data(self, name: str) -> np.ndarray:
+        """A tensor's stored bytes, shaped [rows, row bytes] (reads only that range)."""
+        t = self.tensor(name)
+        if t is None:
+            raise KeyError(name)
+        row = tensor_bytes([t.shape[0]], t.ggml_type)
+        rows = int(np.prod(t.shape[1:], dtype=np.int64)) if len(t.shape) > 1 else 1
+        with open(self.path, "rb") as f:
+            f.seek(t.offset)
+            raw = f.read(row * rows)
+        if len(raw) != row * rows:
+            raise Eagle3Error(f"{self.path}: truncated GGUF (tensor '{name}' runs past the end)")
+        return np.frombuffer(raw, dtype=np.uint8).reshape(rows, row)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return next((kv.value for kv in self.kvs if kv.key == key), default)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {kv.key: kv.value for kv in self.kvs}
+
+
+class _Cursor:
+    def __init__(self, buf) -> None:
+        self.buf, self.pos = buf, 0
+
+    def unpack(self, fmt: str):
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def raw_string(self) -> bytes:
+        n = self.unpack("<Q")
+        if self.pos + n > len(self.buf):
+            raise ValueError("string runs past the end of the file")
+        s = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        return s
+
+    def string(self) -> str | bytes:
+        raw = self.raw_string()
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return raw
+
+    def value(self, vtype: VT, in_array: bool = False) -> tuple[Any, VT | None]:
+        if vtype in _SCALARS:
+            return self.unpack(_SCALARS[vtype]), None
+        if vtype == VT.STRING:
+            return (self.raw_string() if in_array else self.string()), None
+        if vtype == VT.ARRAY:
+            sub, n = VT(self.unpack("<I")), self.unpack("<Q")
+            if sub in _SCALARS:
+                fmt = _SCALARS[sub]
+                size = struct.calcsize(fmt) * n
+                if self.pos + size > len(self.buf):
+                    raise ValueError("array runs past the end of the file")
+                values = np.frombuffer(self.buf, dtype=np.dtype(fmt), count=n, offset=self.pos).tolist()
+                self.pos += size
+                return values, sub
+            return [self.value(sub, in_array=True)[0] for _ in range(n)], sub
+        raise ValueError(f"unknown value type {vtype}")
+
+
+def read_gguf_metadata(path: str | Path) -> GGUFMetadata:
+    """Header + key/values of a GGUF (tensor data untouched); Eagle3Error if it is not a valid GGUF."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            cur = _Cursor(mm)
+            if bytes(mm[:4]) != GGUF_MAGIC:
+                raise Eagle3Error(f"{path}: not a GGUF file (expected magic 'GGUF', found {bytes(mm[:4])!r})")
+            cur.pos = 4
+            version, n_tensors, n_kv = cur.unpack("<I"), cur.unpack("<Q"), cur.unpack("<Q")
+            if version not in (2, 3):
+                raise Eagle3Error(f"{path}: unsupported GGUF version {version}")
+            kvs = []
+            for _ in range(n_kv):
+                key = cur.string()
+                vtype = VT(cur.unpack("<I"))
+                value, sub = cur.value(vtype)
+                kvs.append(KeyValue(key if isinstance(key, str) else key.decode("utf-8", "replace"), value, vtype, sub))
+            infos = []
+            for _ in range(n_tensors):
+                name = cur.raw_string().decode("utf-8", "replace")
+                n_dims = cur.unpack("<I")
+                shape = [cur.unpack("<Q") for _ in range(n_dims)]
+                infos.append((name, shape, GT(cur.unpack("<I")), cur.unpack("<Q")))
+            align = next((int(kv.value) for kv in kvs if kv.key == "general.alignment"), 32)
+            data_start = -(-cur.pos // align) * align
+    except Eagle3Error:
+        raise
+    except (struct.error, ValueError, OSError) as e:
+        raise Eagle3Error(f"{path}: not a valid GGUF (truncated or corrupt metadata: {e})") from None
+    tensors = [TensorInfo(name, shape, t, data_start + off) for name, shape, t, off in infos]
+    return GGUFMetadata(path, kvs, tensors)
 
 
 @dataclass
@@ -34,6 +178,7 @@ class GGUFFile:
     metadata: dict[str, Any]
     tensors: list[TensorEntry]
     file_size: int
+    raw: "GGUFMetadata"  # typed key/values and tensor offsets, for copying and reading data
 
     def get(self, template: str, default: Any = None) -> Any:
         """A metadata value; `{arch}` in the key is filled with this file's architecture."""
@@ -50,17 +195,8 @@ class GGUFFile:
         return int(self.get(keys.KEY_VOCAB_SIZE, 0))
 
 
-def _value(field) -> Any:
-    value = field.contents()
-    if isinstance(value, np.generic):
-        value = value.item()
-    return value
-
-
-def read_gguf(path: str | Path, *, with_tokens: bool = True) -> GGUFFile:
+def read_gguf(path: str | Path) -> GGUFFile:
     """Parse a GGUF's header, metadata and tensor table; raise Eagle3Error on any defect."""
-    from gguf import GGUFReader  # deferred: importing gguf costs ~0.2 s
-
     path = Path(path)
     if not path.exists():
         raise Eagle3Error(f"{path}: no such file")
@@ -71,46 +207,20 @@ def read_gguf(path: str | Path, *, with_tokens: bool = True) -> GGUFFile:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise Eagle3Error(f"{path}: not a GGUF file (expected magic 'GGUF', found {magic!r})")
-    try:
-        reader = GGUFReader(path)
-        metadata: dict[str, Any] = {}
-        for name, fld in reader.fields.items():
-            if name.startswith("GGUF."):
-                continue
-            if not with_tokens and name.startswith(keys.TOKENIZER_PREFIX) and name != keys.KEY_CHAT_TEMPLATE:
-                metadata[name] = _LazyLen(len(fld.data)) if name == keys.KEY_TOKENIZER_TOKENS else None
-                continue
-            metadata[name] = _value(fld)
-        tensors = []
-        data_end = 0
-        for t in reader.tensors:
-            tensors.append(TensorEntry(t.name, [int(x) for x in t.shape], t.tensor_type.name, int(t.n_bytes)))
-            data_end = max(data_end, int(t.data_offset) + int(t.n_bytes))
-    except Eagle3Error:
-        raise
-    except Exception as e:  # GGUFReader raises ValueError/IndexError/struct errors on bad bytes
-        if "cannot reshape" in str(e):  # a tensor's data runs past the end of the file
-            raise Eagle3Error(f"{path}: truncated GGUF (tensor data ends early; the file has {size} bytes): "
-                              "download or convert it again") from None
-        raise Eagle3Error(f"{path}: not a valid GGUF (truncated or corrupt: {str(e).splitlines()[0]})") from None
+    meta = read_gguf_metadata(path)
+    tensors, data_end = [], 0
+    for t in meta.tensors:
+        n = tensor_bytes(t.shape, t.ggml_type)
+        tensors.append(TensorEntry(t.name, list(t.shape), t.ggml_type.name, n))
+        data_end = max(data_end, t.offset + n)
     if data_end > size:
         raise Eagle3Error(f"{path}: truncated GGUF (tensor data needs {data_end} bytes, the file has {size}): "
                           "download or convert it again")
+    metadata = meta.as_dict()
     arch = metadata.get(keys.KEY_ARCHITECTURE)
     if not isinstance(arch, str):
         raise Eagle3Error(f"{path}: GGUF has no {keys.KEY_ARCHITECTURE}")
-    return GGUFFile(path, arch, metadata, tensors, size)
-
-
-class _LazyLen(list):
-    """Stands in for a large token list when only its length is wanted."""
-
-    def __init__(self, n: int):
-        super().__init__()
-        self._n = n
-
-    def __len__(self) -> int:
-        return self._n
+    return GGUFFile(path, arch, metadata, tensors, size, meta)
 
 
 @dataclass
@@ -173,27 +283,24 @@ class HeadInfo:
         )
 
 
+def tokenizer_kvs(src: str | Path) -> list[KeyValue]:
+    """The `tokenizer.*` keys of the GGUF at `src`, typed as stored."""
+    meta = read_gguf_metadata(src)
+    kvs = [kv for kv in meta.kvs if kv.key.startswith(keys.TOKENIZER_PREFIX)]
+    if not any(kv.key == keys.KEY_TOKENIZER_TOKENS for kv in kvs):
+        raise Eagle3Error(f"{src}: GGUF carries no tokenizer ({keys.KEY_TOKENIZER_TOKENS})")
+    return kvs
+
+
 def copy_tokenizer(src: str | Path, writer) -> int:
     """Copy every `tokenizer.*` key of the GGUF at `src` into a gguf.GGUFWriter; returns the vocab size.
 
     A head must carry its target's tokenizer: llama.cpp loads a vocab for every model, and the eagle3
     graph scatters draft logits into `vocab.n_tokens()` slots.
     """
-    from gguf import GGUFReader, GGUFValueType
-
-    try:
-        reader = GGUFReader(src)
-    except Exception as e:
-        raise Eagle3Error(f"{src}: not a valid GGUF ({str(e).splitlines()[0]})") from None
     n_vocab = 0
-    for name, fld in reader.fields.items():
-        if not name.startswith(keys.TOKENIZER_PREFIX):
-            continue
-        vtype = fld.types[0]
-        sub = fld.types[-1] if vtype == GGUFValueType.ARRAY else None
-        writer.add_key_value(name, fld.contents(), vtype, sub_type=sub)
-        if name == keys.KEY_TOKENIZER_TOKENS:
-            n_vocab = len(fld.data)
-    if not n_vocab:
-        raise Eagle3Error(f"{src}: GGUF carries no tokenizer ({keys.KEY_TOKENIZER_TOKENS})")
+    for kv in tokenizer_kvs(src):
+        writer.add_key_value(kv.key, kv.value, kv.vtype, sub_type=kv.sub_type)
+        if kv.key == keys.KEY_TOKENIZER_TOKENS:
+            n_vocab = len(kv.value)
     return n_vocab

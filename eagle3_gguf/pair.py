@@ -57,21 +57,18 @@ def check_pair(target: TargetInfo, head: HeadInfo, d2t: np.ndarray | None = None
 
 def read_pair(target_path: str | Path, head_path: str | Path) -> tuple[TargetInfo, HeadInfo]:
     """Read and check both headers; no C call."""
-    tg = read_gguf(target_path, with_tokens=False)
-    hg = read_gguf(head_path, with_tokens=False)
+    tg = read_gguf(target_path)
+    hg = read_gguf(head_path)
     if tg.arch == keys.ARCH_EAGLE3:
         raise Eagle3Error(f"{tg.path}: this is an EAGLE-3 head; pass it with --draft and the target with -m")
     target = TargetInfo.from_gguf(tg)
     head = HeadInfo.from_gguf(hg)
-    check_pair(target, head, _read_d2t(head_path) if head.draft_vocab else None)
+    check_pair(target, head, _read_d2t(hg.raw) if head.draft_vocab else None)
     return target, head
 
 
-def _read_d2t(path: str | Path) -> np.ndarray:
-    from gguf import GGUFReader
-
-    t = next(t for t in GGUFReader(path).tensors if t.name == keys.T_D2T)
-    return np.asarray(t.data, dtype=np.int64).reshape(-1)  # [n_draft_vocab]
+def _read_d2t(raw) -> np.ndarray:
+    return raw.tensor_data(keys.T_D2T).view(np.int64).reshape(-1)  # [n_draft_vocab]
 
 
 @dataclass

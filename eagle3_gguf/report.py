@@ -85,7 +85,7 @@ def _mib(n: int) -> str:
 
 def describe_gguf(path: str | Path) -> GGUFReport:
     """Read a GGUF (pure Python, no llama.cpp) and describe it as a head or a target."""
-    g = read_gguf(path, with_tokens=False)
+    g = read_gguf(path)
     rows = [TensorRow(t.name, t.shape, t.type, t.n_bytes) for t in g.tensors]
     base = dict(path=str(g.path), architecture=g.arch, name=g.metadata.get(keys.KEY_NAME),
                 file_bytes=g.file_size, n_tensors=len(g.tensors), tensors=rows)

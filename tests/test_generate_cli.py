@@ -66,8 +66,8 @@ def test_pair_mismatches_one_line_exit_2(tiny_target, tiny_head, heads, qwen2_ta
 
 
 def test_vocab_and_lm_head_mismatches(tiny_target, tiny_head):
-    target = TargetInfo.from_gguf(read_gguf(tiny_target, with_tokens=False))
-    head = HeadInfo.from_gguf(read_gguf(tiny_head, with_tokens=False))
+    target = TargetInfo.from_gguf(read_gguf(tiny_target))
+    head = HeadInfo.from_gguf(read_gguf(tiny_head))
     with pytest.raises(Eagle3Error) as e:
         check_pair(target, dataclasses.replace(head, n_vocab=32000))
     assert str(e.value) == ("head vocab (32000) differs from the target's (49152): the head belongs to another "

@@ -1,0 +1,421 @@
+"""`convert_head`: an EAGLE-3 checkpoint + its target → a GGUF the pinned llama.cpp loads as `eagle3`.
+
+Order of work: describe the target, open the checkpoint, detect its layout, resolve the layer ids,
+check every shape and the whole d2t against the target (all before an output byte is written), then
+plan the GGUF and stream it tensor by tensor. Never prints; a user error is one `Eagle3Error` line.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from gguf import GGMLQuantizationType as GT
+from gguf import GGUFValueType as VT
+from gguf import LlamaFileType
+
+from .. import keys
+from ..errors import Eagle3Error
+from ..gguf_file import GGUF_MAGIC, KeyValue, TargetInfo, read_gguf
+from .layouts import KIND_D2T, KIND_K, KIND_NORM, KIND_Q, HeadSpec, LayerIds, TensorSource, detect_layout, \
+    resolve_layer_ids
+from .quantize import Encoded, can_quantize, encode, ggml_type, n_bytes
+from .readers import Checkpoint, open_checkpoint, read_json
+from .writer import PlannedTensor, WrittenTensor, write_gguf
+
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+FC_TYPES = ("q4_0", "q8_0", "f16", "bf16", "f32")
+_FILE_TYPE = {GT.F32: LlamaFileType.ALL_F32, GT.F16: LlamaFileType.MOSTLY_F16, GT.BF16: LlamaFileType.MOSTLY_BF16,
+              GT.Q8_0: LlamaFileType.MOSTLY_Q8_0}
+
+
+@dataclass
+class TargetDesc:
+    path: Path
+    kind: str  # "gguf" or "config.json"
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_vocab: int
+    hooked: bool  # the pinned llama.cpp can extract its hidden states
+    tokenizer: list[KeyValue] = field(default_factory=list)  # its tokenizer.* keys, typed as stored
+
+
+@dataclass
+class TensorRow:
+    name: str
+    shape: list[int]  # GGUF order: ne[0] (the row length) first
+    type: str
+    bytes: int
+    rel_error: float | None  # relative quantization error; 0.0 when exact, None for d2t
+    source: str  # the checkpoint tensor it came from
+
+
+@dataclass
+class ConvertResult:
+    out: Path
+    layout: str
+    layout_reason: str
+    target: Path
+    target_kind: str
+    layer_ids: LayerIds
+    n_embd: int
+    target_hidden_size: int
+    target_vocab: int
+    draft_vocab: int | None  # len(d2t); None when the head drafts over the full target vocab
+    norm_before_residual: bool
+    norm_before_fc: bool
+    own_token_embd: bool
+    own_output: bool
+    outtype: str
+    fc_type: str
+    rows: list[TensorRow]
+    file_bytes: int
+    dropped: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def default_out_path(src: str | Path) -> Path:
+    """`DIR` → `DIR.gguf` beside it; `x/model.safetensors` → `x/model.gguf`."""
+    src = Path(src)
+    if src.is_dir():
+        return src.parent / f"{src.resolve().name}.gguf"
+    return src.with_name(src.name.split(".")[0] + ".gguf")
+
+
+# ------------------------------------------------------------------------------------------------
+# The target
+# ------------------------------------------------------------------------------------------------
+
+
+def describe_target(target: str | Path) -> TargetDesc:
+    """Hidden size, layer count and vocab of the target, from its GGUF or its HF config.json."""
+    target = Path(target)
+    if not target.is_file():
+        raise Eagle3Error(f"{target}: no such target file (give the target .gguf or its config.json)")
+    with open(target, "rb") as f:
+        magic = f.read(4)
+    if magic == GGUF_MAGIC:
+        g = read_gguf(target)
+        info = TargetInfo.from_gguf(g)
+        tokenizer = [kv for kv in g.raw.kvs if kv.key.startswith(keys.TOKENIZER_PREFIX)]
+        if not info.n_vocab or not any(kv.key == keys.KEY_TOKENIZER_TOKENS for kv in tokenizer):
+            raise Eagle3Error(f"{target}: target GGUF carries no tokenizer ({keys.KEY_TOKENIZER_TOKENS})")
+        return TargetDesc(target, "gguf", info.arch, info.n_layer, info.n_embd, info.n_vocab, info.hooked, tokenizer)
+    if target.suffix != ".json":
+        raise Eagle3Error(f"{target}: target must be a GGUF file or a HF config.json")
+    cfg = read_json(target)
+    if not isinstance(cfg, dict):
+        raise Eagle3Error(f"{target}: expected a JSON object")
+    if isinstance(cfg.get("text_config"), dict):
+        cfg = {**cfg, **cfg["text_config"]}
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if not isinstance(cfg.get(k), int)]
+    if missing:
+        raise Eagle3Error(f"{target}: target config lacks '{missing[0]}'")
+    arch = str(cfg.get("model_type", "unknown"))
+    return TargetDesc(target, "config.json", arch, cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"],
+                      arch in keys.HOOKED_TARGET_ARCHS)
+
+
+# ------------------------------------------------------------------------------------------------
+# Checks (metadata only, plus the small d2t)
+# ------------------------------------------------------------------------------------------------
+
+
+def _expected_shapes(spec: HeadSpec, n_embd_tgt: int) -> dict[str, tuple[int, ...]]:
+    hp = spec.hparams
+    n_q, n_kv, e = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim, hp.n_embd
+    return {
+        keys.blk(keys.T_ATTN_NORM): (e,), keys.blk(keys.T_ATTN_NORM_2): (e,), keys.blk(keys.T_FFN_NORM): (e,),
+        keys.T_OUTPUT_NORM: (e,), keys.T_ENC_OUTPUT_NORM: (3 * n_embd_tgt,),
+        keys.blk(keys.T_ATTN_Q): (n_q, 2 * e), keys.blk(keys.T_ATTN_K): (n_kv, 2 * e),
+        keys.blk(keys.T_ATTN_V): (n_kv, 2 * e), keys.blk(keys.T_ATTN_OUT): (e, n_q),
+        keys.blk(keys.T_FFN_GATE): (hp.n_ff, e), keys.blk(keys.T_FFN_UP): (hp.n_ff, e),
+        keys.blk(keys.T_FFN_DOWN): (e, hp.n_ff),
+    }
+
+
+def _check_shapes(ckpt: Checkpoint, spec: HeadSpec, target: TargetDesc) -> None:
+    hp, where = spec.hparams, ckpt.path
+    fc = ckpt.tensors[spec.source(keys.T_FC).src_name].shape
+    if len(fc) != 2 or fc[0] != hp.n_embd or fc[1] % 3:
+        raise Eagle3Error(f"{where}: fc.weight is {list(fc)}, expected [hidden_size {hp.n_embd}, 3 x target hidden]")
+    trained_for = fc[1] // 3
+    if trained_for != target.n_embd:
+        raise Eagle3Error(f"{where}: fc.weight is {list(fc)}, so the head was trained for a target of hidden size "
+                          f"{trained_for}, but {target.path.name} has hidden size {target.n_embd}")
+    if hp.target_hidden_size is not None and hp.target_hidden_size != trained_for:
+        raise Eagle3Error(f"{where}: config target_hidden_size {hp.target_hidden_size} disagrees with fc.weight "
+                          f"{list(fc)} (3 x {trained_for})")
+    for gguf_name, shape in _expected_shapes(spec, target.n_embd).items():
+        src = spec.source(gguf_name)
+        if src is not None and ckpt.tensors[src.src_name].shape != shape:
+            raise Eagle3Error(f"{where}: '{src.src_name}' is {list(ckpt.tensors[src.src_name].shape)}, "
+                              f"expected {list(shape)} from config.json")
+    embd = spec.source(keys.T_TOKEN_EMBD)
+    if embd is not None and ckpt.tensors[embd.src_name].shape != (target.n_vocab, hp.n_embd):
+        raise Eagle3Error(f"{where}: '{embd.src_name}' is {list(ckpt.tensors[embd.src_name].shape)}, expected "
+                          f"[target vocab {target.n_vocab}, {hp.n_embd}]")
+    if embd is None and hp.n_embd != target.n_embd:
+        raise Eagle3Error(f"{where}: head has no embed_tokens and hidden size {hp.n_embd}, so it cannot borrow "
+                          f"the target's {target.n_embd}-wide token embeddings")
+
+
+def _check_vocab(ckpt: Checkpoint, spec: HeadSpec, target: TargetDesc) -> np.ndarray | None:
+    """Absolute d2t ids (checked: in range, distinct) or None; lm_head rows must match."""
+    where, hp = ckpt.path, spec.hparams
+    head = spec.source(keys.T_OUTPUT)
+    rows = ckpt.tensors[head.src_name].shape[0] if head else None
+    if head and ckpt.tensors[head.src_name].shape[1:] != (hp.n_embd,):
+        raise Eagle3Error(f"{where}: '{head.src_name}' is {list(ckpt.tensors[head.src_name].shape)}, "
+                          f"expected [draft vocab, {hp.n_embd}]")
+    if hp.draft_vocab is not None and rows is not None and rows != hp.draft_vocab and spec.source(keys.T_D2T):
+        raise Eagle3Error(f"{where}: config draft_vocab_size {hp.draft_vocab} but lm_head has {rows} rows")
+    src = spec.source(keys.T_D2T)
+    if src is None:
+        if rows is not None and rows != target.n_vocab:
+            raise Eagle3Error(f"{where}: lm_head has {rows} rows but no d2t maps them onto the target's "
+                              f"{target.n_vocab}-token vocabulary")
+        if head is None and hp.n_embd != target.n_embd:
+            raise Eagle3Error(f"{where}: head has no lm_head and hidden size {hp.n_embd}, so it cannot borrow "
+                              f"the target's {target.n_embd}-wide lm_head")
+        return None
+    offsets = ckpt.load(src.src_name)
+    if offsets.ndim != 1 or offsets.dtype.kind not in "iu":
+        raise Eagle3Error(f"{where}: d2t must be a 1-D integer tensor, got {offsets.dtype} {list(offsets.shape)}")
+    if rows is None:
+        raise Eagle3Error(f"{where}: head has a d2t but no lm_head; the target's full-vocab lm_head cannot "
+                          f"serve a {len(offsets)}-token draft vocab")
+    if rows != len(offsets):
+        raise Eagle3Error(f"{where}: lm_head has {rows} rows but d2t has {len(offsets)} entries (llama.cpp "
+                          f"needs them equal)")
+    ids = offsets.astype(np.int64) + np.arange(len(offsets), dtype=np.int64)  # [draft_vocab] absolute ids
+    bad = np.flatnonzero((ids < 0) | (ids >= target.n_vocab))
+    if bad.size:
+        i = int(bad[0])
+        raise Eagle3Error(f"{where}: d2t maps draft token {i} to target id {int(ids[i])}, outside the target "
+                          f"vocabulary 0..{target.n_vocab - 1}")
+    order = np.argsort(ids, kind="stable")
+    same = np.flatnonzero(ids[order][1:] == ids[order][:-1])
+    if same.size:
+        i, j = sorted((int(order[same[0]]), int(order[same[0] + 1])))
+        raise Eagle3Error(f"{where}: d2t maps draft tokens {i} and {j} to the same target id {int(ids[i])}")
+    return ids
+
+
+# ------------------------------------------------------------------------------------------------
+# Tensor transforms
+# ------------------------------------------------------------------------------------------------
+
+
+def permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """HF's rotate-half q/k rows → llama.cpp's interleaved RoPE order (upstream's LlamaModel.permute).
+
+    Within each head the rows [first half | second half] become pairs (i, i + half).  # [rows, n_in]
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_factors(head_dim: int, theta: float, factor: float, original_context: int,
+                        low_freq_factor: float, high_freq_factor: float) -> np.ndarray:
+    """Per-frequency divisors of llama3 RoPE scaling, as llama.cpp's rope_freqs expects.  # [head_dim/2]"""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / freqs
+    low_wavelen, high_wavelen = original_context / low_freq_factor, original_context / high_freq_factor
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    mid = 1.0 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < high_wavelen, 1.0, np.where(wavelen > low_wavelen, factor, mid))
+    return out.astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Planning
+# ------------------------------------------------------------------------------------------------
+
+_ORDER = [keys.T_TOKEN_EMBD, keys.T_FC, keys.T_ENC_OUTPUT_NORM, keys.blk(keys.T_ATTN_NORM),
+          keys.blk(keys.T_ATTN_NORM_2), keys.blk(keys.T_ATTN_Q), keys.blk(keys.T_ATTN_K), keys.blk(keys.T_ATTN_V),
+          keys.blk(keys.T_ATTN_OUT), keys.blk(keys.T_FFN_NORM), keys.blk(keys.T_FFN_GATE), keys.blk(keys.T_FFN_UP),
+          keys.blk(keys.T_FFN_DOWN), keys.T_OUTPUT_NORM, keys.T_OUTPUT, keys.T_D2T]
+
+
+def _plan(ckpt: Checkpoint, spec: HeadSpec, d2t: np.ndarray | None, out_t: GT, fc_t: GT,
+          notes: list[str]) -> list[PlannedTensor]:
+    hp = spec.hparams
+    plans: list[PlannedTensor] = []
+    for gguf_name in _ORDER:
+        src = spec.source(gguf_name)
+        if src is None:
+            continue
+        shape = ckpt.tensors[src.src_name].shape
+        if src.kind == KIND_D2T:
+            assert d2t is not None
+            plans.append(PlannedTensor(gguf_name, shape, GT.I64, lambda ids=d2t: Encoded(ids, GT.I64, 0.0)))
+            continue
+        if src.kind == KIND_NORM:
+            t = GT.F32
+        else:
+            t = fc_t if gguf_name == keys.T_FC else out_t
+            if t in (GT.Q4_0, GT.Q8_0) and not can_quantize(shape):
+                notes.append(f"{gguf_name}: rows of {shape[-1]} values cannot be {t.name}; stored as F16")
+                t = GT.F16
+        plans.append(PlannedTensor(gguf_name, shape, t, _producer(ckpt, src, t, hp.n_head, hp.n_head_kv)))
+    if hp.rope_scaling is not None and hp.rope_scaling.kind == "llama3":
+        r = hp.rope_scaling
+        factors = llama3_rope_factors(hp.head_dim, hp.rope_theta, r.factor, r.original_context or 8192,
+                                      r.low_freq_factor, r.high_freq_factor)  # [head_dim/2]
+        plans.append(PlannedTensor(keys.T_ROPE_FREQS, factors.shape, GT.F32, lambda: Encoded(factors, GT.F32, 0.0)))
+    return plans
+
+
+def _producer(ckpt: Checkpoint, src: TensorSource, t: GT, n_head: int, n_head_kv: int) -> Callable[[], Encoded]:
+    def produce() -> Encoded:
+        w = ckpt.load(src.src_name)  # float32, PyTorch order
+        if src.kind == KIND_Q:
+            w = permute_rope_rows(w, n_head)
+        elif src.kind == KIND_K:
+            w = permute_rope_rows(w, n_head_kv)
+        return encode(w, t, src.src_name)
+
+    return produce
+
+
+def _metadata(spec: HeadSpec, target: TargetDesc, ids: LayerIds, out_t: GT, name: str) -> list[KeyValue]:
+    hp, a = spec.hparams, lambda template: keys.arch_key(template, keys.ARCH_EAGLE3)
+    kvs = [
+        KeyValue(keys.KEY_NAME, name, VT.STRING),
+        KeyValue(keys.KEY_FILE_TYPE, int(_FILE_TYPE[out_t]), VT.UINT32),
+        KeyValue(keys.KEY_QUANTIZATION_VERSION, keys.GGML_QUANT_VERSION, VT.UINT32),
+        KeyValue(a(keys.KEY_CONTEXT_LENGTH), hp.n_ctx, VT.UINT32),
+        KeyValue(a(keys.KEY_EMBEDDING_LENGTH), hp.n_embd, VT.UINT32),
+        KeyValue(a(keys.KEY_BLOCK_COUNT), 1, VT.UINT32),
+        KeyValue(a(keys.KEY_FEED_FORWARD_LENGTH), hp.n_ff, VT.UINT32),
+        KeyValue(a(keys.KEY_HEAD_COUNT), hp.n_head, VT.UINT32),
+        KeyValue(a(keys.KEY_HEAD_COUNT_KV), hp.n_head_kv, VT.UINT32),
+        KeyValue(a(keys.KEY_RMS_EPS), hp.rms_eps, VT.FLOAT32),
+        KeyValue(a(keys.KEY_ROPE_FREQ_BASE), hp.rope_theta, VT.FLOAT32),
+        KeyValue(a(keys.KEY_ROPE_DIMENSION_COUNT), hp.head_dim, VT.UINT32),
+        KeyValue(a(keys.KEY_VOCAB_SIZE), target.n_vocab, VT.UINT32),
+        KeyValue(a(keys.KEY_TARGET_LAYERS), list(ids.ids), VT.ARRAY, VT.INT32),
+        KeyValue(a(keys.KEY_TARGET_HIDDEN_SIZE), target.n_embd, VT.UINT32),
+        KeyValue(a(keys.KEY_NORM_BEFORE_RESIDUAL), spec.norm_before_residual, VT.BOOL),
+        KeyValue(a(keys.KEY_NORM_BEFORE_FC), spec.norm_before_fc, VT.BOOL),
+    ]
+    if hp.head_dim_in_config or hp.head_dim * hp.n_head != hp.n_embd:
+        kvs += [KeyValue(a(keys.KEY_KEY_LENGTH), hp.head_dim, VT.UINT32),
+                KeyValue(a(keys.KEY_VALUE_LENGTH), hp.head_dim, VT.UINT32)]
+    r = hp.rope_scaling
+    if r is not None and r.kind in ("linear", "yarn"):
+        kvs += [KeyValue(a(keys.KEY_ROPE_SCALING_TYPE), r.kind, VT.STRING),
+                KeyValue(a(keys.KEY_ROPE_SCALING_FACTOR), r.factor, VT.FLOAT32)]
+        if r.original_context:
+            kvs.append(KeyValue(a(keys.KEY_ROPE_SCALING_ORIG_CTX), r.original_context, VT.UINT32))
+    if target.kind == "gguf":
+        kvs += target.tokenizer
+    else:  # no tokenizer to copy: llama.cpp makes vocab_size dummy tokens
+        kvs.append(KeyValue(keys.KEY_TOKENIZER_MODEL, "none", VT.STRING))
+    return kvs
+
+
+# ------------------------------------------------------------------------------------------------
+# Entry point
+# ------------------------------------------------------------------------------------------------
+
+
+def convert_head(src: str | Path, out: str | Path | None, target: str | Path, layer_ids: list[int] | None = None,
+                 outtype: str = "f16", fc_type: str = "q4_0", name: str | None = None,
+                 progress: Callable[[TensorRow, int, int], None] | None = None) -> ConvertResult:
+    """Convert an EAGLE-3 checkpoint (file, sharded index or directory) into `out` (arch eagle3).
+
+    `target` is the target's GGUF (its tokenizer is copied in) or its HF config.json; `layer_ids`
+    (input-of-layer) overrides the checkpoint's; `progress(row, done_bytes, total_bytes)` follows
+    the streaming.
+    """
+    if outtype.lower() not in OUTTYPES:
+        raise Eagle3Error(f"--outtype {outtype}: choose from {', '.join(OUTTYPES)} (fc has its own --fc-type)")
+    if fc_type.lower() not in FC_TYPES:
+        raise Eagle3Error(f"--fc-type {fc_type}: choose from {', '.join(FC_TYPES)}")
+    out_t, fc_t = ggml_type(outtype), ggml_type(fc_type)
+    tgt = describe_target(target)
+    ckpt = open_checkpoint(src)
+    spec = detect_layout(ckpt)
+    ids = resolve_layer_ids(spec, tgt.n_layer, layer_ids)
+    _check_shapes(ckpt, spec, tgt)
+    d2t = _check_vocab(ckpt, spec, tgt)
+
+    out = Path(out) if out is not None else default_out_path(src)
+    notes: list[str] = []
+    if not tgt.hooked:
+        notes.append(f"target arch '{tgt.arch}' has no hidden-state hooks at the pinned llama.cpp: the head "
+                     f"converts but cannot run with this target")
+    if tgt.n_layer in ids.ids and tgt.arch not in keys.FINAL_OUTPUT_TARGET_ARCHS:
+        notes.append(f"layer id {tgt.n_layer} is the final output, which the pinned llama.cpp does not expose for "
+                     f"'{tgt.arch}' targets (it reads zeros): pairing will refuse this head; see --layer-ids")
+    if tgt.kind != "gguf":
+        notes.append("target given as config.json: no tokenizer copied (pass the target .gguf to copy it)")
+    plans = _plan(ckpt, spec, d2t, out_t, fc_t, notes)
+    kvs = _metadata(spec, tgt, ids, out_t, name or out.stem)
+
+    sources = {t.gguf_name: t.src_name for t in spec.tensors}
+    total = sum(n_bytes(p.shape, p.ggml_type) for p in plans)
+    done = 0
+    rows: list[TensorRow] = []
+
+    def on_tensor(w: WrittenTensor) -> None:
+        nonlocal done
+        row = TensorRow(w.name, list(reversed(w.shape)), w.ggml_type.name, w.n_bytes, w.rel_error,
+                        sources.get(w.name, "(generated)"))
+        rows.append(row)
+        done += w.n_bytes
+        if progress is not None:
+            progress(row, done, total)
+
+    write_gguf(out, keys.ARCH_EAGLE3, kvs, plans, on_tensor=on_tensor)
+    return ConvertResult(
+        out=out, layout=spec.layout, layout_reason=spec.layout_reason, target=tgt.path, target_kind=tgt.kind,
+        layer_ids=ids, n_embd=spec.hparams.n_embd, target_hidden_size=tgt.n_embd, target_vocab=tgt.n_vocab,
+        draft_vocab=None if d2t is None else len(d2t), norm_before_residual=spec.norm_before_residual,
+        norm_before_fc=spec.norm_before_fc, own_token_embd=spec.source(keys.T_TOKEN_EMBD) is not None,
+        own_output=spec.source(keys.T_OUTPUT) is not None, outtype=out_t.name, fc_type=fc_t.name, rows=rows,
+        file_bytes=out.stat().st_size, dropped=spec.dropped, notes=notes,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Text report (the CLI prints it)
+# ------------------------------------------------------------------------------------------------
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
+
+
+def result_text(r: ConvertResult) -> str:
+    ids = r.layer_ids
+    raw = f" (checkpoint says {ids.raw})" if ids.raw is not None and ids.raw != ids.ids else ""
+    draft = f"{r.draft_vocab} tokens (d2t)" if r.draft_vocab else f"full target vocab ({r.target_vocab})"
+    lines = [
+        f"layout           {r.layout}  ({r.layout_reason})",
+        f"target           {r.target}  ({r.target_kind}: hidden {r.target_hidden_size}, vocab {r.target_vocab})",
+        f"layer ids        {ids.ids}  {ids.convention}{raw}",
+        f"ids source       {ids.source}",
+        f"draft vocab      {draft}",
+        f"norm flags       norm_before_residual={str(r.norm_before_residual).lower()}, "
+        f"norm_before_fc={str(r.norm_before_fc).lower()}",
+        f"token_embd       {'own' if r.own_token_embd else 'borrowed from the target'}",
+        f"lm_head          {'own' if r.own_output else 'borrowed from the target'}",
+        "tensors:",
+    ]
+    width = max((len(t.name) for t in r.rows), default=10)
+    lines.append(f"  {'name':<{width}}  {'shape':<16} {'type':<5} {'bytes':>11}  rel.error  source")
+    for t in r.rows:
+        err = "-" if t.rel_error is None else f"{t.rel_error:.2e}"
+        lines.append(f"  {t.name:<{width}}  {str(t.shape):<16} {t.type:<5} {_size(t.bytes):>11}  {err:>9}  {t.source}")
+    if r.dropped:
+        lines.append(f"dropped          {', '.join(r.dropped)}")
+    lines += [f"note             {n}" for n in r.notes]
+    lines.append(f"wrote            {r.out}  ({_size(r.file_bytes)})")
+    return "\n".join(lines)

@@ -1,0 +1,326 @@
+"""Tell which published EAGLE-3 layout a checkpoint uses and normalize it to one `HeadSpec`.
+
+Four layouts exist in the wild (names checked against the public sources):
+
+- SafeAILab/EAGLE: llama config + `draft_vocab_size`; `midlayer.*`; usually names no layer ids
+  (then the input-of default `[2, n//2, n-3]`).
+- vLLM speculators: `Eagle3Speculator`, nested `transformer_layer_config`; `layers.0.*`;
+  ids in `eagle_aux_hidden_state_layer_ids`.
+- NVIDIA ModelOpt: `LlamaForCausalLMEagle3` + `eagle_config`; `layers.0.*`;
+  ids in `eagle_config.eagle_aux_hidden_state_layer_ids`.
+- SpecForge: `LlamaForCausalLMEagle3` + `eagle_config`; `midlayer.*`; ids as ModelOpt.
+
+All share `fc`, `norm`, `lm_head`, `d2t` (int64 offsets), `t2d` (dropped) and optional `embed_tokens`;
+speculators adds `input_norm` (norm_before_fc). EAGLE 3.1 heads (`fc_norm`, `norm_output`) need graph
+changes the pinned llama.cpp lacks and are refused.
+
+Layer-id conventions: "output of layer X" (first id == 1; ModelOpt/SpecForge default `[1, n//2-1, n-4]`)
+and "input of layer X" (SafeAILab default `[2, n//2, n-3]`, and what the GGUF stores). Like SGLang,
+the first id tells them apart; output-of ids are converted by +1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import keys
+from ..errors import Eagle3Error
+from .readers import Checkpoint
+
+LAYOUT_SAFEAI = "SafeAILab/EAGLE"
+LAYOUT_SPECULATORS = "vLLM speculators"
+LAYOUT_MODELOPT = "NVIDIA ModelOpt"
+LAYOUT_SPECFORGE = "SpecForge"
+
+CONVENTION_INPUT = "input-of-layer"
+CONVENTION_OUTPUT = "output-of-layer (converted: +1)"
+CONVENTION_DEFAULT = "input-of-layer (default)"
+
+KIND_WEIGHT = "weight"  # a matrix: takes the outtype (or fc_type for fc)
+KIND_NORM = "norm"  # a 1-D vector: always f32
+KIND_Q = "rope_q"  # permuted into llama.cpp's RoPE row order with n_head
+KIND_K = "rope_k"  # ... with n_head_kv
+KIND_D2T = "d2t"  # int64 offsets → absolute target ids
+
+# Tensors of the decoder layer: checkpoint suffix → (GGUF name, kind)
+_LAYER_TENSORS = {
+    "input_layernorm.weight": (keys.blk(keys.T_ATTN_NORM), KIND_NORM),
+    "hidden_norm.weight": (keys.blk(keys.T_ATTN_NORM_2), KIND_NORM),
+    "self_attn.q_proj.weight": (keys.blk(keys.T_ATTN_Q), KIND_Q),
+    "self_attn.k_proj.weight": (keys.blk(keys.T_ATTN_K), KIND_K),
+    "self_attn.v_proj.weight": (keys.blk(keys.T_ATTN_V), KIND_WEIGHT),
+    "self_attn.o_proj.weight": (keys.blk(keys.T_ATTN_OUT), KIND_WEIGHT),
+    "post_attention_layernorm.weight": (keys.blk(keys.T_FFN_NORM), KIND_NORM),
+    "mlp.gate_proj.weight": (keys.blk(keys.T_FFN_GATE), KIND_WEIGHT),
+    "mlp.up_proj.weight": (keys.blk(keys.T_FFN_UP), KIND_WEIGHT),
+    "mlp.down_proj.weight": (keys.blk(keys.T_FFN_DOWN), KIND_WEIGHT),
+}
+# Top-level tensors: checkpoint name → (GGUF name, kind, required)
+_TOP_TENSORS = {
+    "fc.weight": (keys.T_FC, KIND_WEIGHT, True),
+    "norm.weight": (keys.T_OUTPUT_NORM, KIND_NORM, True),
+    "lm_head.weight": (keys.T_OUTPUT, KIND_WEIGHT, False),
+    "embed_tokens.weight": (keys.T_TOKEN_EMBD, KIND_WEIGHT, False),
+    "d2t": (keys.T_D2T, KIND_D2T, False),
+}
+NORM_BEFORE_FC_TENSOR = "input_norm.weight"  # speculators: RMSNorm on the 3 concatenated features
+_DROPPED = ("t2d", "verifier_lm_head.weight", "verifier_norm.weight")
+
+
+@dataclass
+class RopeScaling:
+    kind: str  # "linear", "yarn" or "llama3"
+    factor: float
+    original_context: int | None = None
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+
+
+@dataclass
+class HeadHParams:
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    head_dim_in_config: bool  # config names head_dim: write attention.key_length / value_length
+    rms_eps: float
+    rope_theta: float
+    n_ctx: int
+    draft_vocab: int | None  # config's draft_vocab_size (checked against lm_head / d2t)
+    target_hidden_size: int | None  # config's target_hidden_size (checked against fc)
+    rope_scaling: RopeScaling | None = None
+
+
+@dataclass
+class TensorSource:
+    gguf_name: str
+    src_name: str
+    kind: str
+
+
+@dataclass
+class HeadSpec:
+    """A checkpoint, whatever its layout: hparams, flags, tensor mapping, named layer ids."""
+
+    layout: str
+    layout_reason: str  # what gave the layout away
+    hparams: HeadHParams
+    norm_before_residual: bool
+    norm_before_fc: bool
+    raw_layer_ids: list[int] | None  # as the checkpoint names them, None when it names none
+    layer_ids_key: str | None  # where: e.g. "eagle_config.eagle_aux_hidden_state_layer_ids"
+    tensors: list[TensorSource]
+    dropped: list[str] = field(default_factory=list)  # checkpoint tensors not carried over (t2d, ...)
+
+    def source(self, gguf_name: str) -> TensorSource | None:
+        return next((t for t in self.tensors if t.gguf_name == gguf_name), None)
+
+
+@dataclass
+class LayerIds:
+    ids: list[int]  # input-of-layer ids, as the GGUF stores them (== n_layer: final output)
+    raw: list[int] | None  # as the checkpoint or the user gave them
+    source: str  # e.g. "config.json eagle_config.eagle_aux_hidden_state_layer_ids", "--layer-ids", "default"
+    convention: str  # CONVENTION_*
+
+
+# ------------------------------------------------------------------------------------------------
+# Detection
+# ------------------------------------------------------------------------------------------------
+
+
+def _is_eagle31(config: dict[str, Any], names: list[str]) -> str | None:
+    for key in ("fc_norm", "norm_output"):
+        if config.get(key) or (isinstance(config.get("eagle_config"), dict) and config["eagle_config"].get(key)):
+            return f"config.json sets '{key}'"
+    for name in names:
+        if name.startswith("fc_norm") or "norm_output" in name:
+            return f"it has tensor '{name}'"
+    return None
+
+
+def detect_layout(ckpt: Checkpoint) -> HeadSpec:
+    """Name the layout, read hparams, map every tensor; raise Eagle3Error on anything unusable."""
+    config = ckpt.config
+    if config is None:
+        raise Eagle3Error(f"{ckpt.path}: no config.json next to the checkpoint (an EAGLE-3 head ships one "
+                          f"with hidden_size, num_attention_heads, ...)")
+    names = list(ckpt.tensors)
+    why_31 = _is_eagle31(config, names)
+    if why_31:
+        raise Eagle3Error(f"{ckpt.path}: an EAGLE 3.1 head ({why_31}); the pinned llama.cpp eagle3 graph has no "
+                          f"fc_norm/norm_output, so it cannot run: use an EAGLE-3 head")
+
+    archs = config.get("architectures") or []
+    has_mid = any(n.startswith("midlayer.") for n in names)
+    has_layers = any(n.startswith("layers.") for n in names)
+    eagle_config = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else None
+
+    if ("Eagle3Speculator" in archs or config.get("speculators_model_type") == "eagle3"
+            or isinstance(config.get("transformer_layer_config"), dict)):
+        layout, reason, prefix = LAYOUT_SPECULATORS, "Eagle3Speculator config", "layers."
+        hp_config = {**config, **(config.get("transformer_layer_config") or {})}
+    elif has_layers and ("LlamaForCausalLMEagle3" in archs or eagle_config is not None):
+        layout, reason, prefix = LAYOUT_MODELOPT, "LlamaForCausalLMEagle3/eagle_config + layers.0.*", "layers."
+        hp_config = config
+    elif has_mid and eagle_config is not None:
+        layout, reason, prefix = LAYOUT_SPECFORGE, "eagle_config + midlayer.*", "midlayer."
+        hp_config = config
+    elif has_mid:
+        layout, reason, prefix = LAYOUT_SAFEAI, "midlayer.* tensors", "midlayer."
+        hp_config = config
+    else:
+        sample = ", ".join(sorted(names)[:3]) or "no tensors"
+        raise Eagle3Error(f"{ckpt.path}: unknown checkpoint layout (tensors: {sample}, ...); expected SafeAILab "
+                          f"(midlayer.*), speculators (Eagle3Speculator), ModelOpt (LlamaForCausalLMEagle3, "
+                          f"layers.0.*) or SpecForge (midlayer.*, eagle_config)")
+
+    layer_prefix = _single_layer_prefix(ckpt, names, prefix)
+    hparams = _read_hparams(hp_config, ckpt.config_path)
+    tensors, dropped = _map_tensors(ckpt, names, layout, layer_prefix)
+
+    norm_before_fc = bool(config.get("norm_before_fc")) or ckpt.has(NORM_BEFORE_FC_TENSOR)
+    if norm_before_fc:
+        if not ckpt.has(NORM_BEFORE_FC_TENSOR):
+            raise Eagle3Error(f"{ckpt.path}: missing tensor '{NORM_BEFORE_FC_TENSOR}' (config sets norm_before_fc)")
+        tensors.append(TensorSource(keys.T_ENC_OUTPUT_NORM, NORM_BEFORE_FC_TENSOR, KIND_NORM))
+
+    raw_ids, ids_key = _named_layer_ids(config, ckpt.config_path)
+    return HeadSpec(layout, reason, hparams, bool(config.get("norm_before_residual", False)), norm_before_fc,
+                    raw_ids, ids_key, tensors, dropped)
+
+
+def _single_layer_prefix(ckpt: Checkpoint, names: list[str], prefix: str) -> str:
+    if prefix == "midlayer.":
+        return prefix
+    layer_ids = {n.split(".")[1] for n in names if n.startswith("layers.")}
+    if layer_ids != {"0"}:
+        raise Eagle3Error(f"{ckpt.path}: head has {len(layer_ids)} decoder layers ({', '.join(sorted(layer_ids))}); "
+                          f"the pinned llama.cpp eagle3 graph runs exactly one")
+    return "layers.0."
+
+
+def _map_tensors(ckpt: Checkpoint, names: list[str], layout: str,
+                 layer_prefix: str) -> tuple[list[TensorSource], list[str]]:
+    tensors: list[TensorSource] = []
+    for src, (gguf_name, kind, required) in _TOP_TENSORS.items():
+        if ckpt.has(src):
+            tensors.append(TensorSource(gguf_name, src, kind))
+        elif required:
+            raise Eagle3Error(f"{ckpt.path}: missing tensor '{src}' (a {layout} head needs it)")
+    for suffix, (gguf_name, kind) in _LAYER_TENSORS.items():
+        src = layer_prefix + suffix
+        if not ckpt.has(src):
+            raise Eagle3Error(f"{ckpt.path}: missing tensor '{src}' (a {layout} head needs it)")
+        tensors.append(TensorSource(gguf_name, src, kind))
+
+    known = {t.src_name for t in tensors} | {NORM_BEFORE_FC_TENSOR}
+    dropped = []
+    for name in names:
+        if name in known:
+            continue
+        if name in _DROPPED or name.endswith("rotary_emb.inv_freq"):
+            dropped.append(name)
+            continue
+        raise Eagle3Error(f"{ckpt.path}: unexpected tensor '{name}' in a {layout} head; the pinned eagle3 graph "
+                          f"has no place for it")
+    return tensors, dropped
+
+
+def _need(cfg: dict[str, Any], key: str, path: Path | None) -> Any:
+    value = cfg.get(key)
+    if value is None:
+        raise Eagle3Error(f"{path}: config lacks '{key}'")
+    return value
+
+
+def _read_hparams(cfg: dict[str, Any], path: Path | None) -> HeadHParams:
+    n_embd = int(_need(cfg, "hidden_size", path))
+    n_head = int(_need(cfg, "num_attention_heads", path))
+    n_head_kv = int(cfg.get("num_key_value_heads") or n_head)
+    head_dim = cfg.get("head_dim")
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope_theta = cfg.get("rope_theta") or (rope.get("rope_theta") if isinstance(rope, dict) else None) or 10000.0
+    draft_vocab = cfg.get("draft_vocab_size")
+    target_hidden = cfg.get("target_hidden_size")
+    return HeadHParams(
+        n_embd=n_embd,
+        n_ff=int(_need(cfg, "intermediate_size", path)),
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=int(head_dim) if head_dim else n_embd // n_head,
+        head_dim_in_config=bool(head_dim),
+        rms_eps=float(cfg.get("rms_norm_eps") or 1e-6),
+        rope_theta=float(rope_theta),
+        n_ctx=int(cfg.get("max_position_embeddings") or 2048),
+        draft_vocab=int(draft_vocab) if draft_vocab else None,
+        target_hidden_size=int(target_hidden) if target_hidden else None,
+        rope_scaling=_rope_scaling(rope if isinstance(rope, dict) else {}, path),
+    )
+
+
+def _rope_scaling(rope: dict[str, Any], path: Path | None) -> RopeScaling | None:
+    kind = rope.get("rope_type") or rope.get("type")
+    if kind in (None, "default"):
+        return None
+    factor = float(rope.get("factor") or 1.0)
+    if kind == "linear":
+        return RopeScaling("linear", factor)
+    if kind == "yarn":
+        return RopeScaling("yarn", factor, int(_need(rope, "original_max_position_embeddings", path)))
+    if kind == "llama3":
+        return RopeScaling("llama3", float(rope.get("factor") or 8.0),
+                           int(rope.get("original_max_position_embeddings") or 8192),
+                           float(rope.get("low_freq_factor") or 1.0), float(rope.get("high_freq_factor") or 4.0))
+    raise Eagle3Error(f"{path}: rope_scaling type '{kind}' is not supported (linear, yarn and llama3 are)")
+
+
+def _named_layer_ids(config: dict[str, Any], path: Path | None) -> tuple[list[int] | None, str | None]:
+    candidates = [("eagle_aux_hidden_state_layer_ids", config.get("eagle_aux_hidden_state_layer_ids"))]
+    eagle_config = config.get("eagle_config")
+    if isinstance(eagle_config, dict):
+        candidates.append(("eagle_config.eagle_aux_hidden_state_layer_ids",
+                           eagle_config.get("eagle_aux_hidden_state_layer_ids")))
+    for key, value in candidates:
+        if value is None:
+            continue
+        if not isinstance(value, list) or len(value) != 3 or not all(isinstance(x, int) for x in value):
+            raise Eagle3Error(f"{path}: '{key}' must list exactly 3 integer layer ids, got {value!r}")
+        return [int(x) for x in value], key
+    return None, None
+
+
+# ------------------------------------------------------------------------------------------------
+# Layer ids against the target
+# ------------------------------------------------------------------------------------------------
+
+
+def default_layer_ids(n_layer: int) -> list[int]:
+    """SafeAILab's input-of-layer default, also what upstream llama.cpp writes."""
+    return [2, n_layer // 2, n_layer - 3]
+
+
+def resolve_layer_ids(spec: HeadSpec, n_layer: int, override: list[int] | None = None) -> LayerIds:
+    """The 3 input-of-layer ids for a target with `n_layer` layers, with where they came from."""
+    if override is not None:
+        if len(override) != 3:
+            raise Eagle3Error(f"--layer-ids needs exactly 3 ids, got {len(override)}")
+        result = LayerIds(list(override), list(override), "--layer-ids", CONVENTION_INPUT)
+    elif spec.raw_layer_ids is not None:
+        raw = spec.raw_layer_ids
+        if raw[0] == 1:  # "output of layer X" (ModelOpt / SpecForge), as SGLang tells them apart
+            result = LayerIds([x + 1 for x in raw], raw, f"config.json {spec.layer_ids_key}", CONVENTION_OUTPUT)
+        else:
+            result = LayerIds(list(raw), raw, f"config.json {spec.layer_ids_key}", CONVENTION_INPUT)
+    else:
+        result = LayerIds(default_layer_ids(n_layer), None, "default [2, n//2, n-3] (the checkpoint names none)",
+                          CONVENTION_DEFAULT)
+    bad = [x for x in result.ids if not 0 <= x <= n_layer]
+    if bad:
+        raise Eagle3Error(f"layer ids {result.ids} ({result.convention}, from {result.source.split(' (')[0]}) are "
+                          f"out of range for a {n_layer}-layer target: each must be 0..{n_layer} "
+                          f"({n_layer} = final output)")
+    return result

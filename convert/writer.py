@@ -1,0 +1,90 @@
+"""Stream a GGUF to disk one tensor at a time, atomically.
+
+The header, metadata and tensor table are written first from the planned shapes and types; then each
+tensor is produced (loaded, transformed, encoded), written and dropped before the next is loaded, so
+peak memory stays near the largest single tensor. Everything goes to a temporary file beside the
+output, renamed over it only once complete: a failed or interrupted run leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from gguf import GGMLQuantizationType as GT
+from gguf import GGUFWriter
+
+from ..errors import Eagle3Error
+from ..gguf_file import KeyValue
+from .quantize import Encoded, n_bytes
+
+# numpy dtype handed to GGUFWriter.add_tensor_info for each stored type (quantized: raw bytes)
+_INFO_DTYPE = {GT.F32: np.float32, GT.F16: np.float16, GT.BF16: np.uint16, GT.I64: np.int64,
+               GT.Q8_0: np.float32, GT.Q4_0: np.float32}
+
+
+@dataclass
+class PlannedTensor:
+    name: str
+    shape: tuple[int, ...]  # numpy order: rows first, the row length last
+    ggml_type: GT
+    produce: Callable[[], Encoded]  # called once, while streaming
+
+
+@dataclass
+class WrittenTensor:
+    name: str
+    shape: tuple[int, ...]  # numpy order
+    ggml_type: GT
+    n_bytes: int
+    rel_error: float | None  # None for integer tensors
+
+
+def write_gguf(out: Path, arch: str, kvs: list[KeyValue], tensors: list[PlannedTensor], *,
+               on_tensor: Callable[[WrittenTensor], None] | None = None) -> list[WrittenTensor]:
+    """Write `out` (via a temp file + os.replace); returns one row per tensor, in file order."""
+    out = Path(out)
+    if not out.parent.is_dir():
+        raise Eagle3Error(f"{out}: output directory {out.parent} does not exist")
+    if out.is_dir():
+        raise Eagle3Error(f"{out}: is a directory; name an output file (-o head.gguf)")
+    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    writer = GGUFWriter(tmp, arch)
+    try:
+        for kv in kvs:
+            writer.add_key_value(kv.key, kv.value, kv.vtype, sub_type=kv.sub_type)
+        for t in tensors:
+            writer.add_tensor_info(t.name, t.shape, np.dtype(_INFO_DTYPE[t.ggml_type]),
+                                   n_bytes(t.shape, t.ggml_type), raw_dtype=t.ggml_type)
+        writer.write_header_to_file(path=tmp)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        rows = []
+        for t in tensors:
+            enc = t.produce()
+            expected = n_bytes(t.shape, t.ggml_type)
+            if enc.ggml_type != t.ggml_type or enc.data.nbytes != expected:  # a planning bug, not a user error
+                raise RuntimeError(f"{t.name}: produced {enc.ggml_type.name} {enc.data.nbytes} bytes, "
+                                   f"planned {t.ggml_type.name} {expected}")
+            writer.write_tensor_data(np.ascontiguousarray(enc.data))
+            row = WrittenTensor(t.name, t.shape, t.ggml_type, expected,
+                                None if t.ggml_type == GT.I64 else enc.rel_error)
+            del enc
+            rows.append(row)
+            if on_tensor is not None:
+                on_tensor(row)
+        writer.close()
+        os.replace(tmp, out)
+        return rows
+    except BaseException:
+        try:
+            writer.close()
+        finally:
+            tmp.unlink(missing_ok=True)
+        raise

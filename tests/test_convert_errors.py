@@ -1,0 +1,239 @@
+"""Every bad input: one `error: ...` line on stderr, exit 2, and no output (nor temp) file left behind."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from checkpoints import CkptDims, dims_with, random_weights, write_checkpoint
+from eagle3_gguf.cli.main import app
+
+runner = CliRunner()
+
+
+def _fails(tmp_path: Path, args: list[str], message: str | None = None, *, prefix: str | None = None) -> None:
+    out_dir = tmp_path / "out"
+    out_dir.mkdir(exist_ok=True)
+    out = out_dir / "head.gguf"
+    res = runner.invoke(app, ["convert", *args, "-o", str(out)])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.count("\n") == 1 and res.stderr.startswith("error: "), res.stderr
+    line = res.stderr[len("error: "):-1]
+    if message is not None:
+        assert line == message
+    if prefix is not None:
+        assert line.startswith(prefix), line
+    assert list(out_dir.iterdir()) == [], "output or temp file left behind"
+
+
+def _ckpt(tmp_path: Path, layout: str = "safeai", **kw) -> Path:
+    return write_checkpoint(tmp_path / "ckpt", layout, **kw)
+
+
+def test_truncated_safetensors(tmp_path, tiny_target):
+    src = _ckpt(tmp_path)
+    f = src / "model.safetensors"
+    size = f.stat().st_size - 100
+    with open(f, "r+b") as fh:
+        fh.truncate(size)
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    name, info = next((k, v) for k, v in header.items() if 8 + n + v["data_offsets"][1] > size)
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{f}: truncated safetensors file (tensor '{name}' needs bytes up to {8 + n + info['data_offsets'][1]}, "
+           f"file has {size})")
+
+
+def test_not_a_safetensors_file(tmp_path, tiny_target):
+    src = _ckpt(tmp_path)
+    (src / "model.safetensors").write_bytes(b"\x01\x02")
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{src / 'model.safetensors'}: truncated safetensors file (2 bytes, no header)")
+
+
+def test_truncated_bin(tmp_path, tiny_target):
+    pytest.importorskip("torch")
+    src = _ckpt(tmp_path, fmt="bin")
+    f = src / "pytorch_model.bin"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           prefix=f"{f}: not a readable PyTorch checkpoint (truncated or corrupt: ")
+
+
+def test_bad_json_config(tmp_path, tiny_target):
+    src = _ckpt(tmp_path)
+    (src / "config.json").write_text('{"hidden_size": 64,, }')
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{src / 'config.json'}: invalid JSON (Expecting property name enclosed in double quotes at line 1, "
+           f"column 20)")
+
+
+def test_missing_config(tmp_path, tiny_target):
+    src = _ckpt(tmp_path)
+    (src / "config.json").unlink()
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{src}: no config.json next to the checkpoint (an EAGLE-3 head ships one with hidden_size, "
+           f"num_attention_heads, ...)")
+
+
+def test_missing_tensor(tmp_path, tiny_target):
+    w = random_weights(CkptDims())
+    del w["L.mlp.up_proj.weight"]
+    src = _ckpt(tmp_path, weights=w)
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{src}: missing tensor 'midlayer.mlp.up_proj.weight' (a SafeAILab/EAGLE head needs it)")
+
+
+def test_missing_shard(tmp_path, tiny_target):
+    src = _ckpt(tmp_path, fmt="sharded")
+    (src / "model-00002-of-00002.safetensors").unlink()
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{src / 'model.safetensors.index.json'}: shard 'model-00002-of-00002.safetensors' is missing")
+
+
+def test_fc_shape_vs_target_hidden(tmp_path, tiny_target):
+    src = _ckpt(tmp_path, dims=dims_with(n_embd_tgt=96))
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{src}: fc.weight is [64, 288], so the head was trained for a target of hidden size 96, "
+           f"but {tiny_target.name} has hidden size 64")
+
+
+def test_wrong_attention_shape(tmp_path, tiny_target):
+    src = _ckpt(tmp_path, config_extra={"num_key_value_heads": 4})
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{src}: 'midlayer.self_attn.k_proj.weight' is [32, 128], expected [64, 128] from config.json")
+
+
+@pytest.mark.parametrize("layout,ids,convention,source", [
+    ("speculators", [2, 3, 9], "input-of-layer", "config.json eagle_aux_hidden_state_layer_ids"),
+    ("modelopt", [1, 3, 6], "output-of-layer (converted: +1)",
+     "config.json eagle_config.eagle_aux_hidden_state_layer_ids"),
+])
+def test_layer_ids_out_of_range(tmp_path, tiny_target, layout, ids, convention, source):
+    src = _ckpt(tmp_path, layout, layer_ids=ids)
+    got = [x + 1 for x in ids] if layout == "modelopt" else ids
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"layer ids {got} ({convention}, from {source}) are out of range for a 6-layer target: "
+           f"each must be 0..6 (6 = final output)")
+
+
+def test_layer_ids_flag_out_of_range_and_malformed(tmp_path, tiny_target):
+    src = _ckpt(tmp_path)
+    _fails(tmp_path, [str(src), "-t", str(tiny_target), "--layer-ids", "2,3,-1"],
+           "layer ids [2, 3, -1] (input-of-layer, from --layer-ids) are out of range for a 6-layer target: "
+           "each must be 0..6 (6 = final output)")
+    _fails(tmp_path, [str(src), "-t", str(tiny_target), "--layer-ids", "2,x,5"],
+           "--layer-ids '2,x,5': expected 3 comma-separated integers, e.g. 2,15,27")
+    _fails(tmp_path, [str(src), "-t", str(tiny_target), "--layer-ids", "2,5"],
+           "--layer-ids '2,5': expected exactly 3 ids, e.g. 2,15,27")
+
+
+def test_d2t_out_of_range(tmp_path, tiny_target):
+    w = random_weights(CkptDims())
+    w["d2t"][-1] = 49152 - 511  # → target id 49152, one past the vocabulary
+    src = _ckpt(tmp_path, weights=w)
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{src}: d2t maps draft token 511 to target id 49152, outside the target vocabulary 0..49151")
+
+
+def test_d2t_duplicates(tmp_path, tiny_target):
+    w = random_weights(CkptDims())
+    ids = w["d2t"] + np.arange(512)
+    w["d2t"][7] = ids[3] - 7  # draft tokens 3 and 7 → the same target id
+    src = _ckpt(tmp_path, weights=w)
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{src}: d2t maps draft tokens 3 and 7 to the same target id {int(ids[3])}")
+
+
+def test_lm_head_rows_vs_d2t(tmp_path, tiny_target):
+    w = random_weights(CkptDims())
+    w["lm_head.weight"] = w["lm_head.weight"][:500]
+    src = _ckpt(tmp_path, weights=w, config_extra={"draft_vocab_size": 500})
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{src}: lm_head has 500 rows but d2t has 512 entries (llama.cpp needs them equal)")
+
+
+def test_unknown_layout(tmp_path, tiny_target):
+    w = {("model.layers.0." + k[2:] if k.startswith("L.") else k): v for k, v in random_weights(CkptDims()).items()}
+    src = tmp_path / "ckpt"
+    write_checkpoint(src, "safeai")
+    from checkpoints import save_safetensors
+
+    save_safetensors(src / "model.safetensors", w)
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{src}: unknown checkpoint layout (tensors: d2t, fc.weight, lm_head.weight, ...); expected SafeAILab "
+           f"(midlayer.*), speculators (Eagle3Speculator), ModelOpt (LlamaForCausalLMEagle3, layers.0.*) or "
+           f"SpecForge (midlayer.*, eagle_config)")
+
+
+def test_eagle31_config_is_refused(tmp_path, tiny_target):
+    src = _ckpt(tmp_path, "specforge", config_extra={"fc_norm": True, "norm_output": True})
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{src}: an EAGLE 3.1 head (config.json sets 'fc_norm'); the pinned llama.cpp eagle3 graph has no "
+           f"fc_norm/norm_output, so it cannot run: use an EAGLE-3 head")
+
+
+def test_eagle31_tensor_is_refused(tmp_path, tiny_target):
+    w = random_weights(CkptDims())
+    w["fc_norm.0.weight"] = np.ones(64, dtype=np.float32)
+    src = _ckpt(tmp_path, "speculators", weights=w)
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{src}: an EAGLE 3.1 head (it has tensor 'fc_norm.0.weight'); the pinned llama.cpp eagle3 graph has no "
+           f"fc_norm/norm_output, so it cannot run: use an EAGLE-3 head")
+
+
+def test_bad_targets(tmp_path, tiny_target):
+    from eagle3_gguf.convert import convert_head
+
+    src = _ckpt(tmp_path)
+    tiny_head = convert_head(src, tmp_path / "a-head.gguf", tiny_target).out
+    _fails(tmp_path, [str(src), "-t", str(tmp_path / "nope.gguf")],
+           f"{tmp_path / 'nope.gguf'}: no such target file (give the target .gguf or its config.json)")
+    _fails(tmp_path, [str(src), "-t", str(src / "model.safetensors")],
+           f"{src / 'model.safetensors'}: target must be a GGUF file or a HF config.json")
+    _fails(tmp_path, [str(src), "-t", str(tiny_head)], f"{tiny_head}: this is an EAGLE-3 head, not a target model")
+    bad = tmp_path / "trunc.gguf"
+    bad.write_bytes(tiny_target.read_bytes()[:5000])
+    _fails(tmp_path, [str(src), "-t", str(bad)], prefix=f"{bad}: not a valid GGUF (truncated or corrupt metadata: ")
+
+
+def test_missing_source_and_output_dir(tmp_path, tiny_target):
+    _fails(tmp_path, [str(tmp_path / "nothing"), "-t", str(tiny_target)],
+           f"{tmp_path / 'nothing'}: no such file or directory")
+    src = _ckpt(tmp_path)
+    res = runner.invoke(app, ["convert", str(src), "-t", str(tiny_target), "-o", str(tmp_path / "no" / "h.gguf")])
+    assert res.exit_code == 2
+    assert res.stderr == f"error: {tmp_path / 'no' / 'h.gguf'}: output directory {tmp_path / 'no'} does not exist\n"
+
+
+def test_failure_mid_stream_leaves_nothing(tmp_path, tiny_target):
+    """fc is already written when down_proj overflows f16: the temp file is removed, no output appears."""
+    w = random_weights(CkptDims())
+    w["L.mlp.down_proj.weight"][0, 0] = 1e5
+    src = _ckpt(tmp_path, weights=w)
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           "midlayer.mlp.down_proj.weight: values up to 1e+05 overflow f16 (max 65504); use --outtype bf16 or f32")
+
+
+def test_existing_output_survives_a_failed_run(tmp_path, tiny_target):
+    w = random_weights(CkptDims())
+    w["d2t"][0] = -1
+    src = _ckpt(tmp_path, weights=w)
+    out = tmp_path / "keep.gguf"
+    out.write_bytes(b"previous")
+    res = runner.invoke(app, ["convert", str(src), "-t", str(tiny_target), "-o", str(out)])
+    assert res.exit_code == 2 and out.read_bytes() == b"previous"
+
+
+def test_bad_types(tmp_path, tiny_target):
+    src = _ckpt(tmp_path)
+    _fails(tmp_path, [str(src), "-t", str(tiny_target), "--outtype", "q4_0"],
+           "--outtype q4_0: choose from f32, f16, bf16, q8_0 (fc has its own --fc-type)")
+    _fails(tmp_path, [str(src), "-t", str(tiny_target), "--fc-type", "q5_k"],
+           "--fc-type q5_k: choose from q4_0, q8_0, f16, bf16, f32")
