@@ -103,6 +103,10 @@ class Decoder:
                 self.session.process(chunk, i)
         return self.target.logits_ith(len(chunk) - 1)  # [n_vocab]
 
+    def _native_time(self) -> float:
+        draft = self.session.draft_ctx.t_native if self.session is not None else 0.0
+        return self.target.t_native + draft
+
     def _check_prompt(self, prompt: list[int]) -> None:
         if not prompt:
             raise Eagle3Error("the prompt is empty")
@@ -122,6 +126,7 @@ class Decoder:
         logits = self._prefill(prompt)
         st.t_prefill = time.perf_counter() - t0
         t_start = time.perf_counter()
+        native0 = self._native_time()
         n_ctx = self.target.n_ctx
         pos = len(prompt)  # position of id_last
         id_last = sampler.pick(logits)
@@ -183,6 +188,7 @@ class Decoder:
                 yield out
         finally:
             st.t_total = time.perf_counter() - t_start
+            st.t_native = self._native_time() - native0
 
     def generate(self, prompt: list[int], config: GenerateConfig, sampler: Sampler | None = None,
                  speculative: bool = True, on_tokens: Callable[[list[int]], None] | None = None) -> RunResult:

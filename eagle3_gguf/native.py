@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -252,6 +253,7 @@ class Context(_Owner):
             raise Eagle3Error(f"{model.path}: llama.cpp could not create a context (n_ctx={n_ctx}; -v shows why)")
         self.ptr = ptr
         self._owned = True
+        self.t_native = 0.0  # seconds spent inside llama_decode / llama_process (for overhead figures)
         self._layer_inp: set[int] = set()
         self._nextn = False
         self._decoded = False
@@ -261,7 +263,7 @@ class Context(_Owner):
         """Wrap a context someone else owns (e.g. `llama_cpp.Llama._ctx.ctx`); close() won't free it."""
         self = cls.__new__(cls)
         self.model, self.ctx_other, self.ptr, self._owned = model, None, ptr, False
-        self._layer_inp, self._nextn, self._decoded = set(), False, False
+        self._layer_inp, self._nextn, self._decoded, self.t_native = set(), False, False, 0.0
         return self
 
     def _free(self, ptr) -> None:
@@ -292,13 +294,17 @@ class Context(_Owner):
 
     # -- running graphs ----------------------------------------------------------------------------
     def decode(self, batch: "Batch") -> None:
+        t = time.perf_counter()
         rc = C.llama_decode(self._live(), batch.struct)
+        self.t_native += time.perf_counter() - t
         if rc != 0:
             raise Eagle3Error(f"llama_decode failed (rc={rc}): the context may be full (raise -c)")
         self._decoded = True
 
     def process(self, kind: int, batch: "BatchExt") -> None:
+        t = time.perf_counter()
         rc = C.llama_process(self._live(), kind, batch._live())
+        self.t_native += time.perf_counter() - t
         if rc != 0:
             what = "ENCODE" if kind == LLAMA_PROCESS_TYPE_ENCODE else "DECODE"
             raise Eagle3Error(f"llama_process({what}) failed (rc={rc}): the draft context may be full (raise -c)")

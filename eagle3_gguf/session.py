@@ -40,6 +40,7 @@ class Eagle3Session:
         self.n_ubatch = draft.n_ubatch
         self.pending_g = np.zeros(self.n_embd, dtype=np.float32)  # [n_embd]
         self.pending_pos = -1
+        self._queue: list[tuple[int, int, np.ndarray]] = []  # decoder pairs (token, pos, g) not yet run
 
     def close(self) -> None:
         self.batch.close()
@@ -54,6 +55,7 @@ class Eagle3Session:
         """Forget everything (new prompt): clears the draft KV and the deferred row."""
         self.draft_ctx.clear()
         self.pending_pos = -1
+        self._queue.clear()
 
     # -- features --------------------------------------------------------------------------------
     def features(self, n_rows: int) -> np.ndarray:
@@ -78,23 +80,36 @@ class Eagle3Session:
     # -- lifecycle -------------------------------------------------------------------------------
     def process(self, tokens: list[int], pos0: int, feats: np.ndarray | None = None) -> None:
         """Feed the head the rows the target kept: tokens at positions pos0.. (rows 0..n-1 of the
-        target's last decode, unless `feats` is given).  # feats: [n, 3 * n_embd_tgt]"""
+        target's last decode, unless `feats` is given).  # feats: [n, 3 * n_embd_tgt]
+
+        The encoder runs now; the decoder pairs are queued and go to llama.cpp together with the next
+        draft's seed step (one graph instead of two per cycle), or with the next process()."""
         n = len(tokens)
         if n == 0:
             return
         if feats is None:
             feats = self.features(n)
         g = self.encode(feats)  # [n, n_embd]
-        self.batch.clear()
+        self.flush()
         # complete the deferred pair when the draft has not already written it (draft() seeds it)
         if self.pending_pos >= 0 and self.pending_pos + 1 == pos0 and self.draft_ctx.pos_max() < self.pending_pos:
-            self.batch.add_token(tokens[0], self.pending_pos, self.pending_g, output=False)
+            self._queue.append((tokens[0], self.pending_pos, self.pending_g))
         for k in range(n - 1):
-            self.batch.add_token(tokens[k + 1], pos0 + k, g[k], output=False)
-        if self.batch.n:
-            self.draft_ctx.process(LLAMA_PROCESS_TYPE_DECODE, self.batch)
+            self._queue.append((tokens[k + 1], pos0 + k, g[k]))
         self.pending_g = g[n - 1].copy()
         self.pending_pos = pos0 + n - 1
+
+    def flush(self) -> None:
+        """Run the queued decoder pairs now (draft() does this itself)."""
+        if self._queue:
+            self.batch.clear()
+            self._add_queue(output=False)
+            self.draft_ctx.process(LLAMA_PROCESS_TYPE_DECODE, self.batch)
+
+    def _add_queue(self, output: bool) -> None:
+        for token, pos, g in self._queue:
+            self.batch.add_token(token, pos, g, output=output)
+        self._queue.clear()
 
     def draft(self, id_last: int, n_max: int, p_min: float = 0.0) -> list[int]:
         """Draft up to n_max tokens that follow id_last (the target's newest token); stop early when
@@ -107,19 +122,25 @@ class Eagle3Session:
         ctx.seq_rm(0, self.pending_pos, -1)
         out: list[int] = []
         token, g, pos = id_last, self.pending_g, self.pending_pos
+        self.batch.clear()
+        # The queued pairs of the last process() ride along with the seed step. They are marked as
+        # outputs too: the pinned eagle3 decoder graph has no output-row selection (no inp_out_ids),
+        # so with outputs on a subset of rows llama.cpp hands back the first rows' logits, not the
+        # marked ones. Its lm_head runs on every row anyway; the marks only cost the copy-out.
+        self._add_queue(output=True)
         while True:
-            self.batch.clear()
-            self.batch.add_token(token, pos, g, output=True)
+            row = self.batch.add_token(token, pos, g, output=True)
             ctx.process(LLAMA_PROCESS_TYPE_DECODE, self.batch)
-            logits = ctx.logits_ith(0)  # [n_vocab]
+            logits = ctx.logits_ith(row)  # [n_vocab]
             token = int(np.argmax(logits))
             if p_min > 0.0 and _top_prob(logits, token) < p_min:
                 break
             out.append(token)
             if len(out) >= n_max:
                 break
-            g = ctx.nextn_ith(0).copy()  # [n_embd] pre-norm hidden state → next step's g
+            g = ctx.nextn_ith(row).copy()  # [n_embd] pre-norm hidden state → next step's g
             pos += 1
+            self.batch.clear()
         return out
 
     def accept(self, n_accepted: int) -> None:

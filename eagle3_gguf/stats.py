@@ -22,6 +22,7 @@ class SpecStats:
     t_draft: float = 0.0  # Eagle3Session.draft
     t_process: float = 0.0  # Eagle3Session.accept + process (encoder + decoder on kept rows)
     t_total: float = 0.0  # generation after the prompt, everything included
+    t_native: float = 0.0  # of t_total: inside llama.cpp (target + draft decodes and encodes)
     stop_reason: str = ""
 
     def __post_init__(self) -> None:
@@ -57,13 +58,24 @@ class SpecStats:
     def t_overhead(self) -> float:
         return max(self.t_total - self.t_target - self.t_draft - self.t_process, 0.0)
 
+    @property
+    def t_python(self) -> float:
+        """Wall time outside llama.cpp calls: the Python cost of the loop."""
+        return max(self.t_total - self.t_native, 0.0)
+
+    @property
+    def python_per_cycle_ms(self) -> float:
+        cycles = max(self.n_target_forwards - 1, 1)
+        return 1e3 * self.t_python / cycles
+
     def acceptance_by_pos(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_by_pos, self.drafted_by_pos)]
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(acceptance_rate=self.acceptance_rate, tau=self.tau, tokens_per_second=self.tokens_per_second,
-                 t_overhead=self.t_overhead, acceptance_by_pos=self.acceptance_by_pos())
+                 t_overhead=self.t_overhead, t_python=self.t_python, python_per_cycle_ms=self.python_per_cycle_ms,
+                 acceptance_by_pos=self.acceptance_by_pos())
         return d
 
     def table(self) -> str:
@@ -85,6 +97,7 @@ class SpecStats:
             ("time: target / draft / process / other",
              f"{self.t_target:.2f}s {self.t_draft:.2f}s {self.t_process:.2f}s {self.t_overhead:.2f}s "
              f"({self.t_target / t:.0%} {self.t_draft / t:.0%} {self.t_process / t:.0%} {self.t_overhead / t:.0%})"),
+            ("python per cycle", f"{self.python_per_cycle_ms:.2f} ms (outside llama.cpp)"),
             ("prompt time", f"{self.t_prefill:.2f}s"),
             ("speed", f"{self.tokens_per_second:.1f} tok/s"),
             ("stopped by", self.stop_reason),

@@ -104,3 +104,31 @@ def test_head_with_d2t_scatters_into_target_vocab(tiny_target, tiny_head_d2t):
             logits = hc.logits_ith(0)
             finite = np.flatnonzero(np.isfinite(logits))
             assert np.array_equal(finite, np.sort(d2t))
+
+
+def test_eagle3_decoder_ignores_the_output_mask_at_the_pin(tiny_target, tiny_head):
+    """The pinned eagle3 decoder graph has no output-row selection: with outputs on a subset of rows,
+    llama.cpp returns the first rows' logits. Eagle3Session marks every row of a multi-row draft batch
+    as an output because of this; if this test fails, upstream fixed it and the marks can go."""
+    rng = np.random.default_rng(0)
+    with Model(tiny_target) as tm, Model(tiny_head) as hm:
+        with Context(tm, n_ctx=64, n_batch=16) as tc, Context(hm, n_ctx=64, n_batch=16, ctx_other=tc) as hc:
+            hc.set_nextn(True)
+            g = rng.standard_normal((3, hm.n_embd)).astype(np.float32)  # [3, n_embd]
+            rows = {}
+            for mask in ((True, True, True), (False, False, True)):
+                hc.clear()
+                with BatchExt(hc) as be:
+                    for i in range(3):
+                        be.add_token(100 + i, i, g[i], output=mask[i])
+                    hc.process(LLAMA_PROCESS_TYPE_DECODE, be)
+                rows[mask] = hc.logits_ith(2).copy()
+            all_rows = (True, True, True)
+            hc.clear()
+            with BatchExt(hc) as be:
+                for i in range(3):
+                    be.add_token(100 + i, i, g[i], output=True)
+                hc.process(LLAMA_PROCESS_TYPE_DECODE, be)
+                first = hc.logits_ith(0).copy()
+            assert not np.allclose(rows[(False, False, True)], rows[all_rows])
+            np.testing.assert_array_equal(rows[(False, False, True)], first)

