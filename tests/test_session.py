@@ -178,4 +178,4 @@ def test_greedy_equals_target_only_smollm2(smollm2_path, tmp_path):
                 Decoder(pair.target, s) as d:
             spec = d.generate(prompts[0], GenerateConfig(n_predict=64, draft_max=4))
         assert spec.tokens == bases[0].tokens
-        assert spec.stats.n_accepted > 20
+        assert spec.stats.tau > 2.0  # the oracle schedule accepts 2 drafts per cycle on average
