@@ -1,0 +1,362 @@
+"""A drop-in `llama_cpp.Llama` that decodes through an EAGLE-3 head.
+
+    from eagle3_gguf.llama import Eagle3Llama
+    llm = Eagle3Llama(model_path="target.gguf", draft_model_path="head.gguf")   # was: Llama(model_path=...)
+
+`Eagle3Llama` IS a `llama_cpp.Llama`: every public method (`create_completion`, `__call__`,
+`create_chat_completion`, streaming, `stop`, `max_tokens`, `seed`, `logprobs` with `logits_all=True`,
+`logit_bias`, grammars, logits processors, stopping criteria, the RAM/disk caches) is llama-cpp-python's
+own code. Only `generate()`, the token generator they all consume, is replaced:
+
+- the prompt is decoded in `n_batch` chunks, each chunk's hidden states are fed to the head;
+- every cycle the head drafts up to `draft_max` tokens, the target decodes [id_last, d1..dK] in one batch
+  with logits on every row, and Llama's own sampler chain samples row 0, 1, ... in order, one call per
+  emitted token, while the sampled token equals the draft; the first disagreement ends the cycle.
+
+So each emitted token is sampled by the very sampler chain plain decoding uses, from the logits of the
+same context, once per token and in the same order: greedy and seeded sampling give the same text, and
+stateful samplers (grammar, repeat penalties, mirostat, logits processors) see the same sequence of
+calls. While row i is sampled, `n_tokens`/`input_ids` describe exactly row i's context, as they do in
+plain decoding, so a logits processor reading `input_ids` sees what it would see there.
+
+State kept consistent with what Llama expects: `input_ids[:n_tokens]` is always what the KV cache
+holds; when the caller stops consuming (stop string, max_tokens) the cache is cut back to exactly where
+plain decoding would have left it, so the next call's prefix reuse is unchanged. The head remembers
+which tokens it has processed and rewinds with the target, so prefix reuse keeps working for it too.
+
+Exactness needs batch-invariant kernels: flash attention on (the default here; see EXACTNESS).
+
+Fallback to plain decoding (Llama.generate itself), reported in `.spec_fallback`: `draft_max == 0`,
+an empty prompt, and `generate(reset=False)` (continuing a raw stream, whose rows the head never saw).
+`.spec_stats` (a SpecStats) describes the last call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
+import llama_cpp
+from llama_cpp import Llama
+
+from .errors import Eagle3Error
+from .native import Batch, Context, Model
+from .pair import Pair, PairConfig, load_pair
+from .session import Eagle3Session
+from .stats import SpecStats
+
+DEFAULT_DRAFT_MAX = 4
+MAX_DRAFT_MAX = 32
+
+# EXACTNESS: the verify batch computes each row as one-token decoding does, bit for bit, only where
+# llama.cpp's kernels are batch-invariant. On CPU, flash attention is; the non-flash attention path is
+# not (a row in a batch of several gets a different summation order), so near-ties can break the other
+# way. Eagle3Llama therefore turns flash attention on unless told otherwise, and warns when it is off.
+INEXACT_WARNING = ("flash_attn=False: the speculative verify batch is not bit-identical to one-token decoding "
+                   "on llama.cpp's non-flash attention path, so rare near-ties may resolve differently from plain "
+                   "Llama; pass flash_attn=True (Eagle3Llama's default) for identical output")
+
+
+class _SharedModel(Model):
+    """A native Model over the llama_model that llama_cpp.Llama owns: never freed here."""
+
+    def __init__(self, llm: Llama):
+        self.path = Path(llm.model_path)
+        self.ptr = llm._model.model
+        self.vocab = llama_cpp.llama_model_get_vocab(self.ptr)
+
+    def _free(self, ptr) -> None:
+        pass
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Eagle3Llama(Llama):
+    """`llama_cpp.Llama(model_path=..., **kwargs)` plus an EAGLE-3 head (`draft_model_path`)."""
+
+    def __init__(self, model_path: str, draft_model_path: str | Path | None = None, *,
+                 draft_max: int = DEFAULT_DRAFT_MAX, draft_p_min: float = 0.0, **kwargs: Any):
+        if draft_model_path is None:
+            raise Eagle3Error("Eagle3Llama needs the EAGLE-3 head: Eagle3Llama(model_path=..., draft_model_path=HEAD.gguf)")
+        if kwargs.get("draft_model") is not None:
+            raise Eagle3Error("draft_model (prompt lookup) and an EAGLE-3 head cannot be combined: drop draft_model")
+        kwargs.setdefault("flash_attn", True)  # see EXACTNESS
+        super().__init__(model_path=model_path, **kwargs)
+        try:
+            self._eagle3_setup(draft_model_path, draft_max, draft_p_min)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- setup / teardown ---------------------------------------------------------------------------
+    def _eagle3_setup(self, head_path: str | Path, draft_max: int, draft_p_min: float) -> None:
+        if self.draft_model is not None:
+            raise Eagle3Error("this Llama already has a draft_model (prompt lookup); create it without one")
+        if self.context_params.embeddings:
+            raise Eagle3Error("an EAGLE-3 head needs a generation context: create the Llama with embedding=False")
+        if self._is_recurrent or self._is_hybrid:
+            raise Eagle3Error(f"{Path(self.model_path).name}: recurrent/hybrid targets cannot roll back rejected drafts")
+        if self.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED:
+            warnings.warn(INEXACT_WARNING, RuntimeWarning, stacklevel=3)
+        self.draft_max = draft_max
+        self.draft_p_min = draft_p_min
+        self.spec_stats = SpecStats()
+        self.spec_fallback: str | None = None
+        self._e3_head_path = Path(head_path)
+        self._e3_budget: int | None = None  # tokens the running completion still wants (a hint)
+        model = _SharedModel(self)
+        target = Context.borrow(self._ctx.ctx, model)
+        config = PairConfig(n_ctx=self._n_ctx, n_batch=self.n_batch, n_threads=self.context_params.n_threads,
+                            n_gpu_layers=max(self.model_params.n_gpu_layers, 0))
+        self._e3_pair: Pair | None = load_pair(self.model_path, head_path, config, target_model=model,
+                                               target_ctx=target)
+        try:
+            self._e3_session: Eagle3Session | None = Eagle3Session(self._e3_pair.target, self._e3_pair.head)
+            self._e3_batch: Batch | None = Batch(self.n_batch)
+        except BaseException:
+            self._e3_pair.close()
+            raise
+        self._e3_head_tokens: list[int] = []  # target rows the head has processed, in order
+        self._stack.callback(self._eagle3_close)  # runs before Llama frees its context and model
+
+    def _eagle3_close(self) -> None:
+        for name in ("_e3_batch", "_e3_session", "_e3_pair"):
+            owner = getattr(self, name, None)
+            if owner is not None:
+                owner.close()
+                setattr(self, name, None)
+
+    def close(self) -> None:
+        if getattr(self, "_stack", None) is not None:  # a constructor that failed early made no stack
+            super().close()
+
+    def __getstate__(self):
+        return {**super().__getstate__(), "draft_model_path": str(self._e3_head_path),
+                "draft_max": self.draft_max, "draft_p_min": self.draft_p_min}
+
+    @property
+    def draft_max(self) -> int:
+        return self._draft_max
+
+    @draft_max.setter
+    def draft_max(self, k: int) -> None:
+        if not isinstance(k, int) or not 0 <= k <= MAX_DRAFT_MAX:
+            raise Eagle3Error(f"draft_max must be an integer between 0 and {MAX_DRAFT_MAX} (got {k!r})")
+        self._draft_max = k
+
+    @property
+    def draft_p_min(self) -> float:
+        return self._draft_p_min
+
+    @draft_p_min.setter
+    def draft_p_min(self, p: float) -> None:
+        if not 0.0 <= p < 1.0:
+            raise Eagle3Error(f"draft_p_min must be in [0, 1) (got {p})")
+        self._draft_p_min = float(p)
+
+    # -- completion budget hint -----------------------------------------------------------------------
+    def _create_completion(self, *args, **kwargs):
+        """Llama's own; only notes max_tokens so that the last cycles draft no further than needed."""
+        max_tokens = kwargs.get("max_tokens", 16)
+        self._e3_budget = max_tokens if max_tokens is not None and max_tokens > 0 else None
+        try:
+            yield from super()._create_completion(*args, **kwargs)
+        finally:
+            self._e3_budget = None
+
+    # -- the token generator ------------------------------------------------------------------------------
+    def generate(self, tokens: Sequence[int], top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
+                 typical_p: float = 1.0, temp: float = 0.80, repeat_penalty: float = 1.0, reset: bool = True,
+                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0, tfs_z: float = 1.0,
+                 mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
+                 penalize_nl: bool = True, logits_processor=None, stopping_criteria=None, grammar=None):
+        """Same contract as Llama.generate; speculative unless a fallback applies (see module doc)."""
+        sampling = dict(top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, temp=temp,
+                        repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                        presence_penalty=presence_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
+                        mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, penalize_nl=penalize_nl,
+                        logits_processor=logits_processor, grammar=grammar)
+        tokens = list(tokens)
+        if self._e3_session is None:
+            raise Eagle3Error("this Eagle3Llama is closed")
+        self.spec_fallback = self._fallback_reason(tokens, reset)
+        if self.spec_fallback is not None:
+            self.spec_stats = SpecStats(n_prompt=len(tokens), stop_reason=f"plain decoding: {self.spec_fallback}")
+            return (yield from super().generate(tokens, reset=reset, stopping_criteria=stopping_criteria,
+                                                **sampling))
+        return (yield from self._speculate(tokens, sampling, stopping_criteria))
+
+    def _fallback_reason(self, tokens: list[int], reset: bool) -> str | None:
+        if self.draft_max == 0:
+            return "draft_max is 0"
+        if not tokens:
+            return "empty prompt"
+        if not reset:
+            return "generate(reset=False) continues rows the head has not seen"
+        return None
+
+    def _speculate(self, prompt: list[int], sampling: dict, stopping_criteria) -> Iterator[int]:
+        session, batch, target = self._e3_session, self._e3_batch, self._e3_pair.target
+        st = self.spec_stats = SpecStats(draft_max=self.draft_max, n_prompt=len(prompt))
+        self._mirostat_mu = ctypes.c_float(2.0 * sampling["mirostat_tau"])
+        self._sampler = self._init_sampler(**sampling)
+        n_ctx = self._n_ctx
+        t0 = time.perf_counter()
+        self._rewind(prompt)
+        self._prefill(prompt[self.n_tokens:])
+        st.t_prefill = time.perf_counter() - t0
+        t_start = time.perf_counter()
+        pos = self.n_tokens  # where id_last goes
+        last = -1
+        try:
+            id_last = self._sampler.sample(self._ctx, -1)
+            st.n_target_forwards = 1
+            if self._stop_requested(stopping_criteria, pos):
+                st.stop_reason = "stopping_criteria"
+                return
+            st.n_generated, last = 1, id_last
+            self._check_sent((yield id_last))
+            while True:
+                k = min(self.draft_max, n_ctx - pos - 1, self.n_batch - 1)
+                if self._e3_budget is not None:
+                    k = min(k, self._e3_budget - st.n_generated - 1)
+                drafts: list[int] = []
+                if k > 0:
+                    t = time.perf_counter()
+                    drafts = session.draft(id_last, k, self.draft_p_min)
+                    st.t_draft += time.perf_counter() - t
+                t = time.perf_counter()
+                rows = [id_last] + drafts
+                batch.set(rows, pos, logits="all")
+                target.decode(batch)
+                self.input_ids[pos:pos + len(rows)] = rows
+                out: list[int] = []
+                for i in range(len(rows)):
+                    self.n_tokens = pos + i + 1  # row i's context, as plain decoding has it when sampling
+                    tok = self._sampler.sample(self._ctx, i)
+                    out.append(tok)
+                    if i >= len(drafts) or drafts[i] != tok or llama_cpp.llama_vocab_is_eog(self._model.vocab, tok):
+                        break
+                n_acc = len(out) - 1
+                if n_acc < len(drafts):
+                    target.seq_rm(0, pos + n_acc + 1, -1)
+                if self._logits_all:
+                    self.scores[pos:pos + n_acc + 1, :] = target.logits(len(rows))[:n_acc + 1]
+                st.t_target += time.perf_counter() - t
+                st.n_target_forwards += 1
+                st.record_cycle(len(drafts), n_acc)
+                t = time.perf_counter()
+                session.accept(n_acc)
+                session.process(rows[:n_acc + 1], pos)
+                self._e3_head_tokens[pos:] = rows[:n_acc + 1]
+                st.t_process += time.perf_counter() - t
+                for j, tok in enumerate(out):
+                    self.n_tokens = pos + j + 1  # plain decoding's state when it emits out[j]
+                    if self._stop_requested(stopping_criteria, pos + j + 1):
+                        self._cut(pos + j + 1)
+                        st.n_accepted -= n_acc - j
+                        st.stop_reason = "stopping_criteria"
+                        return
+                    st.n_generated, last = st.n_generated + 1, tok
+                    try:
+                        sent = yield tok
+                    except GeneratorExit:  # the caller is done (stop string, max_tokens, closed stream)
+                        self._cut(pos + j + 1)
+                        st.n_accepted -= n_acc - j
+                        raise
+                    self._check_sent(sent)
+                self.n_tokens = pos + n_acc + 1
+                pos += n_acc + 1
+                id_last = out[-1]
+        except GeneratorExit:
+            st.stop_reason = "eos" if llama_cpp.llama_vocab_is_eog(self._model.vocab, last) else "caller stopped"
+            raise
+        except BaseException:
+            self._e3_head_tokens.clear()  # the head's state is unknown: the next call starts it afresh
+            raise
+        finally:
+            self._requires_eval = True  # the last decode's last row may not be row n_tokens - 1
+            st.t_total = time.perf_counter() - t_start
+
+    # -- helpers -------------------------------------------------------------------------------------------
+    def _check_sent(self, sent) -> None:
+        if sent is not None:
+            raise Eagle3Error("Eagle3Llama.generate() drafts its own tokens: send() of draft tokens is not supported")
+
+    def _cut(self, n: int) -> None:
+        """Keep the first n rows of the target's cache."""
+        self._e3_pair.target.seq_rm(0, n, -1)
+        self.n_tokens = n
+
+    def _stop_requested(self, stopping_criteria, n_ctx_rows: int) -> bool:
+        """Llama.generate's check, with the arguments it passes: the context before the new token, and
+        `_scores[sample_idx - n_tokens]` (which is row 0 there)."""
+        if stopping_criteria is None:
+            return False
+        return bool(stopping_criteria(self.input_ids[:n_ctx_rows], self.scores[0, :]))
+
+    def _rewind(self, prompt: list[int]) -> None:
+        """Keep the longest prefix that both the target's cache and the head's state hold for this prompt,
+        always re-decoding at least the last prompt token (for fresh logits and features).
+
+        The head stores at position p the pair (token p+1, features of row p), so the pairs up to T-1 are
+        valid for the prompt when the head processed prompt[:T+1]; they stay, and the head resumes at T."""
+        n_target = _common_prefix(self.input_ids[:self.n_tokens].tolist(), prompt)
+        n_head = _common_prefix(self._e3_head_tokens, prompt)
+        keep = max(min(n_target, n_head - 1, len(prompt) - 1), 0)
+        target, session = self._e3_pair.target, self._e3_session
+        if keep > 0 and target.seq_rm(0, keep, -1):
+            session.flush()  # queued pairs reach the draft cache first, then the cut applies to all
+            session.draft_ctx.seq_rm(0, keep, -1)
+            session.pending_pos = -1  # no deferred pair: the pair at keep-1 is already in the draft cache
+        else:
+            keep = 0
+            target.clear()
+            session.reset()
+        self.n_tokens = keep
+        del self._e3_head_tokens[keep:]
+
+    def _prefill(self, tokens: list[int]) -> None:
+        """Decode tokens after n_tokens in n_batch chunks; each chunk's rows go to the head."""
+        target, batch, session = self._e3_pair.target, self._e3_batch, self._e3_session
+        for i in range(0, len(tokens), self.n_batch):
+            chunk = tokens[i:i + self.n_batch]
+            pos0 = self.n_tokens
+            batch.set(chunk, pos0, logits="all" if self._logits_all else "last")
+            target.decode(batch)
+            self.input_ids[pos0:pos0 + len(chunk)] = chunk
+            if self._logits_all:
+                self.scores[pos0:pos0 + len(chunk), :] = target.logits(len(chunk))
+            self.n_tokens = pos0 + len(chunk)
+            session.process(chunk, pos0)
+            self._e3_head_tokens[pos0:] = chunk
+
+
+def attach_eagle3(llm: Llama, head_path: str | Path, *, draft_max: int = DEFAULT_DRAFT_MAX,
+                  draft_p_min: float = 0.0) -> Eagle3Llama:
+    """Give an existing `llama_cpp.Llama` an EAGLE-3 head, in place: the same object becomes an
+    Eagle3Llama (its class changes; everything it was configured with stays). Returns it."""
+    if isinstance(llm, Eagle3Llama):
+        raise Eagle3Error("this Llama already has an EAGLE-3 head")
+    if not isinstance(llm, Llama):
+        raise Eagle3Error(f"attach_eagle3 needs a llama_cpp.Llama, not {type(llm).__name__}")
+    cls = type(llm)
+    new_cls = Eagle3Llama if cls is Llama else type(f"Eagle3{cls.__name__}", (Eagle3Llama, cls), {})
+    llm.__class__ = new_cls
+    try:
+        llm._eagle3_setup(head_path, draft_max, draft_p_min)
+    except BaseException:
+        llm.__class__ = cls
+        raise
+    return llm

@@ -1,0 +1,356 @@
+"""Eagle3Llama, the drop-in llama_cpp.Llama: same answers as plain Llama, call for call."""
+
+from __future__ import annotations
+
+import itertools
+from contextlib import closing
+
+import llama_cpp
+import pytest
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+from eagle3_gguf.errors import Eagle3Error
+from eagle3_gguf.llama import Eagle3Llama, attach_eagle3
+from eagle3_gguf.session import Eagle3Session
+from model_factory import HeadSpec, write_random_head
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,"]
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
+KW = dict(n_ctx=512, n_batch=64, seed=1234, flash_attn=True, verbose=False)  # plain Llama defaults to False
+GREEDY = dict(temperature=0.0)
+HOT = dict(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0)  # really samples on the peaked tiny model
+
+
+class OracleSession(Eagle3Session):
+    """Runs the real head (its KV moves as usual) but drafts the target's true future tokens, the first
+    `good` of each cycle right and the rest wrong, `good` cycling through a schedule."""
+
+    def __init__(self, *args, truth: list[int], schedule: list[int], **kw):
+        super().__init__(*args, **kw)
+        self.truth = truth
+        self.schedule = itertools.cycle(schedule)
+
+    def draft(self, id_last: int, n_max: int, p_min: float = 0.0) -> list[int]:
+        real = super().draft(id_last, n_max, p_min)
+        start = self.pending_pos + 2  # id_last sits at pending_pos + 1
+        good = next(self.schedule)
+        future = self.truth[start:start + len(real)]
+        return [t if i < good else (t + 1) % 49152 for i, t in enumerate(future)]
+
+
+def use_session(llm: Eagle3Llama, session: Eagle3Session) -> None:
+    llm._e3_session.close()
+    llm._e3_session = session
+    llm._e3_head_tokens.clear()
+
+
+def text_of(r) -> str:
+    return r["choices"][0]["text"]
+
+
+def same(a, b) -> None:
+    """Two non-streamed responses agree on everything but their ids and timestamps."""
+    for key in ("id", "created", "model"):
+        a.pop(key, None)
+        b.pop(key, None)
+    assert a == b
+
+
+def same_state(plain: llama_cpp.Llama, ours: Eagle3Llama) -> None:
+    assert ours.n_tokens == plain.n_tokens
+    assert ours.input_ids[:ours.n_tokens].tolist() == plain.input_ids[:plain.n_tokens].tolist()
+
+
+def chunks(stream) -> list[tuple]:
+    out = []
+    for c in stream:
+        ch = c["choices"][0]
+        out.append((ch.get("text", ch.get("delta")), ch["finish_reason"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_target):
+    llm = llama_cpp.Llama(model_path=str(tiny_target), **KW)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def ours(tiny_target, tiny_head):
+    llm = Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_max=4, **KW)
+    yield llm
+    llm.close()
+
+
+# -- greedy: identical responses ---------------------------------------------------------------------------
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_completion_identical(plain, ours, prompt):
+    same(plain.create_completion(prompt, max_tokens=40, **GREEDY), ours.create_completion(prompt, max_tokens=40, **GREEDY))
+    same_state(plain, ours)
+    st = ours.spec_stats
+    assert ours.spec_fallback is None and st.n_drafted > 0 and st.n_generated == 40
+
+
+def test_call_and_streaming_identical(plain, ours):
+    same(plain(PROMPTS[1], max_tokens=30, **GREEDY), ours(PROMPTS[1], max_tokens=30, **GREEDY))
+    a = chunks(plain.create_completion(PROMPTS[2], max_tokens=30, stream=True, **GREEDY))
+    b = chunks(ours.create_completion(PROMPTS[2], max_tokens=30, stream=True, **GREEDY))
+    assert a == b and a[-1][1] == "length"
+    same_state(plain, ours)
+
+
+def test_chat_identical(plain, ours):
+    same(plain.create_chat_completion(CHAT, max_tokens=40, **GREEDY),
+         ours.create_chat_completion(CHAT, max_tokens=40, **GREEDY))
+    a = chunks(plain.create_chat_completion(CHAT, max_tokens=25, stream=True, **GREEDY))
+    b = chunks(ours.create_chat_completion(CHAT, max_tokens=25, stream=True, **GREEDY))
+    assert a == b
+    same_state(plain, ours)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_mid_cycle(plain, ours, stream):
+    full = text_of(plain.create_completion(PROMPTS[0], max_tokens=40, **GREEDY))
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop.strip(), full
+    if stream:
+        a = chunks(plain.create_completion(PROMPTS[0], max_tokens=40, stop=[stop], stream=True, **GREEDY))
+        b = chunks(ours.create_completion(PROMPTS[0], max_tokens=40, stop=[stop], stream=True, **GREEDY))
+        assert a == b and a[-1][1] == "stop"
+    else:
+        a = plain.create_completion(PROMPTS[0], max_tokens=40, stop=stop, **GREEDY)
+        b = ours.create_completion(PROMPTS[0], max_tokens=40, stop=stop, **GREEDY)
+        assert a["choices"][0]["finish_reason"] == "stop"
+        same(a, b)
+    same_state(plain, ours)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 7])
+def test_max_tokens(plain, ours, max_tokens):
+    same(plain.create_completion(PROMPTS[1], max_tokens=max_tokens, **GREEDY),
+         ours.create_completion(PROMPTS[1], max_tokens=max_tokens, **GREEDY))
+    same_state(plain, ours)
+
+
+def test_max_tokens_beyond_context_is_clamped_alike(plain, ours):
+    a = plain.create_completion(PROMPTS[0], max_tokens=5000, **GREEDY)
+    b = ours.create_completion(PROMPTS[0], max_tokens=5000, **GREEDY)
+    same(a, b)
+    assert a["usage"]["total_tokens"] == KW["n_ctx"] and a["choices"][0]["finish_reason"] == "length"
+
+
+def test_calls_in_a_row_reuse_the_prefix(plain, ours):
+    """Second call extends the first's prompt (a chat turn), third shares only part of it."""
+    first = PROMPTS[2]
+    same(plain(first, max_tokens=20, **GREEDY), ours(first, max_tokens=20, **GREEDY))
+    second = first + text_of(plain(first, max_tokens=20, **GREEDY)) + " And then"
+    ours(first, max_tokens=20, **GREEDY)
+    same(plain(second, max_tokens=20, **GREEDY), ours(second, max_tokens=20, **GREEDY))
+    same_state(plain, ours)
+    third = first + " the baker said"
+    same(plain(third, max_tokens=20, **GREEDY), ours(third, max_tokens=20, **GREEDY))
+    same_state(plain, ours)
+
+
+def test_rewound_head_drafts_like_a_fresh_one(tiny_target, tiny_head, ours):
+    """After a call with another prompt sharing a prefix, the head drafts what a fresh head drafts."""
+    def drafts_of(llm, prompt):
+        seen = []
+        real = llm._e3_session.draft
+
+        def spy(*a, **k):
+            seen.append(real(*a, **k))
+            return seen[-1]
+        llm._e3_session.draft = spy
+        try:
+            llm(prompt, max_tokens=20, **GREEDY)
+        finally:
+            del llm._e3_session.draft
+        return seen
+
+    with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, **KW)) as fresh:
+        expected = drafts_of(fresh, PROMPTS[2] + " the baker said")
+    ours(PROMPTS[2] + " a dog barked", max_tokens=10, **GREEDY)
+    assert drafts_of(ours, PROMPTS[2] + " the baker said") == expected
+
+
+# -- the sampler chain: seeds, penalties, grammar, logit bias, processors, criteria -------------------------
+def test_seeded_sampling_identical(plain, ours):
+    a = plain.create_completion(PROMPTS[2], max_tokens=30, seed=7, **HOT)
+    other = plain.create_completion(PROMPTS[2], max_tokens=30, seed=8, **HOT)
+    assert text_of(a) != text_of(other)  # the seed matters, so the equality below means something
+    same(a, ours.create_completion(PROMPTS[2], max_tokens=30, seed=7, **HOT))
+    same(plain.create_chat_completion(CHAT, max_tokens=20, seed=3, **HOT),
+         ours.create_chat_completion(CHAT, max_tokens=20, seed=3, **HOT))
+
+
+@pytest.mark.parametrize("extra", [dict(repeat_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2),
+                                   dict(mirostat_mode=2, temperature=0.9)],
+                         ids=["penalties", "mirostat"])
+def test_stateful_samplers_identical(plain, ours, extra):
+    args = {**GREEDY, **extra}
+    same(plain.create_completion(PROMPTS[0], max_tokens=30, seed=5, **args),
+         ours.create_completion(PROMPTS[0], max_tokens=30, seed=5, **args))
+
+
+def test_grammar_identical(plain, ours):
+    grammar = 'root ::= [a-z ]+ "." [a-z ]*'
+    a = plain.create_completion(PROMPTS[0], max_tokens=25, grammar=llama_cpp.LlamaGrammar.from_string(grammar, verbose=False), **GREEDY)
+    b = ours.create_completion(PROMPTS[0], max_tokens=25, grammar=llama_cpp.LlamaGrammar.from_string(grammar, verbose=False), **GREEDY)
+    same(a, b)
+    assert set(text_of(a)) <= set("abcdefghijklmnopqrstuvwxyz .")
+
+
+def test_logit_bias_and_eos_identical(plain, ours):
+    eos = plain.token_eos()
+    full = plain.tokenize(text_of(plain(PROMPTS[1], max_tokens=12, **GREEDY)).encode(), add_bos=False)
+    bias = {full[3]: -100.0}  # changes the text from the fourth token on
+    same(plain(PROMPTS[1], max_tokens=12, logit_bias=bias, **GREEDY), ours(PROMPTS[1], max_tokens=12, logit_bias=bias, **GREEDY))
+    a = plain(PROMPTS[1], max_tokens=12, logit_bias={eos: 30.0}, **GREEDY)
+    b = ours(PROMPTS[1], max_tokens=12, logit_bias={eos: 30.0}, **GREEDY)
+    same(a, b)
+    assert a["choices"][0]["finish_reason"] == "stop"
+    same_state(plain, ours)
+
+
+def test_logits_processor_sees_the_same_calls(plain, ours):
+    def recorder(log):
+        def proc(input_ids, scores):
+            log.append(input_ids.tolist())
+            return scores
+        return llama_cpp.LogitsProcessorList([proc])
+
+    seen_plain, seen_ours = [], []
+    same(plain(PROMPTS[0], max_tokens=15, logits_processor=recorder(seen_plain), **GREEDY),
+         ours(PROMPTS[0], max_tokens=15, logits_processor=recorder(seen_ours), **GREEDY))
+    assert seen_ours == seen_plain and len(seen_plain) == 15
+
+
+def test_stopping_criteria_identical(plain, ours):
+    n_prompt = len(plain.tokenize(PROMPTS[2].encode()))
+    stop_at = llama_cpp.StoppingCriteriaList([lambda ids, _logits: len(ids) >= n_prompt + 9])
+    a = plain(PROMPTS[2], max_tokens=30, stopping_criteria=stop_at, **GREEDY)
+    b = ours(PROMPTS[2], max_tokens=30, stopping_criteria=stop_at, **GREEDY)
+    same(a, b)
+    assert a["choices"][0]["finish_reason"] == "stop" and a["usage"]["completion_tokens"] == 9
+    same_state(plain, ours)
+
+
+def test_logprobs_with_logits_all(tiny_target, tiny_head):
+    kw = {**KW, "logits_all": True}
+    with closing(llama_cpp.Llama(model_path=str(tiny_target), **kw)) as plain, \
+            closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, **kw)) as ours:
+        a = plain(PROMPTS[0], max_tokens=12, logprobs=3, **GREEDY)
+        b = ours(PROMPTS[0], max_tokens=12, logprobs=3, **GREEDY)
+        la, lb = a["choices"][0].pop("logprobs"), b["choices"][0].pop("logprobs")
+        same(a, b)
+        assert la["tokens"] == lb["tokens"] and la["text_offset"] == lb["text_offset"]
+        assert la["token_logprobs"] == pytest.approx(lb["token_logprobs"], abs=1e-4)
+        assert ours.spec_stats.n_drafted > 0
+
+
+# -- the speculative path really accepts -------------------------------------------------------------------
+@pytest.mark.parametrize("sampling", [GREEDY, {**HOT, "seed": 11}], ids=["greedy", "seeded"])
+def test_forced_acceptance(tiny_target, tiny_head, plain, sampling):
+    k = 4
+    plain(PROMPTS[1], max_tokens=61, **sampling)
+    truth = plain.input_ids[:plain.n_tokens].tolist()  # the prompt and the 60 tokens below
+    base = plain(PROMPTS[1], max_tokens=60, **sampling)
+    with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_max=k, **KW)) as llm:
+        use_session(llm, OracleSession(llm._e3_pair.target, llm._e3_pair.head, truth=truth,
+                                       schedule=[0, 1, 2, 3, 4, 4, 2]))
+        same(base, llm(PROMPTS[1], max_tokens=60, **sampling))
+        st = llm.spec_stats
+        assert all(st.accept_hist[n] > 0 for n in range(k + 1)), st.accept_hist
+        assert st.tau > 1.5
+        assert st.n_accepted + st.n_target_forwards == st.n_generated == 60
+        same_state(plain, llm)
+
+
+# -- attach_eagle3 -----------------------------------------------------------------------------------------
+def test_attach_eagle3(tiny_target, tiny_head, plain):
+    llm = llama_cpp.Llama(model_path=str(tiny_target), **KW)
+    try:
+        before = llm(PROMPTS[0], max_tokens=20, **GREEDY)
+        same_llm = attach_eagle3(llm, tiny_head, draft_max=3)
+        assert same_llm is llm and isinstance(llm, Eagle3Llama) and isinstance(llm, llama_cpp.Llama)
+        same(before, llm(PROMPTS[0], max_tokens=20, **GREEDY))
+        same(plain(PROMPTS[2], max_tokens=20, **GREEDY), llm(PROMPTS[2], max_tokens=20, **GREEDY))
+        assert llm.spec_stats.draft_max == 3 and llm.spec_stats.n_drafted > 0
+        with pytest.raises(Eagle3Error, match="already has an EAGLE-3 head"):
+            attach_eagle3(llm, tiny_head)
+    finally:
+        llm.close()
+
+
+# -- fallbacks and errors ----------------------------------------------------------------------------------
+def test_draft_max_zero_falls_back_to_plain(plain, ours):
+    ours.draft_max = 0
+    try:
+        same(plain(PROMPTS[0], max_tokens=15, **GREEDY), ours(PROMPTS[0], max_tokens=15, **GREEDY))
+        assert ours.spec_fallback == "draft_max is 0" and ours.spec_stats.n_drafted == 0
+    finally:
+        ours.draft_max = 4
+    same(plain(PROMPTS[0] + " Paris", max_tokens=15, **GREEDY), ours(PROMPTS[0] + " Paris", max_tokens=15, **GREEDY))
+    assert ours.spec_fallback is None
+
+
+def test_raw_generate_and_its_fallbacks(plain, ours):
+    toks = plain.tokenize(PROMPTS[1].encode())
+    a = list(itertools.islice(plain.generate(toks, temp=0.0), 10))
+    b = list(itertools.islice(ours.generate(toks, temp=0.0), 10))
+    assert a == b
+    gen = ours.generate(toks, temp=0.0, reset=False)
+    next(gen)
+    gen.close()
+    assert ours.spec_fallback.startswith("generate(reset=False)")
+    gen = ours.generate(toks, temp=0.0)
+    next(gen)
+    with pytest.raises(Eagle3Error, match="send"):
+        gen.send([1, 2])
+
+
+def test_warns_without_flash_attention(tiny_target, tiny_head):
+    with pytest.warns(RuntimeWarning, match="flash_attn=False"):
+        llm = Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, **{**KW, "flash_attn": False})
+    llm.close()
+    with pytest.warns(RuntimeWarning, match="flash_attn=False"):
+        with closing(llama_cpp.Llama(model_path=str(tiny_target), **{**KW, "flash_attn": False})) as llm:
+            attach_eagle3(llm, tiny_head)
+
+
+def test_bad_construction(tiny_target, tiny_head, smollm2_path):
+    with pytest.raises(Eagle3Error, match="draft_model_path"):
+        Eagle3Llama(model_path=str(tiny_target), **KW)
+    with pytest.raises(Eagle3Error, match="cannot be combined"):
+        Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head,
+                    draft_model=LlamaPromptLookupDecoding(), **KW)
+    with pytest.raises(Eagle3Error, match="draft_max"):
+        Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_max=-1, **KW)
+    with pytest.raises(Eagle3Error, match="hidden size"):  # a head for the tiny target on SmolLM2
+        Eagle3Llama(model_path=str(smollm2_path), draft_model_path=tiny_head, **KW)
+    with pytest.raises(Eagle3Error, match="no such file"):
+        Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head.with_name("missing.gguf"), **KW)
+
+
+# -- SmolLM2 ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smol_head(tmp_path_factory, smollm2_path):
+    spec = HeadSpec(576, (2, 15, 27), n_embd=576, n_head=9, n_head_kv=3, n_ff=1536, draft_vocab=2048)
+    return write_random_head(tmp_path_factory.mktemp("smol") / "smol-head.gguf", spec, tokenizer_from=smollm2_path)
+
+
+@pytest.mark.slow
+def test_smollm2_chat_and_completion_identical(smollm2_path, smol_head):
+    kw = dict(n_ctx=1024, n_batch=128, seed=0, flash_attn=True, verbose=False)
+    messages = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+    with closing(llama_cpp.Llama(model_path=str(smollm2_path), **kw)) as plain, \
+            closing(Eagle3Llama(model_path=str(smollm2_path), draft_model_path=smol_head, **kw)) as ours:
+        same(plain.create_chat_completion(messages, max_tokens=48, **GREEDY),
+             ours.create_chat_completion(messages, max_tokens=48, **GREEDY))
+        assert chunks(plain.create_chat_completion(messages, max_tokens=24, stream=True, **GREEDY)) == \
+            chunks(ours.create_chat_completion(messages, max_tokens=24, stream=True, **GREEDY))
+        same(plain("The three primary colours are", max_tokens=32, seed=4, temperature=0.8),
+             ours("The three primary colours are", max_tokens=32, seed=4, temperature=0.8))
+        same_state(plain, ours)

@@ -1,0 +1,164 @@
+"""`eagle3-gguf serve`: llama-cpp-python's OpenAI-compatible server with the head, end to end over HTTP."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import time
+from contextlib import closing
+
+import llama_cpp
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+N_CTX = 512
+ALIAS = "tiny"
+PLAIN = dict(temperature=0.0, repeat_penalty=1.0)  # what the requests below ask for
+EXTRA = {"repeat_penalty": 1.0}  # the server's own default is 1.1
+CHAT = [{"role": "user", "content": "Name three colours."}]
+PROMPT = "The capital of France is"
+
+
+def free_port() -> int:
+    with closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(proc: subprocess.Popen, port: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}: {proc.stderr.read()}")
+        try:
+            with closing(http.client.HTTPConnection("127.0.0.1", port, timeout=2)) as c:
+                c.request("GET", "/v1/models")
+                if c.getresponse().status == 200:
+                    return
+        except OSError:
+            time.sleep(0.3)
+    raise RuntimeError("the server did not come up in time")
+
+
+def raw_post(port: int, path: str, body: bytes) -> tuple[int, bytes]:
+    with closing(http.client.HTTPConnection("127.0.0.1", port, timeout=60)) as c:
+        c.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        return r.status, r.read()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_target, tiny_head):
+    port = free_port()
+    cmd = [sys.executable, "-m", "eagle3_gguf.cli.main", "serve", "-m", str(tiny_target), "--draft", str(tiny_head),
+           "--port", str(port), "-c", str(N_CTX), "--alias", ALIAS, "-t", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_ready(proc, port)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key="none", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_target):
+    llm = llama_cpp.Llama(model_path=str(tiny_target), n_ctx=N_CTX, flash_attn=True, verbose=False)
+    yield llm
+    llm.close()
+
+
+def test_lists_the_model(client):
+    assert [m.id for m in client.models.list().data] == [ALIAS]
+
+
+def test_chat(client, plain):
+    got = client.chat.completions.create(model=ALIAS, messages=CHAT, max_tokens=24, temperature=0, extra_body=EXTRA)
+    want = plain.create_chat_completion(CHAT, max_tokens=24, **PLAIN)
+    assert got.choices[0].message.content == want["choices"][0]["message"]["content"]
+    assert got.choices[0].finish_reason == want["choices"][0]["finish_reason"]
+    assert got.usage.model_dump() == {**want["usage"], **{k: v for k, v in got.usage.model_dump().items()
+                                                           if k not in want["usage"]}}
+
+
+def test_streaming_chat(client, plain):
+    stream = client.chat.completions.create(model=ALIAS, messages=CHAT, max_tokens=24, temperature=0, stream=True,
+                                            extra_body=EXTRA)
+    parts, reasons = [], []
+    for chunk in stream:
+        parts.append(chunk.choices[0].delta.content or "")
+        reasons.append(chunk.choices[0].finish_reason)
+    want = plain.create_chat_completion(CHAT, max_tokens=24, **PLAIN)
+    assert "".join(parts) == want["choices"][0]["message"]["content"]
+    assert reasons[-1] == want["choices"][0]["finish_reason"] == "length"
+
+
+def test_completion_and_stop(client, plain):
+    got = client.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=30, temperature=0, extra_body=EXTRA)
+    want = plain.create_completion(PROMPT, max_tokens=30, **PLAIN)
+    assert got.choices[0].text == want["choices"][0]["text"]
+    assert got.usage.completion_tokens == want["usage"]["completion_tokens"] == 30
+    stop = want["choices"][0]["text"][10:13]
+    got = client.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop],
+                                    extra_body=EXTRA)
+    want = plain.create_completion(PROMPT, max_tokens=30, stop=[stop], **PLAIN)
+    assert (got.choices[0].text, got.choices[0].finish_reason) == (want["choices"][0]["text"], "stop")
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=4)
+
+
+def test_prompt_beyond_context_is_400(client):
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.completions.create(model=ALIAS, prompt="word " * (N_CTX + 50), max_tokens=4)
+
+
+def test_max_tokens_beyond_context_is_clamped(client, plain):
+    """llama-cpp-python's own rule: max_tokens past the context stops at the context's end ("length")."""
+    got = client.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=10 * N_CTX, temperature=0,
+                                    extra_body=EXTRA)
+    assert got.usage.total_tokens == N_CTX and got.choices[0].finish_reason == "length"
+    assert got.choices[0].text == plain.create_completion(PROMPT, max_tokens=10 * N_CTX, **PLAIN)["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("body", [b"{not json", b'{"prompt": 12.5, "max_tokens": "many"}', b'{"messages": "hi"}'])
+def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server, client, body):
+    path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+    status, _ = raw_post(server, path, body)
+    assert 400 <= status < 500, status
+    got = client.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=3, temperature=0, extra_body=EXTRA)
+    assert got.usage.completion_tokens == 3
+
+
+def test_missing_server_extra_is_one_line(tiny_target, tiny_head):
+    code = ("import sys; sys.modules['uvicorn'] = None; sys.argv = ['eagle3-gguf', 'serve', '-m', sys.argv[1], "
+            "'--draft', sys.argv[2]]; from eagle3_gguf.cli.main import main; main()")
+    r = subprocess.run([sys.executable, "-c", code, str(tiny_target), str(tiny_head)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == ["error: the server needs uvicorn: pip install 'eagle3-gguf[server]'"]
+
+
+def test_bad_pair_is_one_line(tiny_head, smollm2_path):
+    r = subprocess.run([sys.executable, "-m", "eagle3_gguf.cli.main", "serve", "-m", str(smollm2_path), "--draft",
+                        str(tiny_head), "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "hidden size" in lines[0]
