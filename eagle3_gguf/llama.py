@@ -37,9 +37,8 @@ import ctypes
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Sequence
 
-import numpy as np
 import llama_cpp
 from llama_cpp import Llama
 

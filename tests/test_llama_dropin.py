@@ -12,6 +12,7 @@ from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 from eagle3_gguf.errors import Eagle3Error
 from eagle3_gguf.llama import Eagle3Llama, attach_eagle3
 from eagle3_gguf.session import Eagle3Session
+from oracle import OracleSession
 from model_factory import HeadSpec, write_random_head
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,"]
@@ -19,23 +20,6 @@ CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 KW = dict(n_ctx=512, n_batch=64, seed=1234, flash_attn=True, verbose=False)  # plain Llama defaults to False
 GREEDY = dict(temperature=0.0)
 HOT = dict(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0)  # really samples on the peaked tiny model
-
-
-class OracleSession(Eagle3Session):
-    """Runs the real head (its KV moves as usual) but drafts the target's true future tokens, the first
-    `good` of each cycle right and the rest wrong, `good` cycling through a schedule."""
-
-    def __init__(self, *args, truth: list[int], schedule: list[int], **kw):
-        super().__init__(*args, **kw)
-        self.truth = truth
-        self.schedule = itertools.cycle(schedule)
-
-    def draft(self, id_last: int, n_max: int, p_min: float = 0.0) -> list[int]:
-        real = super().draft(id_last, n_max, p_min)
-        start = self.pending_pos + 2  # id_last sits at pending_pos + 1
-        good = next(self.schedule)
-        future = self.truth[start:start + len(real)]
-        return [t if i < good else (t + 1) % 49152 for i, t in enumerate(future)]
 
 
 def use_session(llm: Eagle3Llama, session: Eagle3Session) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 
@@ -11,25 +9,9 @@ from eagle3_gguf.decode import Decoder, GenerateConfig, Sampler
 from eagle3_gguf.pair import PairConfig, load_pair
 from eagle3_gguf.session import Eagle3Session
 from eagle3_gguf.tokens import Message, apply_chat_template, tokenize
+from oracle import OracleSession
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,"]
-
-
-class OracleSession(Eagle3Session):
-    """Runs the real head (so its KV moves as usual) but returns the target's own future tokens,
-    corrupted after a scheduled number of correct ones: every acceptance length gets exercised."""
-
-    def __init__(self, *args, full: list[int], schedule: list[int], **kw):
-        super().__init__(*args, **kw)
-        self.full = full
-        self.schedule = itertools.cycle(schedule)
-
-    def draft(self, id_last: int, n_max: int, p_min: float = 0.0) -> list[int]:
-        real = super().draft(id_last, n_max, p_min)
-        start = self.pending_pos + 2  # id_last sits at pending_pos + 1
-        truth = self.full[start:start + len(real)]
-        good = next(self.schedule)
-        return [t if i < good else (t + 1) % 49152 for i, t in enumerate(truth)]
 
 
 def check_stats_add_up(st, n_tokens: int) -> None:
@@ -64,7 +46,7 @@ def test_forced_acceptance_every_length(tiny_pair):
         prompt = tokenize(tiny_pair.target_model, PROMPTS[1])
         base = plain.generate(prompt, GenerateConfig(n_predict=60, draft_max=0), speculative=False)
     full = prompt + base.tokens
-    with OracleSession(tiny_pair.target, tiny_pair.head, full=full, schedule=[0, 1, 2, 3, 4, 4, 2]) as s, \
+    with OracleSession(tiny_pair.target, tiny_pair.head, truth=full, schedule=[0, 1, 2, 3, 4, 4, 2]) as s, \
             Decoder(tiny_pair.target, s) as d:
         spec = d.generate(prompt, GenerateConfig(n_predict=60, draft_max=k))
     assert spec.tokens == base.tokens
@@ -86,7 +68,7 @@ def test_sampling_is_lossless_with_the_same_seed(tiny_pair):
         other = plain.generate(prompt, GenerateConfig(n_predict=40), hot(8), speculative=False)
     assert base.tokens != other.tokens  # the seed matters, so the equality below means something
     full = prompt + base.tokens
-    with OracleSession(tiny_pair.target, tiny_pair.head, full=full, schedule=[3, 0, 2]) as s, \
+    with OracleSession(tiny_pair.target, tiny_pair.head, truth=full, schedule=[3, 0, 2]) as s, \
             Decoder(tiny_pair.target, s) as d:
         spec = d.generate(prompt, GenerateConfig(n_predict=40, draft_max=3), hot(7))
     assert spec.tokens == base.tokens
@@ -174,7 +156,7 @@ def test_greedy_equals_target_only_smollm2(smollm2_path, tmp_path):
                 assert spec.tokens == base.tokens
                 check_stats_add_up(spec.stats, len(spec.tokens))
         full = prompts[0] + bases[0].tokens
-        with OracleSession(pair.target, pair.head, full=full, schedule=[4, 1, 3, 0, 2]) as s, \
+        with OracleSession(pair.target, pair.head, truth=full, schedule=[4, 1, 3, 0, 2]) as s, \
                 Decoder(pair.target, s) as d:
             spec = d.generate(prompts[0], GenerateConfig(n_predict=64, draft_max=4))
         assert spec.tokens == bases[0].tokens
