@@ -1,0 +1,150 @@
+"""From a target GGUF to a trained head and back: read the target's hparams and frozen token
+embeddings; export the head as a SafeAILab-layout checkpoint (model.safetensors + config.json, so the
+same head runs in vLLM / SGLang); convert that with our converter into a GGUF for llama.cpp.
+
+SafeAILab layout: `fc.weight`, `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`,
+`midlayer.self_attn.{q,k,v,o}_proj.weight`, `midlayer.mlp.{gate,up,down}_proj.weight`, `norm.weight`,
+`lm_head.weight` (draft vocab rows), `d2t` (int64 offsets: target id = i + d2t[i]), `t2d` (bool over
+the target vocab); config = a one-layer llama config with `draft_vocab_size` and `target_hidden_size`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .. import keys
+from ..errors import Eagle3Error
+from .vocab import DraftVocab
+
+
+@dataclass
+class TargetHParams:
+    path: Path
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    n_vocab: int
+    rms_eps: float
+    rope_theta: float
+    n_ctx_train: int
+
+
+def read_target(path: str | Path) -> TargetHParams:
+    """The target's llama-style hparams from its GGUF header."""
+    from gguf import GGUFReader
+
+    path = Path(path)
+    if not path.is_file():
+        raise Eagle3Error(f"{path}: no such file")
+    r = GGUFReader(path)
+
+    def field(name: str, default=None):
+        f = r.fields.get(name)
+        if f is None:
+            if default is None:
+                raise Eagle3Error(f"{path.name}: GGUF lacks '{name}'")
+            return default
+        return f.contents()
+
+    arch = field(keys.KEY_ARCHITECTURE)
+    if arch == keys.ARCH_EAGLE3:
+        raise Eagle3Error(f"{path.name} is an EAGLE-3 head: pass the target model with -m")
+    k = lambda name: keys.arch_key(name, arch)  # noqa: E731
+    n_embd = int(field(k(keys.KEY_EMBEDDING_LENGTH)))
+    n_head = int(field(k(keys.KEY_HEAD_COUNT)))
+    emb = next((t for t in r.tensors if t.name == keys.T_TOKEN_EMBD), None)
+    if emb is None:
+        raise Eagle3Error(f"{path.name}: no {keys.T_TOKEN_EMBD} tensor")
+    return TargetHParams(
+        path=path, arch=str(arch), n_layer=int(field(k(keys.KEY_BLOCK_COUNT))), n_embd=n_embd,
+        n_ff=int(field(k(keys.KEY_FEED_FORWARD_LENGTH))), n_head=n_head,
+        n_head_kv=int(field(k(keys.KEY_HEAD_COUNT_KV), n_head)), n_vocab=int(emb.shape[-1]),
+        rms_eps=float(field(k(keys.KEY_RMS_EPS), 1e-5)), rope_theta=float(field(k(keys.KEY_ROPE_FREQ_BASE), 10000.0)),
+        n_ctx_train=int(field(k(keys.KEY_CONTEXT_LENGTH), 2048)))
+
+
+def read_token_embeddings(path: str | Path) -> np.ndarray:
+    """The target's token embeddings, dequantized.  # [n_vocab, n_embd] float32"""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    t = next((t for t in GGUFReader(path).tensors if t.name == keys.T_TOKEN_EMBD), None)
+    if t is None:
+        raise Eagle3Error(f"{Path(path).name}: no {keys.T_TOKEN_EMBD} tensor")
+    n_embd, n_vocab = int(t.shape[0]), int(t.shape[1])
+    return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(n_vocab, n_embd)
+
+
+# The head's parameter names (model.py) → SafeAILab checkpoint names
+_NAMES = {
+    "fc.weight": "fc.weight",
+    "input_layernorm.weight": "midlayer.input_layernorm.weight",
+    "hidden_norm.weight": "midlayer.hidden_norm.weight",
+    "attn.q_proj.weight": "midlayer.self_attn.q_proj.weight",
+    "attn.k_proj.weight": "midlayer.self_attn.k_proj.weight",
+    "attn.v_proj.weight": "midlayer.self_attn.v_proj.weight",
+    "attn.o_proj.weight": "midlayer.self_attn.o_proj.weight",
+    "post_attention_layernorm.weight": "midlayer.post_attention_layernorm.weight",
+    "gate_proj.weight": "midlayer.mlp.gate_proj.weight",
+    "up_proj.weight": "midlayer.mlp.up_proj.weight",
+    "down_proj.weight": "midlayer.mlp.down_proj.weight",
+    "norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+
+
+def export_safeai(head, vocab: DraftVocab, layer_ids: list[int], n_layer_target: int, out_dir: str | Path) -> Path:
+    """Write model.safetensors (float32) + config.json into out_dir; returns out_dir."""
+    from safetensors.numpy import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    c = head.c
+    state = {k: v.detach().float().cpu().numpy() for k, v in head.state_dict().items()}
+    missing = set(_NAMES) - set(state)
+    if missing:
+        raise Eagle3Error(f"head lacks parameters {sorted(missing)}")
+    tensors = {dst: np.ascontiguousarray(state[src]) for src, dst in _NAMES.items()}
+    tensors["d2t"] = vocab.d2t.astype(np.int64)  # [draft_vocab]
+    tensors["t2d"] = vocab.t2d  # [n_vocab] bool
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": c.n_embd,
+        "intermediate_size": c.n_ff,
+        "num_attention_heads": c.n_head,
+        "num_key_value_heads": c.n_head_kv,
+        "head_dim": c.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_eps,
+        "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.max_position,
+        "vocab_size": c.n_vocab,
+        "draft_vocab_size": c.draft_vocab,
+        "target_hidden_size": c.n_embd_tgt,
+        "norm_before_residual": c.norm_before_residual,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+    if list(layer_ids) != [2, n_layer_target // 2, n_layer_target - 3]:
+        config["eagle_aux_hidden_state_layer_ids"] = list(layer_ids)  # input-of-layer ids
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir
+
+
+def convert_to_gguf(checkpoint_dir: str | Path, target: str | Path, out: str | Path, layer_ids: list[int],
+                    outtype: str = "f16", fc_type: str = "q4_0", name: str | None = None):
+    """Our converter on the exported checkpoint (the layer ids passed explicitly)."""
+    from ..convert import convert_head
+
+    return convert_head(checkpoint_dir, out, target, layer_ids=list(layer_ids), outtype=outtype, fc_type=fc_type,
+                        name=name)

@@ -1,0 +1,82 @@
+"""The draft vocabulary: the N target tokens the target generates most often in the training data.
+
+`d2t` follows the SafeAILab convention (int64 offsets: target id = i + d2t[i]); `t2d` is a bool
+mask over the target vocab. Draft ids are the selected target ids in ascending order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import Eagle3Error
+from .data import Dataset
+
+
+@dataclass
+class DraftVocab:
+    ids: np.ndarray  # [N] int64, ascending target ids
+    n_vocab: int  # the target's
+    coverage: float  # share of the answer tokens in the data that the draft vocab contains
+
+    @property
+    def size(self) -> int:
+        return len(self.ids)
+
+    @property
+    def d2t(self) -> np.ndarray:
+        """[N] int64 offsets: target id = i + d2t[i]"""
+        return self.ids - np.arange(self.size, dtype=np.int64)
+
+    @property
+    def t2d(self) -> np.ndarray:
+        """[n_vocab] bool"""
+        mask = np.zeros(self.n_vocab, dtype=bool)
+        mask[self.ids] = True
+        return mask
+
+    def target_to_draft(self) -> np.ndarray:
+        """[n_vocab] int64: the draft id of each target id, -1 outside the draft vocab"""
+        m = np.full(self.n_vocab, -1, dtype=np.int64)
+        m[self.ids] = np.arange(self.size)
+        return m
+
+
+def answer_token_counts(data: Dataset, n_vocab: int) -> np.ndarray:
+    """How often each target token is a training label (a token the target generated).  # [n_vocab]"""
+    counts = np.zeros(n_vocab, dtype=np.int64)
+    for r in range(data.n_records):
+        tokens, _, n_prompt = data.record(r)
+        np.add.at(counts, tokens[n_prompt:], 1)
+    return counts
+
+
+def coverage_curve(counts: np.ndarray, sizes: list[int]) -> dict[int, float]:
+    """Coverage of the answer tokens by the N most frequent ones, for each N."""
+    order = np.sort(counts)[::-1]
+    total = max(int(order.sum()), 1)
+    return {n: float(order[:n].sum()) / total for n in sizes}
+
+
+def build_draft_vocab(counts: np.ndarray, size: int) -> DraftVocab:
+    """The `size` most frequent tokens (ties: lower id first); unseen tokens fill up if needed."""
+    n_vocab = len(counts)
+    if not 0 < size <= n_vocab:
+        raise Eagle3Error(f"--draft-vocab {size}: must be between 1 and the target vocab ({n_vocab})")
+    order = np.lexsort((np.arange(n_vocab), -counts))  # by count desc, then id asc
+    ids = np.sort(order[:size]).astype(np.int64)
+    cov = float(counts[ids].sum()) / max(int(counts.sum()), 1)
+    return DraftVocab(ids, n_vocab, cov)
+
+
+def heldout_coverage(data: Dataset, n_vocab: int, sizes: list[int], every: int = 10) -> dict[int, float]:
+    """Coverage measured honestly: vocabularies built from all records but every `every`-th, measured
+    on the answers of those left-out records (what an unseen prompt's answer looks like)."""
+    fit = np.zeros(n_vocab, dtype=np.int64)
+    test = np.zeros(n_vocab, dtype=np.int64)
+    for r in range(data.n_records):
+        tokens, _, n_prompt = data.record(r)
+        np.add.at(test if r % every == 0 else fit, tokens[n_prompt:], 1)
+    total = max(int(test.sum()), 1)
+    return {n: float(test[build_draft_vocab(fit, n).ids].sum()) / total for n in sizes}

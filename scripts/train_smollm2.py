@@ -1,0 +1,183 @@
+#!/usr/bin/env python
+"""Reproduce the shipped head: SmolLM2-135M-Instruct → eagle3_gguf/heads/smollm2-135m-instruct-eagle3.gguf.
+
+    python scripts/train_smollm2.py                  # data → vocab → train → export → convert → evaluate
+    python scripts/train_smollm2.py --measure-vocab  # draft step cost vs coverage for 4096/8192/16384
+
+Everything lands in runs/smollm2/ (gitignored; resumable: rerun the same command to continue).
+The evaluation prompts below are our own and are not among the training prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = ROOT / "runs" / "smollm2"
+LAYERS = [2, 15, 27]
+
+# The settings the shipped head was trained with (see eagle3_gguf/heads/MODEL_CARD.md).
+N_PROMPTS = 419  # the shipped run stopped its data generation here (time budget)
+DRAFT_VOCAB = 8192
+N_FF = 1536
+UNROLL = 4
+EPOCHS = 6.0
+BATCH_TOKENS = 1024
+MAX_TRAIN_MINUTES = 28.0  # the wall-time budget: the LR schedule decays by then (whichever comes first)
+THREADS = 1  # llama.cpp threads: on a busy 2-core machine, 2 threads spin against each other
+TORCH_THREADS = 2
+
+EVAL_PROMPTS = [
+    "Write a Python function that returns the number of words in a string that start with a capital letter. "
+    "Include a docstring.",
+    "Explain how a bicycle's gears make pedaling easier uphill.",
+    "Write a short poem about a cat watching the rain.",
+    "Tom has 12 oranges. He gives 3 to his sister and buys 7 more. How many oranges does he have now?",
+    "What are three tips for writing a clear email?",
+    "Write a Python function that checks whether all elements of a list are unique.",
+]
+
+
+def log(msg: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
+
+
+def on_event(stage: str, p) -> None:
+    if stage == "train" and p.eval is not None:
+        log("eval " + "  ".join(f"step{j}: loss {lo:.3f} top1 {t:.1%}" for j, (lo, t) in
+                                enumerate(zip(p.eval.loss, p.eval.top1))))
+    elif stage == "train" and p.step % 25 == 0:
+        log(f"train step {p.step}/{p.total_steps} loss {p.loss:.3f} lr {p.lr:.2e} {p.tok_per_s:.0f} rows/s")
+    elif stage == "vocab":
+        log(f"vocab {p}")
+    elif stage == "convert":
+        log(f"gguf {p.out} {p.file_bytes} bytes")
+
+
+def train() -> Path:
+    from eagle3_gguf.assets import smollm2_path
+    from eagle3_gguf.train import PipelineConfig, run_training
+    from eagle3_gguf.train.loop import TrainConfig
+
+    tcfg = TrainConfig(n_unroll=UNROLL, epochs=EPOCHS, batch_tokens=BATCH_TOKENS, lr=1e-3, n_threads=TORCH_THREADS,
+                       max_minutes=MAX_TRAIN_MINUTES, ckpt_every=25, bf16=True)
+    cfg = PipelineConfig(n_prompts=N_PROMPTS, layer_ids=LAYERS, draft_vocab=DRAFT_VOCAB, n_ff=N_FF, n_seq=16,
+                         max_new=256, n_threads=THREADS, outtype="q8_0", fc_type="q4_0", resume=True, train=tcfg)
+    res = run_training(smollm2_path(), RUN, cfg, on_event=on_event)
+    summary = {"n_tokens": res.n_tokens, "n_answer_tokens": res.n_answer_tokens, "data_seconds": res.data_seconds,
+               "draft_vocab": res.draft_vocab, "coverage": res.coverage, "train": asdict(res.train),
+               "gguf_bytes": res.gguf_bytes}
+    (RUN / "train_summary.json").write_text(json.dumps(summary, indent=1))
+    log(f"summary {json.dumps(summary)}")
+    return res.gguf
+
+
+def evaluate(head: Path, k: int = 4, n_predict: int = 128) -> dict:
+    """tau and speedup at K on our held-out prompts (greedy, chat template), and greedy identity."""
+    from eagle3_gguf.assets import smollm2_path
+    from eagle3_gguf.decode import Decoder, GenerateConfig
+    from eagle3_gguf.pair import PairConfig, load_pair
+    from eagle3_gguf.session import Eagle3Session
+    from eagle3_gguf.train.data import chat_tokens
+
+    rows = []
+    with load_pair(smollm2_path(), head, PairConfig(n_ctx=2048, n_batch=512, n_threads=THREADS)) as pair, \
+            Eagle3Session(pair.target, pair.head) as sess, Decoder(pair.target, sess) as dec:
+        for text in EVAL_PROMPTS:
+            prompt = chat_tokens(pair.target_model, text)
+            base = dec.generate(prompt, GenerateConfig(n_predict=n_predict, draft_max=k), speculative=False)
+            spec = dec.generate(prompt, GenerateConfig(n_predict=n_predict, draft_max=k))
+            st = spec.stats
+            rows.append({"prompt": text[:60], "identical": spec.tokens == base.tokens, "n": len(spec.tokens),
+                         "forwards": st.n_target_forwards, "tau": st.n_generated / max(st.n_target_forwards, 1),
+                         "spec_s": st.t_total, "base_s": base.stats.t_total})
+            log(f"eval {rows[-1]}")
+    n_gen = sum(r["n"] for r in rows)
+    result = {"k": k, "n_predict": n_predict, "prompts": rows,
+              "tau": sum(r["tau"] * r["forwards"] for r in rows) / sum(r["forwards"] for r in rows),
+              "speedup": sum(r["base_s"] for r in rows) / sum(r["spec_s"] for r in rows),
+              "all_identical": all(r["identical"] for r in rows), "tokens": n_gen}
+    (RUN / f"eval_k{k}.json").write_text(json.dumps(result, indent=1))
+    log(f"tau {result['tau']:.2f} speedup {result['speedup']:.2f}x identical {result['all_identical']}")
+    return result
+
+
+def measure_vocab(sizes=(4096, 8192, 16384), reps: int = 5) -> dict:
+    """Draft step cost (a random head of the shipped shape, converted like the shipped one) vs the
+    target step, and coverage of the generated tokens in runs/smollm2/data."""
+    import torch
+
+    from eagle3_gguf.assets import smollm2_path
+    from eagle3_gguf.native import Batch
+    from eagle3_gguf.pair import PairConfig, load_pair
+    from eagle3_gguf.session import Eagle3Session
+    from eagle3_gguf.train.data import chat_tokens, load_dataset
+    from eagle3_gguf.train.export import convert_to_gguf, export_safeai, read_target
+    from eagle3_gguf.train.model import Eagle3Head, HeadConfig
+    from eagle3_gguf.train.vocab import DraftVocab, heldout_coverage
+
+    target = smollm2_path()
+    tgt = read_target(target)
+    out = {}
+    if (RUN / "data" / "manifest.json").is_file():
+        out["coverage"] = heldout_coverage(load_dataset(RUN / "data"), tgt.n_vocab, list(sizes))
+    work = RUN / "vocab_probe"
+    for n in sizes:
+        cfg = HeadConfig(n_embd=tgt.n_embd, n_ff=N_FF, n_head=tgt.n_head, n_head_kv=tgt.n_head_kv,
+                         n_embd_tgt=tgt.n_embd, n_vocab=tgt.n_vocab, draft_vocab=n, rope_theta=tgt.rope_theta)
+        head = Eagle3Head(cfg, torch.zeros(tgt.n_vocab, tgt.n_embd))
+        vocab = DraftVocab(np.arange(n, dtype=np.int64), tgt.n_vocab, 0.0)
+        ckpt = export_safeai(head, vocab, LAYERS, tgt.n_layer, work / f"v{n}")
+        gguf = convert_to_gguf(ckpt, target, work / f"v{n}.gguf", LAYERS, outtype="q8_0")
+        with load_pair(target, gguf.out, PairConfig(n_ctx=1024, n_threads=THREADS)) as pair, \
+                Eagle3Session(pair.target, pair.head) as sess, Batch(512) as batch:
+            prompt = chat_tokens(pair.target_model, EVAL_PROMPTS[0])
+            batch.set(prompt, 0, logits="last")
+            pair.target.decode(batch)
+            sess.process(prompt, 0)
+            draft_t, target_t = [], []
+            for _ in range(reps):
+                t = time.perf_counter()
+                for _ in range(5):
+                    sess.draft(100, 4)
+                draft_t.append((time.perf_counter() - t) / 20)
+                t = time.perf_counter()
+                for i in range(5):
+                    batch.set([100], len(prompt) + i, logits="last")
+                    pair.target.decode(batch)
+                target_t.append((time.perf_counter() - t) / 5)
+                pair.target.seq_rm(0, len(prompt), -1)
+        out[n] = {"draft_step_ms": 1e3 * min(draft_t), "target_step_ms": 1e3 * min(target_t),
+                  "ratio": min(draft_t) / min(target_t), "gguf_bytes": gguf.file_bytes}
+        log(f"vocab {n}: {out[n]}")
+    (RUN / "vocab_probe.json").write_text(json.dumps(out, indent=1, default=str))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--measure-vocab", action="store_true", help="only measure draft-vocab cost vs coverage")
+    ap.add_argument("--eval-only", action="store_true", help="only evaluate the head in runs/smollm2/head.gguf")
+    args = ap.parse_args()
+    if args.measure_vocab:
+        measure_vocab()
+        return
+    head = RUN / "head.gguf" if args.eval_only else train()
+    shipped = ROOT / "eagle3_gguf" / "heads" / "smollm2-135m-instruct-eagle3.gguf"
+    shipped.parent.mkdir(exist_ok=True)
+    if not args.eval_only:
+        shutil.copyfile(head, shipped)
+        log(f"copied to {shipped}")
+    evaluate(shipped if shipped.is_file() else head)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""`eagle3-gguf train`: end to end on the tiny target through the CLI, and its one-line errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+CLI = [sys.executable, "-m", "eagle3_gguf.cli.main"]
+
+# Runs the CLI with `torch` hidden from importlib, as on an install without the [train] extra.
+NO_TORCH = ("import importlib.util, sys; real = importlib.util.find_spec; "
+            "importlib.util.find_spec = lambda n, *a: None if n == 'torch' else real(n, *a); "
+            "sys.argv = ['eagle3-gguf'] + sys.argv[1:]; from eagle3_gguf.cli.main import main; main()")
+
+
+def run(*args, cli=CLI):
+    return subprocess.run([*cli, *args], capture_output=True, text=True, timeout=600)
+
+
+def test_train_without_torch_says_how_to_install(tmp_path, tiny_target):
+    r = run("train", "-m", str(tiny_target), "-o", str(tmp_path / "o"), cli=[sys.executable, "-c", NO_TORCH])
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == "error: training needs torch: pip install 'eagle3-gguf[train]'"
+
+
+def test_train_bad_layer_ids_is_one_line(tmp_path, tiny_target):
+    pytest.importorskip("torch")
+    r = run("train", "-m", str(tiny_target), "-o", str(tmp_path / "o"), "--layer-ids", "1,2")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--layer-ids" in r.stderr
+
+
+def test_train_cli_end_to_end(tmp_path, tiny_target):
+    pytest.importorskip("torch")
+    out = tmp_path / "run"
+    args = ["train", "-m", str(tiny_target), "-o", str(out), "--prompts", "4", "--steps", "4", "--draft-vocab",
+            "256", "--ffn", "64", "--max-new", "12", "--parallel", "2", "--layer-ids", "1,3,4", "-t", "2"]
+    r = run(*args)
+    assert r.returncode == 0, r.stderr
+    assert "training    4 steps" in r.stdout and (out / "head.gguf").is_file()
+    assert (out / "checkpoint" / "config.json").is_file()
+    r = run(*args)  # the folder holds a run: refuse unless --resume
+    assert r.returncode == 2 and "--resume" in r.stderr
+    r = run(*args[:-2], "--resume", "--steps", "6")
+    assert r.returncode == 0, r.stderr
+    assert "training    6 steps" in r.stdout
