@@ -22,6 +22,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -130,7 +131,7 @@ def bench_target(quant: str, target: Path, head: Path, args, tools: Path | None)
     if tools is not None:
         pp, tg = llama_bench(tools, target, args.threads)
         physics = Physics(quant, pp, tg)
-    prompt_file = Path(args.out) / "_prompt.txt"
+    prompt_file = Path(tempfile.mkdtemp(prefix="eagle3-bench-")) / "prompt.txt"
     with load_pair(target, head, PairConfig(n_ctx=4096, n_threads=args.threads)) as pair:
         model = pair.target_model
         with Eagle3Session(pair.target, pair.head) as session, Decoder(pair.target, session) as dec:
