@@ -202,7 +202,7 @@ def test_cli_layer_ids_override_and_types(tmp_path, tiny_target):
     assert meta.tensor(keys.T_FC).ggml_type == GT.F16 and meta.tensor(keys.T_OUTPUT).ggml_type == GT.Q8_0
 
 
-@pytest.mark.parametrize("layout", ["specforge", "speculators"])  # the other layouts' keys: first test above
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_info_shows_ids_and_flags(tmp_path, tiny_target, layout):
     out = tmp_path / "h.gguf"
     nbr = layout == "speculators"
