@@ -39,7 +39,7 @@ def register(app: typer.Typer) -> None:
         verbose: bool = typer.Option(False, "-v", "--verbose", help="Show llama.cpp's log."),
     ) -> None:
         """Decode with the target and the head paired: the head drafts, the target verifies in one batch.
-        The text is exactly what the target alone would produce."""
+        Every token is the target's own choice (README: exactness past 256 tokens on several threads)."""
         from .main import fail, setup_logging
 
         setup_logging(verbose)
