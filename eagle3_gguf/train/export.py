@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import keys
 from ..errors import Eagle3Error
+from ..gguf_file import read_gguf
 from .vocab import DraftVocab
 
 
@@ -37,49 +38,42 @@ class TargetHParams:
 
 
 def read_target(path: str | Path) -> TargetHParams:
-    """The target's llama-style hparams from its GGUF header."""
-    from gguf import GGUFReader
+    """The target's llama-style hparams from its GGUF header (the fast reader: no tensor data)."""
+    g = read_gguf(path)
 
-    path = Path(path)
-    if not path.is_file():
-        raise Eagle3Error(f"{path}: no such file")
-    r = GGUFReader(path)
-
-    def field(name: str, default=None):
-        f = r.fields.get(name)
-        if f is None:
+    def field(template: str, default=None):
+        value = g.get(template)
+        if value is None:
             if default is None:
-                raise Eagle3Error(f"{path.name}: GGUF lacks '{name}'")
+                raise Eagle3Error(f"{g.path.name}: GGUF lacks '{keys.arch_key(template, g.arch)}'")
             return default
-        return f.contents()
+        return value
 
-    arch = field(keys.KEY_ARCHITECTURE)
-    if arch == keys.ARCH_EAGLE3:
-        raise Eagle3Error(f"{path.name} is an EAGLE-3 head: pass the target model with -m")
-    k = lambda name: keys.arch_key(name, arch)  # noqa: E731
-    n_embd = int(field(k(keys.KEY_EMBEDDING_LENGTH)))
-    n_head = int(field(k(keys.KEY_HEAD_COUNT)))
-    emb = next((t for t in r.tensors if t.name == keys.T_TOKEN_EMBD), None)
+    if g.arch == keys.ARCH_EAGLE3:
+        raise Eagle3Error(f"{g.path.name} is an EAGLE-3 head: pass the target model with -m")
+    emb = g.tensor(keys.T_TOKEN_EMBD)
     if emb is None:
-        raise Eagle3Error(f"{path.name}: no {keys.T_TOKEN_EMBD} tensor")
+        raise Eagle3Error(f"{g.path.name}: no {keys.T_TOKEN_EMBD} tensor")
+    n_head = int(field(keys.KEY_HEAD_COUNT))
     return TargetHParams(
-        path=path, arch=str(arch), n_layer=int(field(k(keys.KEY_BLOCK_COUNT))), n_embd=n_embd,
-        n_ff=int(field(k(keys.KEY_FEED_FORWARD_LENGTH))), n_head=n_head,
-        n_head_kv=int(field(k(keys.KEY_HEAD_COUNT_KV), n_head)), n_vocab=int(emb.shape[-1]),
-        rms_eps=float(field(k(keys.KEY_RMS_EPS), 1e-5)), rope_theta=float(field(k(keys.KEY_ROPE_FREQ_BASE), 10000.0)),
-        n_ctx_train=int(field(k(keys.KEY_CONTEXT_LENGTH), 2048)))
+        path=g.path, arch=g.arch, n_layer=int(field(keys.KEY_BLOCK_COUNT)), n_embd=int(field(keys.KEY_EMBEDDING_LENGTH)),
+        n_ff=int(field(keys.KEY_FEED_FORWARD_LENGTH)), n_head=n_head,
+        n_head_kv=int(field(keys.KEY_HEAD_COUNT_KV, n_head)), n_vocab=int(emb.shape[-1]),
+        rms_eps=float(field(keys.KEY_RMS_EPS, 1e-5)), rope_theta=float(field(keys.KEY_ROPE_FREQ_BASE, 10000.0)),
+        n_ctx_train=int(field(keys.KEY_CONTEXT_LENGTH, 2048)))
 
 
 def read_token_embeddings(path: str | Path) -> np.ndarray:
     """The target's token embeddings, dequantized.  # [n_vocab, n_embd] float32"""
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    t = next((t for t in GGUFReader(path).tensors if t.name == keys.T_TOKEN_EMBD), None)
+    meta = read_gguf(path).raw
+    t = meta.tensor(keys.T_TOKEN_EMBD)
     if t is None:
         raise Eagle3Error(f"{Path(path).name}: no {keys.T_TOKEN_EMBD} tensor")
     n_embd, n_vocab = int(t.shape[0]), int(t.shape[1])
-    return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(n_vocab, n_embd)
+    raw = meta.tensor_data(keys.T_TOKEN_EMBD)  # [n_vocab, row bytes] uint8
+    return np.asarray(dequantize(raw, t.ggml_type), dtype=np.float32).reshape(n_vocab, n_embd)
 
 
 # The head's parameter names (model.py) → SafeAILab checkpoint names
