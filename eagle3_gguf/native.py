@@ -233,7 +233,11 @@ class Context(_Owner):
     """A llama_context; `ctx_other` pairs an EAGLE-3 head with its target."""
 
     def __init__(self, model: Model, *, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int | None = None,
-                 n_threads: int | None = None, ctx_other: "Context | None" = None, n_seq_max: int = 1):
+                 n_threads: int | None = None, ctx_other: "Context | None" = None, n_seq_max: int = 1,
+                 kv_unified: bool = True):
+        """kv_unified=False gives every sequence its own KV stream (n_ctx / n_seq_max cells): a row attends
+        over its own sequence only, but llama.cpp then orders a batch's rows by sequence id in its ubatches
+        (so layer-input rows come out in that order: keep batches sorted by sequence)."""
         self.model = model
         self.ctx_other = ctx_other  # keeps the target alive while the head borrows from it
         threads = n_threads or default_threads()
@@ -242,7 +246,7 @@ class Context(_Owner):
         params.n_batch = n_batch
         params.n_ubatch = min(n_ubatch or n_batch, n_batch)
         params.n_seq_max = n_seq_max
-        params.kv_unified = True  # one cache for all sequences: batches keep their row order in ubatches
+        params.kv_unified = kv_unified  # one cache for all sequences: batches keep their row order in ubatches
         params.n_threads = threads
         params.n_threads_batch = threads
         params.no_perf = True

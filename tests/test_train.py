@@ -35,7 +35,7 @@ def test_prompts_are_ours_and_stable():
     a, b = build_prompts(300), build_prompts(120)
     assert a[:120] == b  # any prefix is the same set: resuming with another --prompts is safe
     assert len({p.text for p in a}) == 300
-    assert {p.category for p in a} >= {"coding", "explain", "writing", "math", "reasoning", "roleplay", "extraction"}
+    assert {p.category for p in a} >= {"coding", "explain", "writing", "math", "reasoning", "roleplay", "extraction", "stub"}
 
 
 def test_batched_capture_matches_single_sequence(tiny_target, tiny_data):

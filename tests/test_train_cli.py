@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import subprocess
 import sys
 
 import pytest
+from model_factory import TinyDims, write_tiny_target
 
 CLI = [sys.executable, "-m", "eagle3_gguf.cli.main"]
 
@@ -31,15 +34,30 @@ def test_train_bad_layer_ids_is_one_line(tmp_path, tiny_target):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--layer-ids" in r.stderr
 
 
+def test_train_data_model_must_be_the_same_model(tmp_path, tiny_target):
+    pytest.importorskip("torch")
+    other = write_tiny_target(tmp_path / "other.gguf", dataclasses.replace(TinyDims(), n_layer=5),
+                              tokenizer_from=tiny_target)
+    r = run("train", "-m", str(tiny_target), "-o", str(tmp_path / "o"), "--data-model", str(other))
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"error: --data-model {other}: not the same model as {tiny_target} (vocab, hidden size, layers 49152, 64, 5 "
+        f"vs 49152, 64, 6): pass another quantization of the target"]
+    assert not (tmp_path / "o" / "data").exists()
+
+
 def test_train_cli_end_to_end(tmp_path, tiny_target):
     pytest.importorskip("torch")
     out = tmp_path / "run"
+    twin = write_tiny_target(tmp_path / "twin.gguf", TinyDims(), seed=5, tokenizer_from=tiny_target)  # same shapes
     args = ["train", "-m", str(tiny_target), "-o", str(out), "--prompts", "4", "--steps", "4", "--draft-vocab",
-            "256", "--ffn", "64", "--max-new", "12", "--parallel", "2", "--layer-ids", "1,3,4", "-t", "2"]
+            "256", "--ffn", "64", "--max-new", "12", "--parallel", "2", "--data-model", str(twin),
+            "--layer-ids", "1,3,4", "-t", "2"]
     r = run(*args)
     assert r.returncode == 0, r.stderr
     assert "training    4 steps" in r.stdout and (out / "head.gguf").is_file()
     assert (out / "checkpoint" / "config.json").is_file()
+    assert json.loads((out / "data" / "manifest.json").read_text())["target"] == str(twin)
     r = run(*args)  # the folder holds a run: refuse unless --resume
     assert r.returncode == 2 and "--resume" in r.stderr
     r = run(*args[:-2], "--resume", "--steps", "6")

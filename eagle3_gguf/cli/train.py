@@ -44,6 +44,8 @@ def register(app: typer.Typer) -> None:
     def train(
         model: Path = typer.Option(..., "-m", "--model", help="The target model (.gguf)."),
         out: Path = typer.Option(..., "-o", "--out", help="Run folder: data, checkpoints, head.gguf."),
+        data_model: Path = typer.Option(None, "--data-model", help="Generate the data with this GGUF of the same "
+                                        "model, e.g. a faster quantization (default: -m)."),
         prompts: int = typer.Option(1000, "--prompts", help="How many of our built-in training prompts to answer."),
         steps: int = typer.Option(None, "--steps", help="Optimizer steps (overrides --epochs)."),
         epochs: float = typer.Option(2.0, "--epochs", help="Passes over the data."),
@@ -80,7 +82,8 @@ def register(app: typer.Typer) -> None:
             tcfg = TrainConfig(n_unroll=unroll, epochs=epochs, max_steps=steps, batch_tokens=batch_tokens, lr=lr,
                                device=device, n_threads=threads, max_minutes=max_minutes, bf16=bf16)
             cfg = PipelineConfig(n_prompts=prompts, layer_ids=ids, draft_vocab=draft_vocab, n_ff=n_ff, n_seq=n_seq,
-                                 max_new=max_new, n_threads=threads, resume=resume, train=tcfg)
+                                 max_new=max_new, n_threads=threads, resume=resume, train=tcfg,
+                                 data_target=data_model)
             res = run_training(model, out, cfg, on_event=_Printer())
         except Eagle3Error as e:
             fail(str(e))

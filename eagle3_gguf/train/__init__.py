@@ -29,6 +29,8 @@ class PipelineConfig:
     n_ff: int | None = None  # the head's MLP width; default: the target's
     n_seq: int = 16
     max_new: int = 256
+    data_target: str | Path | None = None  # generate the data with this GGUF of the same model (e.g. a faster
+    #                                         quantization); the head is still built for `target`
     n_threads: int | None = None
     outtype: str = "f16"
     fc_type: str = "q4_0"
@@ -74,10 +76,18 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
     if len(layers) != 3 or not all(0 <= x < tgt.n_layer for x in layers):
         raise Eagle3Error(f"--layer-ids {layers}: need 3 ids in 0..{tgt.n_layer - 1} for this target")
 
+    data_target = cfg.data_target or target
+    if cfg.data_target is not None:
+        dt = read_target(data_target)
+        if (dt.n_vocab, dt.n_embd, dt.n_layer) != (tgt.n_vocab, tgt.n_embd, tgt.n_layer):
+            raise Eagle3Error(f"--data-model {data_target}: not the same model as {target} (vocab, hidden size, "
+                              f"layers {dt.n_vocab}, {dt.n_embd}, {dt.n_layer} vs {tgt.n_vocab}, {tgt.n_embd}, "
+                              f"{tgt.n_layer}): pass another quantization of the target")
+
     data_dir = out / "data"
     if (data_dir / "manifest.json").is_file() and not cfg.resume:
         raise Eagle3Error(f"{out} already holds a run: pass --resume to continue it, or choose another -o")
-    manifest = generate_data(target, build_prompts(cfg.n_prompts, cfg.seed), data_dir,
+    manifest = generate_data(data_target, build_prompts(cfg.n_prompts, cfg.seed), data_dir,
                              DataConfig(layers=layers, n_seq=cfg.n_seq, max_new=cfg.max_new, n_threads=cfg.n_threads),
                              prompts_source=SOURCE, progress=lambda p: emit("data", p))
     data = load_dataset(data_dir)

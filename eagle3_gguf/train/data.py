@@ -128,6 +128,37 @@ class _ShardWriter:
         self.records, self.n_tok = [], 0
 
 
+def _step(model: Model, ctx: Context, extract: TargetFeatures, batch: Batch, group: list[_Slot],
+          writer: _ShardWriter, config: DataConfig, n_ctx_seq: int) -> tuple[int, int]:
+    """Decode every slot's tokens not yet decoded (output on each slot's last row), keep their features,
+    append the target's greedy choice; finished records go to the writer. Returns (rows, new tokens)."""
+    rows_tok, rows_pos, rows_seq, rows_out, spans = [], [], [], [], []
+    for slot in group:
+        new = slot.tokens[slot.n_fed:]
+        start = len(rows_tok)
+        rows_tok += new
+        rows_pos += range(slot.n_fed, slot.n_fed + len(new))
+        rows_seq += [slot.seq] * len(new)
+        rows_out += [False] * (len(new) - 1) + [True]
+        spans.append((slot, start, len(new)))
+    batch.set_rows(np.asarray(rows_tok, np.int32), np.asarray(rows_pos, np.int32), np.asarray(rows_seq, np.int32),
+                   np.asarray(rows_out))
+    ctx.decode(batch)
+    feats = extract.gather(len(rows_tok)).astype(np.float16)  # [n_rows, 3 * n_embd_tgt]
+    for slot, start, n in spans:
+        slot.feats.append(feats[start:start + n])
+        slot.n_fed += n
+        choice = int(np.argmax(ctx.logits_ith(start + n - 1)))  # row index in the batch
+        slot.tokens.append(choice)
+        n_answer = len(slot.tokens) - slot.n_prompt
+        if is_eog(model, choice) or n_answer >= config.max_new or len(slot.tokens) >= n_ctx_seq - 1:
+            f = np.concatenate(slot.feats + [np.zeros((1, feats.shape[1]), np.float16)])
+            writer.add(slot.index, slot.tokens, f, slot.n_prompt)  # f: [n_tok, 3 * n_embd_tgt]
+            ctx.seq_rm(slot.seq, 0, -1)
+            slot.index = -1
+    return len(rows_tok), len(spans)
+
+
 def generate_data(target_path: str | Path, prompts: list[Prompt], out: str | Path, config: DataConfig,
                   prompts_source: str = "", progress: Callable[[Progress], None] | None = None) -> Manifest:
     """Generate (or resume) the data set in `out`. Prompts are consumed in order; the manifest's
@@ -143,8 +174,9 @@ def generate_data(target_path: str | Path, prompts: list[Prompt], out: str | Pat
                           f"{manifest.n_embd}: use another output folder")
     S = config.n_seq
     n_ctx = S * (config.max_prompt + config.max_new + 8)
-    n_batch = S * config.max_prompt + S
-    ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=config.n_threads, n_seq_max=S)
+    n_batch = max(config.max_prompt, S)
+    ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=config.n_threads, n_seq_max=S,
+                  kv_unified=False)  # a row attends over its own sequence only: 2.5x the tok/s of one cache
     extract = TargetFeatures(ctx, config.layers)
     batch = Batch(n_batch)
     writer = _ShardWriter(out, manifest, config.shard_tokens)
@@ -170,32 +202,14 @@ def generate_data(target_path: str | Path, prompts: list[Prompt], out: str | Pat
             active = [s for s in slots if s.index >= 0]
             if not active:
                 break
-            rows_tok, rows_pos, rows_seq, rows_out, spans = [], [], [], [], []
-            for slot in active:  # each slot feeds its tokens not yet decoded; output on its last row
-                new = slot.tokens[slot.n_fed:]
-                start = len(rows_tok)
-                rows_tok += new
-                rows_pos += range(slot.n_fed, slot.n_fed + len(new))
-                rows_seq += [slot.seq] * len(new)
-                rows_out += [False] * (len(new) - 1) + [True]
-                spans.append((slot, start, len(new)))
-            batch.set_rows(np.asarray(rows_tok, np.int32), np.asarray(rows_pos, np.int32),
-                           np.asarray(rows_seq, np.int32), np.asarray(rows_out))
-            ctx.decode(batch)
-            feats = extract.gather(len(rows_tok)).astype(np.float16)  # [n_rows, 3 * n_embd_tgt]
-            run_tokens += len(rows_tok)
-            for slot, start, n in spans:
-                slot.feats.append(feats[start:start + n])
-                slot.n_fed += n
-                choice = int(np.argmax(ctx.logits_ith(start + n - 1)))  # row index in the batch
-                slot.tokens.append(choice)
-                run_answer += 1
-                n_answer = len(slot.tokens) - slot.n_prompt
-                if is_eog(model, choice) or n_answer >= config.max_new or len(slot.tokens) >= n_ctx // S - 1:
-                    f = np.concatenate(slot.feats + [np.zeros((1, feats.shape[1]), np.float16)])
-                    writer.add(slot.index, slot.tokens, f, slot.n_prompt)  # f: [n_tok, 3 * n_embd_tgt]
-                    ctx.seq_rm(slot.seq, 0, -1)
-                    slot.index = -1
+            # A new prompt's prefill is decoded on its own; the running answers (one row each, in sequence
+            # order) together. Per-sequence KV streams keep rows in batch order only this way (see Context).
+            running = [s for s in active if len(s.tokens) - s.n_fed == 1]
+            groups = [[s] for s in active if len(s.tokens) - s.n_fed > 1] + ([running] if running else [])
+            for group in groups:
+                n_rows, n_new = _step(model, ctx, extract, batch, group, writer, config, n_ctx // S)
+                run_tokens += n_rows
+                run_answer += n_new
             if writer.n_tok >= config.shard_tokens:
                 pending = [s.index for s in slots if s.index >= 0]
                 writer.flush(min(pending) if pending else next_index)

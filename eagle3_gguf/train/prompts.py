@@ -63,6 +63,77 @@ CODE_TEMPLATES = [
     "def solution(...):\n    \"\"\"A function that {task}.\"\"\"\n\nFill in the function body in Python.",
 ]
 
+# Function stubs (name, parameters, what it returns): completed from a signature + docstring, the way a
+# code-completion user prompts. Written for this project.
+STUBS = [
+    ("count_upper", "s: str", "the number of uppercase letters in s"),
+    ("sum_odd", "nums: list[int]", "the sum of the odd numbers in nums"),
+    ("word_lengths", "text: str", "a list with the length of every word in text"),
+    ("is_sorted_desc", "xs: list[int]", "True if xs is sorted in descending order"),
+    ("first_repeated", "s: str", "the first character that appears twice in s, or None"),
+    ("clamp", "x: float, lo: float, hi: float", "x limited to the range [lo, hi]"),
+    ("dedupe_sorted", "xs: list[int]", "the sorted list of the distinct values in xs"),
+    ("char_histogram", "s: str", "a dict mapping each character of s to its count"),
+    ("nth_prime", "n: int", "the n-th prime number (1-based)"),
+    ("digits_reversed", "n: int", "the integer whose digits are those of n in reverse order"),
+    ("pairwise_diffs", "xs: list[int]", "the differences between consecutive elements of xs"),
+    ("longest_run", "xs: list[int]", "the length of the longest run of equal consecutive values"),
+    ("to_title", "s: str", "s with the first letter of each word capitalized"),
+    ("count_substring", "s: str, sub: str", "how many times sub occurs in s, overlaps included"),
+    ("matrix_sum", "m: list[list[int]]", "the sum of all entries of the matrix m"),
+    ("diagonal", "m: list[list[int]]", "the main diagonal of the square matrix m"),
+    ("mean_std", "xs: list[float]", "a tuple with the mean and the standard deviation of xs"),
+    ("only_letters", "s: str", "s with every character that is not a letter removed"),
+    ("min_max", "xs: list[int]", "a tuple (smallest, largest) of xs, in one pass"),
+    ("rle_encode", "s: str", "the run-length encoding of s, e.g. 'aaab' -> 'a3b1'"),
+    ("rle_decode", "s: str", "the string encoded by a run-length encoding such as 'a3b1'"),
+    ("bits_set", "n: int", "the number of 1 bits in the binary form of n"),
+    ("next_power_of_two", "n: int", "the smallest power of two that is >= n"),
+    ("kth_largest", "xs: list[int], k: int", "the k-th largest value in xs"),
+    ("common_chars", "a: str, b: str", "the sorted characters that occur in both a and b"),
+    ("safe_divide", "a: float, b: float", "a / b, or None when b is zero"),
+    ("is_armstrong", "n: int", "True if n equals the sum of its digits each raised to the number of digits"),
+    ("zip_dict", "keys: list[str], values: list[int]", "a dict pairing keys with values"),
+    ("invert_dict", "d: dict[str, int]", "a dict mapping each value of d to the list of its keys"),
+    ("running_average", "xs: list[float]", "the list of averages of the first 1, 2, ..., len(xs) values"),
+    ("caesar_shift", "s: str, k: int", "s with every letter shifted k places in the alphabet"),
+    ("is_isogram", "word: str", "True if no letter occurs more than once in word, ignoring case"),
+    ("sum_of_squares", "n: int", "the sum of the squares of 1..n"),
+    ("triangle_kind", "a: int, b: int, c: int", "'equilateral', 'isosceles', 'scalene' or 'invalid'"),
+    ("last_word_length", "s: str", "the length of the last word in s"),
+    ("balanced_split", "xs: list[int]", "True if xs can be split into two parts with equal sums"),
+    ("count_primes_below", "n: int", "how many primes are smaller than n"),
+    ("unique_paths", "rows: int, cols: int", "the number of right/down paths through a rows x cols grid"),
+    ("move_zeros", "xs: list[int]", "xs with all zeros moved to the end, order otherwise kept"),
+    ("max_subarray_sum", "xs: list[int]", "the largest sum of a contiguous non-empty slice of xs"),
+    ("is_subsequence", "a: str, b: str", "True if a is a subsequence of b"),
+    ("words_with_prefix", "words: list[str], prefix: str", "the words that start with prefix"),
+    ("fizzbuzz", "n: int", "the list of FizzBuzz strings for 1..n"),
+    ("gcd_list", "xs: list[int]", "the greatest common divisor of all numbers in xs"),
+    ("lcm", "a: int, b: int", "the least common multiple of a and b"),
+    ("mirror_string", "s: str", "s followed by its reverse"),
+    ("strip_vowels", "s: str", "s without any vowels"),
+    ("sum_nested", "xs: list", "the sum of all integers in an arbitrarily nested list"),
+    ("closest_pair", "xs: list[float]", "the two values in xs that are closest to each other"),
+    ("hex_to_int", "s: str", "the integer value of the hexadecimal string s"),
+    ("count_words", "text: str", "the number of words in text"),
+    ("alternate_case", "s: str", "s with letters alternating between upper and lower case"),
+    ("majority_element", "xs: list[int]", "the value that occurs more than len(xs) // 2 times, or None"),
+    ("chunk_string", "s: str, n: int", "s split into pieces of length n (the last may be shorter)"),
+    ("parse_csv_line", "line: str", "the fields of one comma-separated line, stripped of spaces"),
+    ("days_in_month", "year: int, month: int", "the number of days in the given month"),
+    ("normalize", "xs: list[float]", "xs scaled so that its values sum to 1"),
+    ("triangular_numbers", "n: int", "the first n triangular numbers"),
+    ("has_duplicates", "xs: list", "True if any value occurs more than once in xs"),
+    ("shortest_word", "text: str", "the shortest word in text"),
+]
+STUB_TEMPLATES = [
+    'Complete the following Python function.\n\ndef {name}({params}):\n    """Return {doc}."""\n',
+    'def {name}({params}):\n    """Return {doc}.\n\n    Write the body of this function.\n    """\n',
+    'Implement {name}({params}) in Python. It should return {doc}. Add a few doctest examples.',
+    'Write the Python function below and explain how it works.\n\ndef {name}({params}):\n    # return {doc}\n',
+]
+
 EXPLAIN_TOPICS = [
     "photosynthesis", "how vaccines work", "the water cycle", "inflation", "black holes", "the immune system",
     "how a CPU executes instructions", "supply and demand", "plate tectonics", "machine learning",
@@ -192,6 +263,13 @@ def _reason(rng: random.Random) -> str:
     return t.format(a=a, b=b, c=c, x=x, y=y, n=n, m=rng.randint(2, n - 1), s=seq, topic=rng.choice(DEBATES))
 
 
+def _stub(rng: random.Random) -> str:
+    name, params, doc = rng.choice(STUBS)
+    if rng.random() < 0.5:  # a variant without type hints
+        params = ", ".join(p.split(":")[0] for p in params.split(", "))
+    return rng.choice(STUB_TEMPLATES).format(name=name, params=params, doc=doc)
+
+
 def _extract(rng: random.Random) -> str:
     people = rng.sample(NAMES, 2)
     text = (f"On {rng.choice(MONTHS)} {rng.randint(1, 28)}, {rng.randint(1990, 2023)}, {people[0]} "
@@ -210,9 +288,9 @@ def build_prompts(n: int, seed: int = 0) -> list[Prompt]:
     }
     for pool in fixed.values():
         rng.shuffle(pool)
-    generated = {"math": _math, "reasoning": _reason, "extraction": _extract}
-    order = ["coding", "explain", "writing", "math", "coding", "explain", "reasoning", "roleplay", "extraction",
-             "writing"]
+    generated = {"math": _math, "reasoning": _reason, "extraction": _extract, "stub": _stub}
+    order = ["coding", "explain", "stub", "writing", "math", "coding", "explain", "reasoning", "stub", "roleplay",
+             "extraction", "writing"]
     out: list[Prompt] = []
     seen: set[str] = set()
     cursor = {k: 0 for k in fixed}
