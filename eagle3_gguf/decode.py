@@ -69,6 +69,53 @@ class GenerateConfig:
 StopCheck = Callable[[list[int]], bool]
 
 
+@dataclass
+class Cycle:
+    """One draft → verify cycle, before the head is told the outcome."""
+
+    rows: list[int]  # [id_last, d1..dk]: what the target decoded
+    out: list[int]  # the target's choices: the accepted drafts, then the cycle's own token
+    n_acc: int  # accepted drafts
+
+
+def verify(target: Context, session: Eagle3Session | None, batch: Batch, id_last: int, pos: int, k: int,
+           p_min: float, pick: Callable[[list[int], int], int], st: SpecStats,
+           stop: Callable[[int], bool] | None = None) -> Cycle:
+    """Draft up to k tokens after id_last (at position pos), decode [id_last, d1..dk] in one target batch
+    and pick the target's choice row by row (`pick(rows, i)`) while it equals the draft (and `stop` does not
+    hold for it); the rejected rows leave the target's cache. Timing goes to `st`."""
+    drafts: list[int] = []
+    if k > 0 and session is not None:
+        t = time.perf_counter()
+        drafts = session.draft(id_last, k, p_min)
+        st.t_draft += time.perf_counter() - t
+    t = time.perf_counter()
+    rows = [id_last] + drafts
+    batch.set(rows, pos, logits="all")
+    target.decode(batch)
+    out: list[int] = []
+    for i in range(len(rows)):
+        choice = pick(rows, i)
+        out.append(choice)
+        if i >= len(drafts) or drafts[i] != choice or (stop is not None and stop(choice)):
+            break
+    n_acc = len(out) - 1
+    if n_acc < len(drafts):
+        target.seq_rm(0, pos + n_acc + 1, -1)
+    st.t_target += time.perf_counter() - t
+    st.n_target_forwards += 1
+    return Cycle(rows, out, n_acc)
+
+
+def tell_head(session: Eagle3Session, cycle: Cycle, pos: int, st: SpecStats) -> None:
+    """The head keeps the accepted rows: its draft chain is cut back, the kept pairs are queued."""
+    st.record_cycle(len(cycle.rows) - 1, cycle.n_acc)
+    t = time.perf_counter()
+    session.accept(cycle.n_acc)
+    session.process(cycle.rows[:cycle.n_acc + 1], pos)
+    st.t_process += time.perf_counter() - t
+
+
 class Decoder:
     """Runs generations on a target context, with an Eagle3Session (speculative) or without (baseline)."""
 
@@ -146,32 +193,11 @@ class Decoder:
                     st.stop_reason = "context full"
                     return
                 k = min(k_max, config.n_predict - st.n_generated - 1, room)
-                drafts: list[int] = []
-                if k > 0:
-                    t = time.perf_counter()
-                    drafts = self.session.draft(id_last, k, config.draft_p_min)
-                    st.t_draft += time.perf_counter() - t
-                t = time.perf_counter()
-                rows = [id_last] + drafts
-                self.batch.set(rows, pos, logits="all")
-                self.target.decode(self.batch)
-                out: list[int] = []
-                for i in range(len(rows)):
-                    choice = sampler.pick(self.target.logits_ith(i))
-                    out.append(choice)
-                    if i >= len(drafts) or drafts[i] != choice:
-                        break
-                n_acc = len(out) - 1
-                if n_acc < len(drafts):
-                    self.target.seq_rm(0, pos + n_acc + 1, -1)
-                st.t_target += time.perf_counter() - t
-                st.n_target_forwards += 1
+                cyc = verify(self.target, self.session if spec else None, self.batch, id_last, pos, k,
+                             config.draft_p_min, lambda _rows, i: sampler.pick(self.target.logits_ith(i)), st)
+                out, n_acc = cyc.out, cyc.n_acc
                 if spec:
-                    st.record_cycle(len(drafts), n_acc)
-                    t = time.perf_counter()
-                    self.session.accept(n_acc)
-                    self.session.process(rows[:n_acc + 1], pos)
-                    st.t_process += time.perf_counter() - t
+                    tell_head(self.session, cyc, pos, st)
                 pos += n_acc + 1
                 id_last = out[-1]
                 eog = next((j for j, tok in enumerate(out) if is_eog(self.model, tok)), None)

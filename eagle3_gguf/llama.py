@@ -42,6 +42,7 @@ from typing import Any, Iterator, Sequence
 import llama_cpp
 from llama_cpp import Llama
 
+from .decode import tell_head, verify
 from .errors import Eagle3Error
 from .native import Batch, Context, Model
 from .pair import Pair, PairConfig, load_pair
@@ -230,36 +231,13 @@ class Eagle3Llama(Llama):
                 k = min(self.draft_max, n_ctx - pos - 1, self.n_batch - 1)
                 if self._e3_budget is not None:
                     k = min(k, self._e3_budget - st.n_generated - 1)
-                drafts: list[int] = []
-                if k > 0:
-                    t = time.perf_counter()
-                    drafts = session.draft(id_last, k, self.draft_p_min)
-                    st.t_draft += time.perf_counter() - t
-                t = time.perf_counter()
-                rows = [id_last] + drafts
-                batch.set(rows, pos, logits="all")
-                target.decode(batch)
-                self.input_ids[pos:pos + len(rows)] = rows
-                out: list[int] = []
-                for i in range(len(rows)):
-                    self.n_tokens = pos + i + 1  # row i's context, as plain decoding has it when sampling
-                    tok = self._sampler.sample(self._ctx, i)
-                    out.append(tok)
-                    if i >= len(drafts) or drafts[i] != tok or llama_cpp.llama_vocab_is_eog(self._model.vocab, tok):
-                        break
-                n_acc = len(out) - 1
-                if n_acc < len(drafts):
-                    target.seq_rm(0, pos + n_acc + 1, -1)
+                cyc = verify(target, session, batch, id_last, pos, k, self.draft_p_min,
+                             lambda rows, i: self._sample_row(rows, pos, i), st, stop=self._is_eog)
+                out, n_acc, rows = cyc.out, cyc.n_acc, cyc.rows
                 if self._logits_all:
                     self.scores[pos:pos + n_acc + 1, :] = target.logits(len(rows))[:n_acc + 1]
-                st.t_target += time.perf_counter() - t
-                st.n_target_forwards += 1
-                st.record_cycle(len(drafts), n_acc)
-                t = time.perf_counter()
-                session.accept(n_acc)
-                session.process(rows[:n_acc + 1], pos)
+                tell_head(session, cyc, pos, st)
                 self._e3_head_tokens[pos:] = rows[:n_acc + 1]
-                st.t_process += time.perf_counter() - t
                 for j, tok in enumerate(out):
                     self.n_tokens = pos + j + 1  # plain decoding's state when it emits out[j]
                     if self._stop_requested(stopping_criteria, pos + j + 1):
@@ -289,6 +267,17 @@ class Eagle3Llama(Llama):
             st.t_total = time.perf_counter() - t_start
 
     # -- helpers -------------------------------------------------------------------------------------------
+    def _sample_row(self, rows: list[int], pos: int, i: int) -> int:
+        """Llama's sampler on verify row i, with input_ids/n_tokens describing row i's context as plain
+        decoding has it when sampling (the rows' tokens are in input_ids from `pos` on)."""
+        if i == 0:
+            self.input_ids[pos:pos + len(rows)] = rows
+        self.n_tokens = pos + i + 1
+        return self._sampler.sample(self._ctx, i)
+
+    def _is_eog(self, tok: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self._model.vocab, tok))
+
     def _check_sent(self, sent) -> None:
         if sent is not None:
             raise Eagle3Error("Eagle3Llama.generate() drafts its own tokens: send() of draft tokens is not supported")

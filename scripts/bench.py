@@ -29,8 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_data  # noqa: E402
-from build_upstream import bin_dir  # noqa: E402
-from pin import read_pin  # noqa: E402
+from build_upstream import bin_dir, requantized  # noqa: E402
 
 from eagle3_gguf.assets import default_head_path, smollm2_path  # noqa: E402
 from eagle3_gguf.decode import Decoder, GenerateConfig  # noqa: E402
@@ -274,11 +273,7 @@ def main() -> None:
         if q == "q4_1":
             targets[q] = target
         elif q == "q4_0":
-            q0 = read_pin().cache_dir / f"{target.stem}.Q4_0.gguf"
-            if not q0.exists():
-                subprocess.run([str(tools / "llama-quantize"), "--allow-requantize", str(target), str(q0), "Q4_0"],
-                               check=True, capture_output=True)
-            targets[q] = q0
+            targets[q] = requantized(target, "Q4_0")
     all_runs, physics = [], {}
     t0 = time.time()
     for q, path in targets.items():

@@ -25,6 +25,17 @@ def bin_dir() -> Path:
     return read_pin().cache_dir / "build" / "bin"
 
 
+def requantized(target: Path, qtype: str = "Q4_0") -> Path:
+    """The target requantized with upstream llama-quantize, cached beside the build (made on first use)."""
+    out = read_pin().cache_dir / f"{target.stem}.{qtype}.gguf"
+    if not out.exists():
+        tmp = out.with_suffix(".tmp")
+        subprocess.run([str(bin_dir() / "llama-quantize"), "--allow-requantize", str(target), str(tmp), qtype],
+                       check=True, capture_output=True)
+        tmp.replace(out)
+    return out
+
+
 def main() -> None:
     pin = read_pin()
     if not (VENDOR_DIR / "CMakeLists.txt").exists():
