@@ -109,10 +109,10 @@ _ACCEPT = re.compile(r"n_accept\s*=\s*(\d+)")
 
 
 def upstream_run(tools: Path, target: Path, head: Path | None, spec_type: str, k: int, prompt_file: Path,
-                 n: int, threads: int) -> tuple[int, float, int, int, str]:
+                 n: int, threads: int, p_min: float = 0.0) -> tuple[int, float, int, int, str]:
     cmd = [str(tools / "llama-speculative-simple"), "-m", str(target), "--spec-type", spec_type,
            "--spec-draft-n-max", str(k), "-f", str(prompt_file), "-n", str(n), "--temp", "0", "-t", str(threads),
-           "-c", "4096", "--seed", "1"]
+           "-c", "4096", "--seed", "1", "--spec-draft-p-min", str(p_min)]
     if head is not None:
         cmd[3:3] = ["-md", str(head)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -142,7 +142,8 @@ def bench_target(quant: str, target: Path, head: Path, args, tools: Path | None)
                     bs = base.stats
                     runs.append(Run(quant, workload, p.id, "target", 0, bs.n_generated, bs.t_total))
                     for k in args.ks:
-                        r = dec.generate(prompt, GenerateConfig(n_predict=args.n_predict, draft_max=k))
+                        r = dec.generate(prompt, GenerateConfig(n_predict=args.n_predict, draft_max=k,
+                                                                draft_p_min=args.draft_p_min))
                         st = r.stats
                         runs.append(Run(quant, workload, p.id, "ours", k, st.n_generated, st.t_total, st.tau,
                                         st.acceptance_rate, st.python_per_cycle_ms,
@@ -150,7 +151,8 @@ def bench_target(quant: str, target: Path, head: Path, args, tools: Path | None)
                         if tools is not None and not args.no_upstream:
                             prompt_file.write_text(text)
                             n, sec, drafted, acc, _ = upstream_run(tools, target, head, "draft-eagle3", k,
-                                                                   prompt_file, args.n_predict, args.threads)
+                                                                   prompt_file, args.n_predict, args.threads,
+                                                                   args.draft_p_min)
                             cycles = max(n - acc, 1)
                             runs.append(Run(quant, workload, p.id, "upstream", k, n, sec, n / cycles,
                                             acc / drafted if drafted else 0.0))
@@ -199,7 +201,8 @@ def summarize(runs: list[Run], physics: dict[str, Physics]) -> list[Row]:
 def markdown(rows: list[Row], physics: dict[str, Physics], machine: str, args) -> str:
     out = [f"# Benchmark: EAGLE-3 on llama.cpp ({machine})", "",
            f"SmolLM2-135M-Instruct + our head; greedy, chat template, {args.n_predict} new tokens; "
-           f"prompts per workload: {args.limit or 'all'}; {args.threads} threads. Medians over prompts; "
+           f"prompts per workload: {args.limit or 'all'}; {args.threads} threads; draft p_min {args.draft_p_min} "
+           "(ours and upstream). Medians over prompts; "
            "speedup = median of per-prompt ratios against target-only (ours) on the same prompt.", ""]
     for q, ph in physics.items():
         costs = " ".join(f"{n}:{ph.cost(n):.2f}x" for n in sorted(ph.pp_tok_s))
@@ -252,6 +255,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="prompts per workload (default: all)")
     ap.add_argument("-n", "--n-predict", type=int, default=128)
     ap.add_argument("--ks", default="1,2,3,4,5,6")
+    ap.add_argument("--draft-p-min", type=float, default=0.0,
+                    help="stop drafting below this top probability (ours and upstream alike)")
     ap.add_argument("--quants", default="q4_1,q4_0", help="as-shipped q4_1 and/or q4_0 made by llama-quantize")
     ap.add_argument("--ngram", default="ngram-simple", help="upstream n-gram spec types to run ('' for none)")
     ap.add_argument("--no-upstream", action="store_true")
