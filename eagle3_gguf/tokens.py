@@ -78,3 +78,9 @@ def apply_chat_template(model: Model, messages: list[Message], *, add_assistant:
     if n < 0:
         raise Eagle3Error(f"llama.cpp does not support the chat template of {model.path.name}: drop --chat")
     return buf.raw[:n].decode("utf-8")
+
+
+def chat_tokens(model: Model, prompt: str) -> list[int]:
+    """One user turn as `generate --chat` and the benchmark send it: the model's chat template, then
+    tokenize without adding BOS (a template writes its own)."""
+    return tokenize(model, apply_chat_template(model, [Message("user", prompt)]), add_special=False)

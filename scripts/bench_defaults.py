@@ -25,7 +25,7 @@ from eagle3_gguf.assets import default_head_path, smollm2_path  # noqa: E402
 from eagle3_gguf.decode import Decoder, GenerateConfig  # noqa: E402
 from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
 from eagle3_gguf.session import Eagle3Session  # noqa: E402
-from eagle3_gguf.train.data import chat_tokens  # noqa: E402
+from eagle3_gguf.tokens import chat_tokens  # noqa: E402
 
 
 @dataclass

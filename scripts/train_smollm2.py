@@ -95,7 +95,7 @@ def evaluate(head: Path, k: int = 4, n_predict: int = 128) -> dict:
     from eagle3_gguf.decode import Decoder, GenerateConfig
     from eagle3_gguf.pair import PairConfig, load_pair
     from eagle3_gguf.session import Eagle3Session
-    from eagle3_gguf.train.data import chat_tokens
+    from eagle3_gguf.tokens import chat_tokens
 
     rows = []
     with load_pair(smollm2_path(), head, PairConfig(n_ctx=2048, n_batch=512, n_threads=THREADS)) as pair, \
@@ -128,7 +128,8 @@ def measure_vocab(sizes=(4096, 8192, 16384), reps: int = 5) -> dict:
     from eagle3_gguf.native import Batch
     from eagle3_gguf.pair import PairConfig, load_pair
     from eagle3_gguf.session import Eagle3Session
-    from eagle3_gguf.train.data import chat_tokens, load_dataset
+    from eagle3_gguf.tokens import chat_tokens
+    from eagle3_gguf.train.data import load_dataset
     from eagle3_gguf.train.export import convert_to_gguf, export_safeai, read_target
     from eagle3_gguf.train.model import Eagle3Head, HeadConfig
     from eagle3_gguf.train.vocab import DraftVocab, heldout_coverage

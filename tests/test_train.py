@@ -14,7 +14,8 @@ from eagle3_gguf.native import Batch, Context, Model  # noqa: E402
 from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
 from eagle3_gguf.session import Eagle3Session  # noqa: E402
 from eagle3_gguf.train import PipelineConfig, run_training  # noqa: E402
-from eagle3_gguf.train.data import DataConfig, chat_tokens, generate_data, load_dataset  # noqa: E402
+from eagle3_gguf.tokens import chat_tokens  # noqa: E402
+from eagle3_gguf.train.data import DataConfig, generate_data, load_dataset  # noqa: E402
 from eagle3_gguf.train.export import convert_to_gguf, export_safeai, read_target, read_token_embeddings  # noqa: E402
 from eagle3_gguf.train.loop import TrainConfig  # noqa: E402
 from eagle3_gguf.train.model import Eagle3Head, HeadConfig  # noqa: E402

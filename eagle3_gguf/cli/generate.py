@@ -76,7 +76,7 @@ def _run(model, draft, prompt, file, n_predict, n_ctx, threads, temp, seed, draf
     from ..pair import PairConfig, load_pair
     from ..session import Eagle3Session
     from ..stats import Comparison
-    from ..tokens import Detokenizer, Message, apply_chat_template, tokenize
+    from ..tokens import Detokenizer, chat_tokens, tokenize
 
     if file is not None:
         if not file.is_file():
@@ -88,8 +88,7 @@ def _run(model, draft, prompt, file, n_predict, n_ctx, threads, temp, seed, draf
     target_path = model or smollm2_path()
     head_path = draft or default_head_path()
     with load_pair(target_path, head_path, PairConfig(n_ctx=n_ctx, n_threads=threads)) as pair:
-        text = apply_chat_template(pair.target_model, [Message("user", prompt)]) if chat else prompt
-        tokens = tokenize(pair.target_model, text, add_special=not chat, parse_special=True)
+        tokens = chat_tokens(pair.target_model, prompt) if chat else tokenize(pair.target_model, prompt)
         config = GenerateConfig(n_predict=n_predict, draft_max=draft_max, draft_p_min=draft_p_min)
         with Eagle3Session(pair.target, pair.head) as session, Decoder(pair.target, session) as decoder:
             detok = Detokenizer(pair.target_model)

@@ -12,7 +12,7 @@ Stages, each in its own place under the run folder OUT/ and each resumable:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -51,7 +51,6 @@ class PipelineResult:
     checkpoint: Path
     gguf: Path
     gguf_bytes: int
-    extras: dict = field(default_factory=dict)
 
 
 Event = Callable[[str, Any], None]  # (stage, payload): "data" Progress, "vocab" dict, "train" TrainReport, ...

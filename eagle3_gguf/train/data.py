@@ -28,7 +28,7 @@ import numpy as np
 from ..errors import Eagle3Error
 from ..extract import TargetFeatures
 from ..native import Batch, Context, Model
-from ..tokens import Message, apply_chat_template, is_eog, tokenize
+from ..tokens import chat_tokens, is_eog
 from .prompts import Prompt
 
 MANIFEST = "manifest.json"
@@ -92,14 +92,9 @@ class _Slot:
     n_fed: int = 0  # tokens already decoded
 
 
-def chat_tokens(model: Model, prompt: str) -> list[int]:
-    """The prompt as the session sees it with --chat: chat template, then tokenize."""
-    return tokenize(model, apply_chat_template(model, [Message("user", prompt)]))
-
-
 class _ShardWriter:
-    def __init__(self, out: Path, manifest: Manifest, shard_tokens: int):
-        self.out, self.manifest, self.shard_tokens = out, manifest, shard_tokens
+    def __init__(self, out: Path, manifest: Manifest):
+        self.out, self.manifest = out, manifest
         self.records: list[tuple[np.ndarray, np.ndarray, int]] = []
         self.n_tok = 0
         self.done: set[int] = set()  # finished prompt indices not yet flushed
@@ -179,7 +174,7 @@ def generate_data(target_path: str | Path, prompts: list[Prompt], out: str | Pat
                   kv_unified=False)  # a row attends over its own sequence only: 2.5x the tok/s of one cache
     extract = TargetFeatures(ctx, config.layers)
     batch = Batch(n_batch)
-    writer = _ShardWriter(out, manifest, config.shard_tokens)
+    writer = _ShardWriter(out, manifest)
     slots = [_Slot(s) for s in range(S)]
     next_index = manifest.n_prompts_done
     skip = set(manifest.done_after)

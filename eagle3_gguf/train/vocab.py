@@ -52,13 +52,6 @@ def answer_token_counts(data: Dataset, n_vocab: int) -> np.ndarray:
     return counts
 
 
-def coverage_curve(counts: np.ndarray, sizes: list[int]) -> dict[int, float]:
-    """Coverage of the answer tokens by the N most frequent ones, for each N."""
-    order = np.sort(counts)[::-1]
-    total = max(int(order.sum()), 1)
-    return {n: float(order[:n].sum()) / total for n in sizes}
-
-
 def build_draft_vocab(counts: np.ndarray, size: int) -> DraftVocab:
     """The `size` most frequent tokens (ties: lower id first); unseen tokens fill up if needed."""
     n_vocab = len(counts)
