@@ -193,19 +193,18 @@ class Decoder:
                     st.stop_reason = "context full"
                     return
                 k = min(k_max, config.n_predict - st.n_generated - 1, room)
-                cyc = verify(self.target, self.session if spec else None, self.batch, id_last, pos, k,
-                             config.draft_p_min, lambda _rows, i: sampler.pick(self.target.logits_ith(i)), st)
+                # an EOG token ends the cycle as its own token: drafts after it are not accepted
+                cyc = verify(self.target, self.session, self.batch, id_last, pos, k, config.draft_p_min,
+                             lambda _rows, i: sampler.pick(self.target.logits_ith(i)), st,
+                             stop=lambda tok: is_eog(self.model, tok))
                 out, n_acc = cyc.out, cyc.n_acc
                 if spec:
                     tell_head(self.session, cyc, pos, st)
                 pos += n_acc + 1
                 id_last = out[-1]
-                eog = next((j for j, tok in enumerate(out) if is_eog(self.model, tok)), None)
-                if eog is not None:
-                    if spec:  # the EOG token is the cycle's own token: drafts after it don't count
-                        st.n_accepted -= n_acc - eog
-                    st.n_generated += eog + 1
-                    out = out[:eog]
+                if is_eog(self.model, id_last):
+                    st.n_generated += len(out)
+                    out = out[:-1]
                     st.stop_reason = "eos"
                     if out:
                         yield out

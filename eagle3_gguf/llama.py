@@ -257,7 +257,7 @@ class Eagle3Llama(Llama):
                 pos += n_acc + 1
                 id_last = out[-1]
         except GeneratorExit:
-            st.stop_reason = "eos" if llama_cpp.llama_vocab_is_eog(self._model.vocab, last) else "caller stopped"
+            st.stop_reason = "eos" if self._is_eog(last) else "caller stopped"
             raise
         except BaseException:
             self._e3_head_tokens.clear()  # the head's state is unknown: the next call starts it afresh

@@ -246,7 +246,7 @@ class Context(_Owner):
         params.n_batch = n_batch
         params.n_ubatch = min(n_ubatch or n_batch, n_batch)
         params.n_seq_max = n_seq_max
-        params.kv_unified = kv_unified  # one cache for all sequences: batches keep their row order in ubatches
+        params.kv_unified = kv_unified
         params.n_threads = threads
         params.n_threads_batch = threads
         params.no_perf = True

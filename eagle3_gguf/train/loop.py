@@ -160,9 +160,10 @@ def collate(data: Dataset, records: list[int], t2d: np.ndarray, n_unroll: int, d
 # ------------------------------------------------------------------------------------------------
 
 
-def step_losses(head: Eagle3Head, hs: list[torch.Tensor], labels: torch.Tensor
+def step_losses(head: Eagle3Head, hs: list[torch.Tensor], labels: torch.Tensor, metrics: bool = False
                 ) -> tuple[list[torch.Tensor], list[int], list[int]]:
-    """Per unrolled step: mean CE over in-vocab labels, # of top-1 agreements, # of target labels.
+    """Per unrolled step: mean CE over in-vocab labels and, with `metrics` (evaluation only: they cost
+    an argmax and a device sync per step), # of top-1 agreements and # of target labels.
     The lm_head runs only on rows that have an in-vocab label (most of the cost)."""
     losses, hits, counts = [], [], []
     for j, h in enumerate(hs):
@@ -170,8 +171,9 @@ def step_losses(head: Eagle3Head, hs: list[torch.Tensor], labels: torch.Tensor
         ok = lab >= 0
         lg = head.logits(h[ok])  # [n_ok, V']
         losses.append(F.cross_entropy(lg.float(), lab[ok]) if ok.any() else h.sum() * 0.0)
-        hits.append(int((lg.argmax(-1) == lab[ok]).sum()))
-        counts.append(int((lab != -1).sum()))
+        if metrics:
+            hits.append(int((lg.argmax(-1) == lab[ok]).sum()))
+            counts.append(int((lab != -1).sum()))
     return losses, hits, counts
 
 
@@ -186,7 +188,7 @@ def evaluate(head: Eagle3Head, data: Dataset, records: list[int], t2d: np.ndarra
     for recs in make_batches(data, records, batch_tokens, None):
         b = collate(data, recs, t2d, n_unroll, device)
         with _autocast(device, bf16):
-            losses, h, c = step_losses(head, head.unroll(b.feats, b.tokens, n_unroll), b.labels)
+            losses, h, c = step_losses(head, head.unroll(b.feats, b.tokens, n_unroll), b.labels, metrics=True)
         for j in range(n_unroll):
             k = int((b.labels[j] >= 0).sum())
             tot_loss[j] += float(losses[j]) * k
