@@ -24,7 +24,8 @@ holds; when the caller stops consuming (stop string, max_tokens) the cache is cu
 plain decoding would have left it, so the next call's prefix reuse is unchanged. The head remembers
 which tokens it has processed and rewinds with the target, so prefix reuse keeps working for it too.
 
-Exactness needs batch-invariant kernels: flash attention on (the default here; see EXACTNESS).
+Exactness needs batch-invariant kernels: flash attention on and a bf16 V cache (the defaults here;
+see EXACTNESS).
 
 Fallback to plain decoding (Llama.generate itself), reported in `.spec_fallback`: `draft_max == 0`,
 an empty prompt, and `generate(reset=False)` (continuing a raw stream, whose rows the head never saw).
@@ -44,7 +45,7 @@ from llama_cpp import Llama
 
 from .decode import tell_head, verify
 from .errors import Eagle3Error
-from .native import Batch, Context, Model
+from .native import CACHE_TYPES, Batch, Context, Model, batch_invariant_cache
 from .pair import Pair, PairConfig, load_pair
 from .session import Eagle3Session
 from .stats import SpecStats
@@ -53,12 +54,14 @@ DEFAULT_DRAFT_MAX = 4
 MAX_DRAFT_MAX = 32
 
 # EXACTNESS: the verify batch computes each row as one-token decoding does, bit for bit, only where
-# llama.cpp's kernels are batch-invariant. On CPU, flash attention is; the non-flash attention path is
-# not (a row in a batch of several gets a different summation order), so near-ties can break the other
-# way. Eagle3Llama therefore turns flash attention on unless told otherwise, and warns when it is off.
-INEXACT_WARNING = ("flash_attn=False: the speculative verify batch is not bit-identical to one-token decoding "
-                   "on llama.cpp's non-flash attention path, so rare near-ties may resolve differently from plain "
-                   "Llama; pass flash_attn=True (Eagle3Llama's default) for identical output")
+# llama.cpp's kernels are batch-invariant. On CPU that takes flash attention (the non-flash path sums a
+# row of a batch in another order) and a KV cache other than f16/f16 (there, a lone row with 512+ KV
+# cells takes flash attention's split-KV path: native.batch_invariant_cache). Eagle3Llama therefore
+# defaults to flash_attn=True and type_v=bf16 (ggml type 30), and warns when told otherwise: plain
+# Llama(..., flash_attn=True, type_v=30) gives the same text as Eagle3Llama.
+INEXACT_WARNING = ("{what}: the speculative verify batch is not bit-identical to one-token decoding on this "
+                   "llama.cpp path, so rare near-ties may resolve differently from plain Llama; Eagle3Llama's "
+                   "defaults (flash_attn=True, type_v=30, bf16) give identical output")
 
 
 class _SharedModel(Model):
@@ -92,6 +95,7 @@ class Eagle3Llama(Llama):
         if kwargs.get("draft_model") is not None:
             raise Eagle3Error("draft_model (prompt lookup) and an EAGLE-3 head cannot be combined: drop draft_model")
         kwargs.setdefault("flash_attn", True)  # see EXACTNESS
+        kwargs.setdefault("type_v", CACHE_TYPES["bf16"])
         super().__init__(model_path=model_path, **kwargs)
         try:
             self._eagle3_setup(draft_model_path, draft_max, draft_p_min)
@@ -107,8 +111,12 @@ class Eagle3Llama(Llama):
             raise Eagle3Error("an EAGLE-3 head needs a generation context: create the Llama with embedding=False")
         if self._is_recurrent or self._is_hybrid:
             raise Eagle3Error(f"{Path(self.model_path).name}: recurrent/hybrid targets cannot roll back rejected drafts")
-        if self.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED:
-            warnings.warn(INEXACT_WARNING, RuntimeWarning, stacklevel=3)
+        cp = self.context_params
+        if cp.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED:
+            warnings.warn(INEXACT_WARNING.format(what="flash_attn=False"), RuntimeWarning, stacklevel=3)
+        elif not batch_invariant_cache(cp.type_k, cp.type_v):
+            warnings.warn(INEXACT_WARNING.format(what=f"KV cache type_k={cp.type_k}, type_v={cp.type_v}"),
+                          RuntimeWarning, stacklevel=3)
         self.draft_max = draft_max
         self.draft_p_min = draft_p_min
         self.spec_stats = SpecStats()

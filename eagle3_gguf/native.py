@@ -20,6 +20,7 @@ from typing import Callable
 
 import numpy as np
 import llama_cpp
+from gguf import GGMLQuantizationType
 from llama_cpp import llama_cpp as C
 
 from . import keys
@@ -145,6 +146,39 @@ def default_threads() -> int:
 # ------------------------------------------------------------------------------------------------
 
 
+# ------------------------------------------------------------------------------------------------
+# KV cache types and batch invariance
+# ------------------------------------------------------------------------------------------------
+
+# llama.cpp's -ctk/-ctv names -> enum ggml_type (the gguf package's copy of the enum)
+CACHE_TYPES = {name: int(GGMLQuantizationType[name.upper()])
+               for name in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")}
+_F16, _F32 = CACHE_TYPES["f16"], CACHE_TYPES["f32"]
+
+
+def _type_name(t: int) -> str:
+    return next((n for n, v in CACHE_TYPES.items() if v == t), str(t))
+
+
+def cache_type(name: str) -> int:
+    """The ggml type for a KV cache type name, as llama.cpp's --cache-type-k/-v take it."""
+    if name not in CACHE_TYPES:
+        raise Eagle3Error(f"unknown KV cache type '{name}' (one of: {', '.join(CACHE_TYPES)})")
+    return CACHE_TYPES[name]
+
+
+def batch_invariant_cache(type_k: int, type_v: int) -> bool:
+    """Whether ggml-cpu's flash attention computes a lone query row exactly as it computes one row of
+    a verify batch, for these cache types. At the pin it does not when K and V are both f16 (an f32
+    cache is cast to f16 first, llama-graph.cpp): a single row with 512+ KV cells then takes the
+    split-KV path (`use_split_kv_path`, ggml-cpu/ops.cpp: KV chunks per thread and a reduction of the
+    partial softmaxes) while batch rows are computed whole, so the logits differ in the last bits.
+    Any other pairing (bf16 V, quantized caches, K type != V type) takes the whole-row path alike."""
+    def seen(t: int) -> int:
+        return _F16 if t == _F32 else t
+    return not (seen(type_k) == seen(type_v) == _F16)
+
+
 class _Owner:
     """Frees its C handle once, in close(); usable as a context manager."""
 
@@ -234,10 +268,11 @@ class Context(_Owner):
 
     def __init__(self, model: Model, *, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int | None = None,
                  n_threads: int | None = None, ctx_other: "Context | None" = None, n_seq_max: int = 1,
-                 kv_unified: bool = True):
+                 kv_unified: bool = True, type_k: int | None = None, type_v: int | None = None):
         """kv_unified=False gives every sequence its own KV stream (n_ctx / n_seq_max cells): a row attends
         over its own sequence only, but llama.cpp then orders a batch's rows by sequence id in its ubatches
-        (so layer-input rows come out in that order: keep batches sorted by sequence)."""
+        (so layer-input rows come out in that order: keep batches sorted by sequence). type_k/type_v: the
+        KV cache's ggml types (`cache_type`); llama.cpp's default is f16 for both."""
         self.model = model
         self.ctx_other = ctx_other  # keeps the target alive while the head borrows from it
         threads = n_threads or default_threads()
@@ -247,6 +282,10 @@ class Context(_Owner):
         params.n_ubatch = min(n_ubatch or n_batch, n_batch)
         params.n_seq_max = n_seq_max
         params.kv_unified = kv_unified
+        if type_k is not None:
+            params.type_k = type_k
+        if type_v is not None:
+            params.type_v = type_v
         params.n_threads = threads
         params.n_threads_batch = threads
         params.no_perf = True
@@ -254,7 +293,10 @@ class Context(_Owner):
             params.ctx_other = ctx_other._live()
         ptr = C.llama_init_from_model(model._live(), params)
         if not ptr:
-            raise Eagle3Error(f"{model.path}: llama.cpp could not create a context (n_ctx={n_ctx}; -v shows why)")
+            cache = "" if type_k is None and type_v is None else (
+                f", KV cache {_type_name(params.type_k)}/{_type_name(params.type_v)}")
+            raise Eagle3Error(f"{model.path}: llama.cpp could not create a context (n_ctx={n_ctx}{cache}; "
+                              "-v shows why)")
         self.ptr = ptr
         self._owned = True
         self.t_native = 0.0  # seconds spent inside llama_decode / llama_process (for overhead figures)

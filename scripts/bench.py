@@ -37,6 +37,8 @@ from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
 from eagle3_gguf.session import Eagle3Session  # noqa: E402
 from eagle3_gguf.tokens import Message, apply_chat_template, tokenize  # noqa: E402
 
+CACHE_V = PairConfig.cache_type_v  # the target's V cache type: ours (PairConfig's default) and upstream's alike
+
 
 @dataclass
 class Run:
@@ -52,6 +54,8 @@ class Run:
     python_ms_per_cycle: float = 0.0
     draft_step_ms: float = 0.0
     identical: bool | None = None
+    drafted_by_pos: list[int] = field(default_factory=list)  # [K] (ours only)
+    accepted_by_pos: list[int] = field(default_factory=list)  # [K]
 
     @property
     def tok_s(self) -> float:
@@ -83,6 +87,7 @@ class Row:
     ceiling: float | None = None
     vs_upstream: float | None = None
     identical: str = ""
+    accept_by_pos: list[float] = field(default_factory=list)  # [K] pooled over prompts (ours only)
     extra: dict = field(default_factory=dict)
 
 
@@ -93,7 +98,7 @@ class Row:
 def llama_bench(tools: Path, target: Path, threads: int) -> tuple[dict[int, float], float]:
     ps = ",".join(str(n) for n in range(1, 9))
     r = subprocess.run([str(tools / "llama-bench"), "-m", str(target), "-p", ps, "-n", "64", "-r", "3",
-                        "-t", str(threads), "-o", "json"], capture_output=True, text=True, check=True)
+                        "-t", str(threads), "-ctv", CACHE_V, "-o", "json"], capture_output=True, text=True, check=True)
     pp, tg = {}, 0.0
     for row in json.loads(r.stdout):
         if row["n_gen"] == 0:
@@ -112,7 +117,7 @@ def upstream_run(tools: Path, target: Path, head: Path | None, spec_type: str, k
                  n: int, threads: int, p_min: float = 0.0) -> tuple[int, float, int, int, str]:
     cmd = [str(tools / "llama-speculative-simple"), "-m", str(target), "--spec-type", spec_type,
            "--spec-draft-n-max", str(k), "-f", str(prompt_file), "-n", str(n), "--temp", "0", "-t", str(threads),
-           "-c", "4096", "--seed", "1", "--spec-draft-p-min", str(p_min)]
+           "-c", "4096", "--seed", "1", "--spec-draft-p-min", str(p_min), "-ctv", CACHE_V]
     if head is not None:
         cmd[3:3] = ["-md", str(head)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -147,7 +152,8 @@ def bench_target(quant: str, target: Path, head: Path, args, tools: Path | None)
                         st = r.stats
                         runs.append(Run(quant, workload, p.id, "ours", k, st.n_generated, st.t_total, st.tau,
                                         st.acceptance_rate, st.python_per_cycle_ms,
-                                        1e3 * st.t_draft / max(st.n_drafted, 1), r.tokens == base.tokens))
+                                        1e3 * st.t_draft / max(st.n_drafted, 1), r.tokens == base.tokens,
+                                        st.drafted_by_pos, st.accepted_by_pos))
                         if tools is not None and not args.no_upstream:
                             prompt_file.write_text(text)
                             n, sec, drafted, acc, _ = upstream_run(tools, target, head, "draft-eagle3", k,
@@ -184,6 +190,10 @@ def summarize(runs: list[Run], physics: dict[str, Physics]) -> list[Row]:
                   statistics.mean(r.tau for r in rs), statistics.mean(r.acceptance for r in rs),
                   statistics.median(r.python_ms_per_cycle for r in rs),
                   identical=f"{sum(ident)}/{len(ident)}" if ident else "")
+        if rs[0].drafted_by_pos:
+            drafted = [sum(r.drafted_by_pos[i] for r in rs) for i in range(k)]
+            accepted = [sum(r.accepted_by_pos[i] for r in rs) for i in range(k)]
+            row.accept_by_pos = [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
         ph = physics.get(quant)
         if contender == "ours" and ph is not None and k + 1 in ph.pp_tok_s:
             target_step_ms = 1e3 / statistics.median(base[(r.quant, r.workload, r.prompt_id)].tok_s for r in rs)
@@ -208,13 +218,15 @@ def markdown(rows: list[Row], physics: dict[str, Physics], machine: str, args) -
         costs = " ".join(f"{n}:{ph.cost(n):.2f}x" for n in sorted(ph.pp_tok_s))
         out.append(f"- {q}: llama-bench tg {ph.tg_tok_s:.1f} tok/s; verify cost by batch size {costs}")
     out += ["", "| target | workload | contender | K | tok/s | speedup | tau | accept | py ms/cycle | ceiling | "
-            "achieved/ceiling | ours/upstream | identical |", "|" + "---|" * 13]
+            "achieved/ceiling | ours/upstream | identical | accepted by draft position |", "|" + "---|" * 14]
     for r in rows:
         ceil = f"{r.ceiling:.2f}x" if r.ceiling else ""
         ach = f"{r.speedup / r.ceiling:.0%}" if r.ceiling else ""
         vs = f"{r.vs_upstream:.2f}" if r.vs_upstream else ""
+        by_pos = " ".join(f"{a:.2f}" for a in r.accept_by_pos)
         out.append(f"| {r.quant} | {r.workload} | {r.contender} | {r.k or ''} | {r.tok_s:.1f} | {r.speedup:.2f}x | "
-                   f"{r.tau:.2f} | {r.acceptance:.0%} | {r.python_ms:.2f} | {ceil} | {ach} | {vs} | {r.identical} |")
+                   f"{r.tau:.2f} | {r.acceptance:.0%} | {r.python_ms:.2f} | {ceil} | {ach} | {vs} | {r.identical} | "
+                   f"{by_pos} |")
     return "\n".join(out) + "\n"
 
 

@@ -85,6 +85,7 @@ def test_vocab_and_lm_head_mismatches(tiny_target, tiny_head):
     (["-t", "0"], "-t must be at least 1 (got 0)"),
     (["-f", "/nonexistent/prompt.txt", "-p", "x"], "give the prompt with -p or -f, not both"),
     (["-f", "/nonexistent/prompt.txt"], "/nonexistent/prompt.txt: no such prompt file"),
+    (["-ctv", "f17"], "unknown KV cache type 'f17' (one of: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1)"),
 ])
 def test_bad_flags_one_line_exit_2(tiny_target, tiny_head, flags, expected):
     one_line_error(invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), *flags), expected)
@@ -120,3 +121,26 @@ def test_generate_streams_text_and_prints_stats(tiny_target, tiny_head):
     assert "identical output   yes" in r.stderr
     assert "tau (tokens/forward)" in r.stderr and "acceptance by position" in r.stderr
     assert r.stdout.endswith("\n") and len(r.stdout.strip()) > 0
+
+
+def test_cache_type_llama_cpp_refuses(tiny_target, tiny_head):
+    # q8_0 blocks are 32 wide; the tiny target's heads are 16: llama.cpp refuses the context (no abort)
+    one_line_error(invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-p", "x", "-ctk", "q8_0"),
+                   f"{tiny_target}: llama.cpp could not create a context (n_ctx=4096, KV cache q8_0/bf16; "
+                   "-v shows why)")
+
+
+@pytest.mark.parametrize("ctv", ["bf16", "f16"])
+def test_identical_past_256_tokens_on_two_threads(tiny_target, tiny_head, ctv):
+    """The default bf16 V cache keeps every row batch-invariant (tests/test_native.py pins why), so the
+    text equals target-only decoding past the 256 tokens where f16/f16 single rows go split-KV; with
+    -ctv f16 the CLI says that it may not be."""
+    r = invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-p", "Once upon a time", "-n", "400",
+               "-t", "2", "--draft-p-min", "0", "--baseline", "--json", "-ctv", ctv)
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["stats"]["n_generated"] == 400 and d["stats"]["n_drafted"] > 300  # rows decoded in verify batches
+    if ctv == "bf16":
+        assert d["identical"] is True and r.stderr == ""
+    else:
+        assert r.stderr.startswith("note: with a f16/f16 KV cache, llama.cpp computes a lone row differently")

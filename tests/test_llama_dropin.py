@@ -11,13 +11,16 @@ from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
 from eagle3_gguf.errors import Eagle3Error
 from eagle3_gguf.llama import Eagle3Llama, attach_eagle3
+from eagle3_gguf.native import CACHE_TYPES
 from eagle3_gguf.session import Eagle3Session
 from oracle import OracleSession
 from model_factory import HeadSpec, write_random_head
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,"]
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
-KW = dict(n_ctx=512, n_batch=64, seed=1234, flash_attn=True, verbose=False)  # plain Llama defaults to False
+# Eagle3Llama's exactness defaults (plain Llama defaults to flash_attn=False and an f16 V cache)
+EXACT = dict(flash_attn=True, type_v=CACHE_TYPES["bf16"])
+KW = dict(n_ctx=512, n_batch=64, seed=1234, verbose=False, **EXACT)
 GREEDY = dict(temperature=0.0)
 HOT = dict(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0)  # really samples on the peaked tiny model
 
@@ -295,6 +298,21 @@ def test_raw_generate_and_its_fallbacks(plain, ours):
         gen.send([1, 2])
 
 
+def test_exactness_defaults_and_warning_on_f16_cache(tiny_target, tiny_head):
+    plain_kw = dict(n_ctx=512, n_batch=64, verbose=False)
+    with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, **plain_kw)) as llm:
+        assert llm.context_params.type_v == CACHE_TYPES["bf16"]
+        assert llm.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    f16 = CACHE_TYPES["f16"]
+    with pytest.warns(RuntimeWarning, match=f"KV cache type_k={f16}, type_v={f16}: the speculative verify batch"):
+        with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head,
+                                 **{**KW, "type_v": f16})):
+            pass
+    with pytest.warns(RuntimeWarning, match="type_v=1: "):
+        with closing(llama_cpp.Llama(model_path=str(tiny_target), **plain_kw, flash_attn=True)) as llm:
+            attach_eagle3(llm, tiny_head)
+
+
 def test_warns_without_flash_attention(tiny_target, tiny_head):
     with pytest.warns(RuntimeWarning, match="flash_attn=False"):
         llm = Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, **{**KW, "flash_attn": False})
@@ -327,7 +345,7 @@ def smol_head(tmp_path_factory, smollm2_path):
 
 @pytest.mark.slow
 def test_smollm2_chat_and_completion_identical(smollm2_path, smol_head):
-    kw = dict(n_ctx=1024, n_batch=128, seed=0, flash_attn=True, verbose=False)
+    kw = dict(n_ctx=1024, n_batch=128, seed=0, verbose=False, **EXACT)
     messages = [{"role": "user", "content": "Write a Python function that reverses a string."}]
     with closing(llama_cpp.Llama(model_path=str(smollm2_path), **kw)) as plain, \
             closing(Eagle3Llama(model_path=str(smollm2_path), draft_model_path=smol_head, **kw)) as ours:

@@ -7,8 +7,8 @@ import pytest
 
 from eagle3_gguf import keys, native
 from eagle3_gguf.errors import Eagle3Error, NativeError
-from eagle3_gguf.native import (LLAMA_PROCESS_TYPE_DECODE, LLAMA_PROCESS_TYPE_ENCODE, Batch, BatchExt, Context,
-                                Model)
+from eagle3_gguf.native import (CACHE_TYPES, LLAMA_PROCESS_TYPE_DECODE, LLAMA_PROCESS_TYPE_ENCODE, Batch, BatchExt,
+                                Context, Model, batch_invariant_cache)
 
 
 def test_staging_symbols_resolve_by_mangled_name():
@@ -134,16 +134,26 @@ def test_eagle3_decoder_ignores_the_output_mask_at_the_pin(tiny_target, tiny_hea
             np.testing.assert_array_equal(rows[(False, False, True)], first)
 
 
-@pytest.mark.parametrize("threads, ctx_len, same", [(2, 250, True), (2, 280, False), (1, 280, True)])
-def test_single_row_decode_vs_batched_rows_at_the_pin(tiny_target, threads, ctx_len, same):
-    """Why greedy identity with target-only decoding holds only up to near-ties beyond 256 tokens of
-    context: ggml-cpu's flash attention takes a split-KV path (KV chunks per thread, then a reduction)
-    for a single query row once the KV view reaches 512 cells, and a per-row path for batches. With
-    one thread there is no split and the two agree bit for bit. If this test fails, upstream changed
-    that path: revisit the exactness notes in README.md."""
+@pytest.mark.parametrize("threads, ctx_len, type_v, same", [
+    (2, 250, "f16", True), (2, 280, "f16", False), (1, 280, "f16", True),
+    (2, 280, "bf16", True), (2, 700, "bf16", True), (2, 280, "q8_0", None)])
+def test_single_row_decode_vs_batched_rows_at_the_pin(tiny_target, threads, ctx_len, type_v, same):
+    """Why greedy identity with target-only decoding needs the bf16 V cache (PairConfig's default):
+    with llama.cpp's default f16/f16 cache, ggml-cpu's flash attention takes a split-KV path (KV
+    chunks per thread, then a reduction) for a single query row once the KV view reaches 512 cells,
+    and a per-row path for batches. With one thread there is no split and the two agree bit for bit;
+    with a bf16 V cache every row takes the per-row path at any length. If this test fails, upstream
+    changed that path: revisit native.batch_invariant_cache and the exactness notes in README.md."""
+    assert batch_invariant_cache(CACHE_TYPES["f16"], CACHE_TYPES[type_v]) == (type_v != "f16")
+    if same is None:  # q8_0 needs head sizes in 32-blocks: the tiny target's 16 is refused, with one line
+        with Model(tiny_target) as tm, pytest.raises(Eagle3Error, match=r"could not create a context "
+                                                     r"\(n_ctx=1024, KV cache f16/q8_0; -v shows why\)"):
+            Context(tm, n_ctx=1024, type_v=CACHE_TYPES[type_v])
+        return
     rng = np.random.default_rng(3)
     seq = [int(t) for t in rng.integers(100, 40000, size=ctx_len)]
-    with Model(tiny_target) as tm, Context(tm, n_ctx=1024, n_batch=64, n_threads=threads) as tc, Batch(64) as b:
+    with Model(tiny_target) as tm, Context(tm, n_ctx=1024, n_batch=64, n_threads=threads,
+                                           type_v=CACHE_TYPES[type_v]) as tc, Batch(64) as b:
         rows = {}
         for n in (1, 2):
             tc.clear()
@@ -155,3 +165,12 @@ def test_single_row_decode_vs_batched_rows_at_the_pin(tiny_target, threads, ctx_
             tc.decode(b)
             rows[n] = tc.logits_ith(n - 1).copy()
     assert np.array_equal(rows[1], rows[2]) == same
+
+
+def test_batch_invariant_cache_pairs():
+    variant = {(k, v) for k in CACHE_TYPES for v in CACHE_TYPES
+               if not batch_invariant_cache(CACHE_TYPES[k], CACHE_TYPES[v])}
+    assert variant == {("f16", "f16"), ("f16", "f32"), ("f32", "f16"), ("f32", "f32")}  # f32 is cast to f16
+    with pytest.raises(Eagle3Error) as e:
+        native.cache_type("fp8")
+    assert str(e.value) == "unknown KV cache type 'fp8' (one of: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1)"

@@ -30,6 +30,8 @@ def register(app: typer.Typer) -> None:
         n_predict: int = typer.Option(128, "-n", "--n-predict", help="Tokens to generate."),
         n_ctx: int = typer.Option(4096, "-c", "--ctx-size", help="Context size (tokens)."),
         threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads (default: all cores up to 4, else half)."),
+        cache_type_k: str = typer.Option("f16", "-ctk", "--cache-type-k", help="Target KV cache type for K."),
+        cache_type_v: str = typer.Option("bf16", "-ctv", "--cache-type-v", help="Target KV cache type for V (bf16 keeps output identical to target-only at any length; README)."),
         temp: float = typer.Option(0.0, "--temp", help="Temperature; 0 = greedy."),
         seed: int = typer.Option(0, "--seed", help="Sampling seed (with --temp > 0)."),
         draft_max: int = typer.Option(DEFAULT_DRAFT_MAX, "--draft-max", help="Tokens drafted per cycle (K); 0 = target only."),
@@ -46,7 +48,8 @@ def register(app: typer.Typer) -> None:
         setup_logging(verbose)
         try:
             _check_flags(prompt, file, n_predict, n_ctx, threads, temp, draft_max, draft_p_min)
-            _run(model, draft, prompt, file, n_predict, n_ctx, threads, temp, seed, draft_max, draft_p_min, chat,
+            pair_config = _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max)
+            _run(model, draft, prompt, file, n_predict, pair_config, temp, seed, draft_max, draft_p_min, chat,
                  baseline, as_json)
         except Eagle3Error as e:
             fail(str(e))
@@ -69,11 +72,26 @@ def _check_flags(prompt, file, n_predict, n_ctx, threads, temp, draft_max, draft
         raise Eagle3Error(f"--draft-p-min must be in [0, 1) (got {draft_p_min})")
 
 
-def _run(model, draft, prompt, file, n_predict, n_ctx, threads, temp, seed, draft_max, draft_p_min, chat,
+INEXACT_NOTE = ("note: with a {k}/{v} KV cache, llama.cpp computes a lone row differently from a verify-batch row "
+                "past 256 tokens on several threads, so near-ties may part from target-only output "
+                "(-ctv bf16 keeps them identical)")
+
+
+def _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max):
+    from ..native import batch_invariant_cache, cache_type
+    from ..pair import PairConfig
+
+    type_k, type_v = cache_type(cache_type_k), cache_type(cache_type_v)
+    if draft_max > 0 and not batch_invariant_cache(type_k, type_v):
+        typer.echo(INEXACT_NOTE.format(k=cache_type_k, v=cache_type_v), err=True)
+    return PairConfig(n_ctx=n_ctx, n_threads=threads, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
+
+
+def _run(model, draft, prompt, file, n_predict, pair_config, temp, seed, draft_max, draft_p_min, chat,
          baseline, as_json) -> None:
     from ..assets import default_head_path, smollm2_path
     from ..decode import Decoder, GenerateConfig, PartialResult, Sampler
-    from ..pair import PairConfig, load_pair
+    from ..pair import load_pair
     from ..session import Eagle3Session
     from ..stats import Comparison
     from ..tokens import Detokenizer, chat_tokens, tokenize
@@ -87,7 +105,7 @@ def _run(model, draft, prompt, file, n_predict, n_ctx, threads, temp, seed, draf
         chat = True
     target_path = model or smollm2_path()
     head_path = draft or default_head_path()
-    with load_pair(target_path, head_path, PairConfig(n_ctx=n_ctx, n_threads=threads)) as pair:
+    with load_pair(target_path, head_path, pair_config) as pair:
         tokens = chat_tokens(pair.target_model, prompt) if chat else tokenize(pair.target_model, prompt)
         config = GenerateConfig(n_predict=n_predict, draft_max=draft_max, draft_p_min=draft_p_min)
         with Eagle3Session(pair.target, pair.head) as session, Decoder(pair.target, session) as decoder:

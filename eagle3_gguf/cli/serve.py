@@ -64,6 +64,7 @@ def build_app(config: ServeConfig):
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
     from ..llama import attach_eagle3
+    from ..native import CACHE_TYPES
     from ..pair import read_pair
 
     read_pair(config.model, config.draft)  # a mismatched pair fails here with one line, before loading
@@ -86,7 +87,7 @@ def build_app(config: ServeConfig):
 
     threads = {} if config.n_threads is None else {"n_threads": config.n_threads, "n_threads_batch": config.n_threads}
     model_settings = ModelSettings(model=str(config.model), model_alias=config.model_alias, n_ctx=config.n_ctx,
-                                   flash_attn=True, verbose=False, **threads)
+                                   flash_attn=True, type_v=CACHE_TYPES["bf16"], verbose=False, **threads)  # EXACTNESS
     server_settings = ServerSettings(host=config.host, port=config.port)
     plain_proxy = server_app.LlamaProxy
     server_app.LlamaProxy = Eagle3LlamaProxy  # create_app builds its proxy from this module name
