@@ -66,9 +66,6 @@ class GenerateConfig:
     draft_p_min: float = 0.0
 
 
-StopCheck = Callable[[list[int]], bool]
-
-
 @dataclass
 class Cycle:
     """One draft → verify cycle, before the head is told the outcome."""

@@ -76,15 +76,6 @@ class _SharedModel(Model):
         pass
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class Eagle3Llama(Llama):
     """`llama_cpp.Llama(model_path=..., **kwargs)` plus an EAGLE-3 head (`draft_model_path`)."""
 
@@ -250,7 +241,7 @@ class Eagle3Llama(Llama):
                     self.n_tokens = pos + j + 1  # plain decoding's state when it emits out[j]
                     if self._stop_requested(stopping_criteria, pos + j + 1):
                         self._cut(pos + j + 1)
-                        st.n_accepted -= n_acc - j
+                        st.cut_cycle(n_acc, j)
                         st.stop_reason = "stopping_criteria"
                         return
                     st.n_generated, last = st.n_generated + 1, tok
@@ -258,7 +249,7 @@ class Eagle3Llama(Llama):
                         sent = yield tok
                     except GeneratorExit:  # the caller is done (stop string, max_tokens, closed stream)
                         self._cut(pos + j + 1)
-                        st.n_accepted -= n_acc - j
+                        st.cut_cycle(n_acc, j)
                         raise
                     self._check_sent(sent)
                 self.n_tokens = pos + n_acc + 1
@@ -308,15 +299,11 @@ class Eagle3Llama(Llama):
 
         The head stores at position p the pair (token p+1, features of row p), so the pairs up to T-1 are
         valid for the prompt when the head processed prompt[:T+1]; they stay, and the head resumes at T."""
-        n_target = _common_prefix(self.input_ids[:self.n_tokens].tolist(), prompt)
-        n_head = _common_prefix(self._e3_head_tokens, prompt)
+        n_target = self.longest_token_prefix(self.input_ids[:self.n_tokens].tolist(), prompt)
+        n_head = self.longest_token_prefix(self._e3_head_tokens, prompt)
         keep = max(min(n_target, n_head - 1, len(prompt) - 1), 0)
         target, session = self._e3_pair.target, self._e3_session
-        if keep > 0 and target.seq_rm(0, keep, -1):
-            session.flush()  # queued pairs reach the draft cache first, then the cut applies to all
-            session.draft_ctx.seq_rm(0, keep, -1)
-            session.pending_pos = -1  # no deferred pair: the pair at keep-1 is already in the draft cache
-        else:
+        if not (keep > 0 and target.seq_rm(0, keep, -1) and session.truncate(keep)):
             keep = 0
             target.clear()
             session.reset()

@@ -57,6 +57,16 @@ class Eagle3Session:
         self.pending_pos = -1
         self._queue.clear()
 
+    def truncate(self, n: int) -> bool:
+        """Keep the pairs at positions < n (a new prompt sharing n tokens with the old context); the
+        next process() resumes at n, with no deferred row. False (and nothing kept) where the draft
+        cache cannot cut there; reset() then."""
+        self.flush()  # queued pairs reach the draft cache first, then the cut applies to all of them
+        if not self.draft_ctx.seq_rm(0, n, -1):
+            return False
+        self.pending_pos = -1  # the pair at n - 1 is already in the draft cache
+        return True
+
     # -- features --------------------------------------------------------------------------------
     def features(self, n_rows: int) -> np.ndarray:
         """The three extracted target layers of the last target decode's first n_rows rows,

@@ -40,6 +40,15 @@ class SpecStats:
         for i in range(n_accepted):
             self.accepted_by_pos[i] += 1
 
+    def cut_cycle(self, n_accepted: int, n_kept: int) -> None:
+        """The last recorded cycle accepted n_accepted drafts, but the run ended after n_kept of them
+        (a stop check, or the caller stopped reading): count it as a cycle that accepted n_kept."""
+        self.n_accepted -= n_accepted - n_kept
+        self.accept_hist[n_accepted] -= 1
+        self.accept_hist[n_kept] += 1
+        for i in range(n_kept, n_accepted):
+            self.accepted_by_pos[i] -= 1
+
     # -- derived figures -----------------------------------------------------------------------
     @property
     def acceptance_rate(self) -> float:

@@ -6,8 +6,8 @@
 
 For every prompt, target-only decoding and each (K, p_min) run back to back in one process; a
 setting's speedup is the median over prompts of its time against target-only on the same prompt.
-The prompts are the held-out evaluation prompts of scripts/train_smollm2.py (ours; no MT-bench or
-HumanEval text), so tuning here does not tune on the benchmark.
+The prompts (EVAL_PROMPTS below) are our own held-out prompts, not training prompts and no MT-bench or
+HumanEval text, so tuning here does not tune on the benchmark.
 """
 
 from __future__ import annotations
@@ -19,13 +19,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_smollm2 import EVAL_PROMPTS  # noqa: E402
 
 from eagle3_gguf.assets import default_head_path, smollm2_path  # noqa: E402
 from eagle3_gguf.decode import Decoder, GenerateConfig  # noqa: E402
 from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
 from eagle3_gguf.session import Eagle3Session  # noqa: E402
 from eagle3_gguf.tokens import chat_tokens  # noqa: E402
+
+# Our own held-out evaluation prompts: not training prompts (eagle3_gguf/train/prompts.py), not benchmark text.
+EVAL_PROMPTS = [
+    "Write a Python function that returns the number of words in a string that start with a capital letter. "
+    "Include a docstring.",
+    "Explain how a bicycle's gears make pedaling easier uphill.",
+    "Write a short poem about a cat watching the rain.",
+    "Tom has 12 oranges. He gives 3 to his sister and buys 7 more. How many oranges does he have now?",
+    "What are three tips for writing a clear email?",
+    "Write a Python function that checks whether all elements of a list are unique.",
+]
 
 
 @dataclass
@@ -39,6 +49,42 @@ class Setting:
     n: int
 
 
+def run_grid(quants: list[str], ks: list[int], p_mins: list[float], head: Path, n_predict: int = 128,
+             threads: int = 2) -> list[Setting]:
+    """Target-only and every (K, p_min) back to back on each prompt, per target quantization."""
+    results: list[Setting] = []
+    for q in quants:
+        target = Path(smollm2_path())
+        if q == "q4_0":
+            from build_upstream import requantized
+            target = requantized(target, "Q4_0")
+        grid = {(k, p): Setting(q, k, p, [], [], 0, 0) for k in ks for p in p_mins}
+        with load_pair(target, head, PairConfig(n_ctx=2048, n_threads=threads)) as pair, \
+                Eagle3Session(pair.target, pair.head) as sess, Decoder(pair.target, sess) as dec:
+            for text in EVAL_PROMPTS:
+                prompt = chat_tokens(pair.target_model, text)
+                base = dec.generate(prompt, GenerateConfig(n_predict=n_predict), speculative=False)
+                for (k, p), s in grid.items():
+                    r = dec.generate(prompt, GenerateConfig(n_predict=n_predict, draft_max=k, draft_p_min=p))
+                    s.speedups.append(base.stats.t_total / r.stats.t_total)
+                    s.taus.append(r.stats.tau)
+                    s.identical += r.tokens == base.tokens
+                    s.n += 1
+                print(f"[{q}] {text[:50]!r}: target {base.stats.tokens_per_second:.1f} tok/s", file=sys.stderr)
+        results += grid.values()
+    return results
+
+
+def table(results: list[Setting]) -> str:
+    out = ["| target | K | p_min | speedup (median) | min–max | tau (median) | identical |",
+           "|---|---|---|---|---|---|---|"]
+    for s in sorted(results, key=lambda s: (s.quant, -statistics.median(s.speedups))):
+        out.append(f"| {s.quant} | {s.k} | {s.p_min} | {statistics.median(s.speedups):.2f}x | "
+                   f"{min(s.speedups):.2f}–{max(s.speedups):.2f} | {statistics.median(s.taus):.2f} | "
+                   f"{s.identical}/{s.n} |")
+    return "\n".join(out) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ks", default="1,2,3,4,6")
@@ -48,34 +94,10 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--draft", type=Path, default=None, help="head GGUF (default: the embedded head)")
     args = ap.parse_args()
-    ks = [int(k) for k in args.ks.split(",")]
-    p_mins = [float(p) for p in args.p_mins.split(",")]
-    head = args.draft or default_head_path()
-    results: list[Setting] = []
-    for q in args.quants.split(","):
-        target = Path(smollm2_path())
-        if q == "q4_0":
-            from build_upstream import requantized
-            target = requantized(target, "Q4_0")
-        grid = {(k, p): Setting(q, k, p, [], [], 0, 0) for k in ks for p in p_mins}
-        with load_pair(target, head, PairConfig(n_ctx=2048, n_threads=args.threads)) as pair, \
-                Eagle3Session(pair.target, pair.head) as sess, Decoder(pair.target, sess) as dec:
-            for text in EVAL_PROMPTS:
-                prompt = chat_tokens(pair.target_model, text)
-                base = dec.generate(prompt, GenerateConfig(n_predict=args.n_predict), speculative=False)
-                for (k, p), s in grid.items():
-                    r = dec.generate(prompt, GenerateConfig(n_predict=args.n_predict, draft_max=k, draft_p_min=p))
-                    s.speedups.append(base.stats.t_total / r.stats.t_total)
-                    s.taus.append(r.stats.tau)
-                    s.identical += r.tokens == base.tokens
-                    s.n += 1
-                print(f"[{q}] {text[:50]!r}: target {base.stats.tokens_per_second:.1f} tok/s", file=sys.stderr)
-        results += grid.values()
-    print("| target | K | p_min | speedup (median) | min–max | tau (median) | identical |")
-    print("|---|---|---|---|---|---|---|")
-    for s in sorted(results, key=lambda s: (s.quant, -statistics.median(s.speedups))):
-        print(f"| {s.quant} | {s.k} | {s.p_min} | {statistics.median(s.speedups):.2f}x | "
-              f"{min(s.speedups):.2f}–{max(s.speedups):.2f} | {statistics.median(s.taus):.2f} | {s.identical}/{s.n} |")
+    results = run_grid(args.quants.split(","), [int(k) for k in args.ks.split(",")],
+                       [float(p) for p in args.p_mins.split(",")], args.draft or default_head_path(),
+                       args.n_predict, args.threads)
+    print(table(results), end="")
 
 
 if __name__ == "__main__":

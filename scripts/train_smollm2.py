@@ -1,15 +1,17 @@
 #!/usr/bin/env python
 """Reproduce the shipped head: SmolLM2-135M-Instruct → eagle3_gguf/heads/smollm2-135m-instruct-eagle3.gguf.
 
-    python scripts/build_upstream.py                 # once: llama-quantize makes the Q4_0 data model
-    python scripts/train_smollm2.py                  # data → vocab → train → export → convert → evaluate
+    python scripts/train_smollm2.py                  # data → vocab → train → export → convert → measure
+    python scripts/train_smollm2.py --measure-only   # only the model card's measurements, shipped head
     python scripts/train_smollm2.py --measure-vocab  # draft step cost vs coverage for 4096/8192/16384
 
-Everything lands in runs/smollm2/ (gitignored; resumable: rerun the same command to continue).
+It builds upstream's tools first where they are missing (scripts/build_upstream.py: llama-quantize
+makes the Q4_0 data model; the benchmark runs upstream beside ours). The run lands in runs/smollm2/
+(gitignored; resumable: rerun the same command to continue); the measurements print the model card's
+tables and write runs/smollm2/defaults.md and bench/ (results.md, results.json, speedup.png).
 The data are generated with the Q4_0 requantization of the shipped Q4_1 target (`--data-model`):
 its batched forward runs ~2x faster on x86 CPUs (repacked Q4_0 kernels); the head is built for, and
-evaluated on, the shipped Q4_1 target. The evaluation prompts below are our own and are not among the
-training prompts.
+measured on, the shipped Q4_1 target and its Q4_0 requantization.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -26,6 +29,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
+from bench_defaults import EVAL_PROMPTS, run_grid, table  # noqa: E402
+from build_upstream import bin_dir, main as build_upstream, requantized  # noqa: E402
+
 RUN = ROOT / "runs" / "smollm2"
 LAYERS = [2, 15, 27]
 
@@ -41,15 +47,6 @@ N_SEQ = 64  # sequences in flight during data generation
 THREADS = 2  # llama.cpp threads
 TORCH_THREADS = 2
 
-EVAL_PROMPTS = [
-    "Write a Python function that returns the number of words in a string that start with a capital letter. "
-    "Include a docstring.",
-    "Explain how a bicycle's gears make pedaling easier uphill.",
-    "Write a short poem about a cat watching the rain.",
-    "Tom has 12 oranges. He gives 3 to his sister and buys 7 more. How many oranges does he have now?",
-    "What are three tips for writing a clear email?",
-    "Write a Python function that checks whether all elements of a list are unique.",
-]
 
 
 def log(msg: str) -> None:
@@ -73,8 +70,6 @@ def train() -> Path:
     from eagle3_gguf.train import PipelineConfig, run_training
     from eagle3_gguf.train.loop import TrainConfig
 
-    from build_upstream import requantized
-
     tcfg = TrainConfig(n_unroll=UNROLL, epochs=EPOCHS, batch_tokens=BATCH_TOKENS, lr=1e-3, n_threads=TORCH_THREADS,
                        max_minutes=MAX_TRAIN_MINUTES, ckpt_every=25, bf16=True)
     cfg = PipelineConfig(n_prompts=N_PROMPTS, layer_ids=LAYERS, draft_vocab=DRAFT_VOCAB, n_ff=N_FF, n_seq=N_SEQ,
@@ -89,34 +84,18 @@ def train() -> Path:
     return res.gguf
 
 
-def evaluate(head: Path, k: int = 4, n_predict: int = 128) -> dict:
-    """tau and speedup at K on our held-out prompts (greedy, chat template), and greedy identity."""
-    from eagle3_gguf.assets import smollm2_path
-    from eagle3_gguf.decode import Decoder, GenerateConfig
-    from eagle3_gguf.pair import PairConfig, load_pair
-    from eagle3_gguf.session import Eagle3Session
-    from eagle3_gguf.tokens import chat_tokens
+# The model card's measurements: the generate-defaults grid on our prompts, and the benchmark's first prompts.
+CARD_GRID = dict(quants=["q4_1", "q4_0"], ks=[2, 4], p_mins=[0.0, 0.5])
+CARD_BENCH = ["--limit", "3", "--ks", "1,2,3,4,5,6"]
 
-    rows = []
-    with load_pair(smollm2_path(), head, PairConfig(n_ctx=2048, n_batch=512, n_threads=THREADS)) as pair, \
-            Eagle3Session(pair.target, pair.head) as sess, Decoder(pair.target, sess) as dec:
-        for text in EVAL_PROMPTS:
-            prompt = chat_tokens(pair.target_model, text)
-            base = dec.generate(prompt, GenerateConfig(n_predict=n_predict, draft_max=k), speculative=False)
-            spec = dec.generate(prompt, GenerateConfig(n_predict=n_predict, draft_max=k))
-            st = spec.stats
-            rows.append({"prompt": text[:60], "identical": spec.tokens == base.tokens, "n": len(spec.tokens),
-                         "forwards": st.n_target_forwards, "tau": st.n_generated / max(st.n_target_forwards, 1),
-                         "spec_s": st.t_total, "base_s": base.stats.t_total})
-            log(f"eval {rows[-1]}")
-    n_gen = sum(r["n"] for r in rows)
-    result = {"k": k, "n_predict": n_predict, "prompts": rows,
-              "tau": sum(r["tau"] * r["forwards"] for r in rows) / sum(r["forwards"] for r in rows),
-              "speedup": sum(r["base_s"] for r in rows) / sum(r["spec_s"] for r in rows),
-              "all_identical": all(r["identical"] for r in rows), "tokens": n_gen}
-    (RUN / f"eval_k{k}.json").write_text(json.dumps(result, indent=1))
-    log(f"tau {result['tau']:.2f} speedup {result['speedup']:.2f}x identical {result['all_identical']}")
-    return result
+
+def measure(head: Path) -> None:
+    grid = table(run_grid(head=head, threads=THREADS, **CARD_GRID))
+    RUN.mkdir(parents=True, exist_ok=True)
+    (RUN / "defaults.md").write_text(grid)
+    log("generate defaults on our prompts (scripts/bench_defaults.py):\n" + grid)
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), *CARD_BENCH, "--draft", str(head),
+                    "--out", str(ROOT / "bench")], check=True)
 
 
 def measure_vocab(sizes=(4096, 8192, 16384), reps: int = 5) -> dict:
@@ -175,18 +154,18 @@ def measure_vocab(sizes=(4096, 8192, 16384), reps: int = 5) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--measure-vocab", action="store_true", help="only measure draft-vocab cost vs coverage")
-    ap.add_argument("--eval-only", action="store_true", help="only evaluate the head in runs/smollm2/head.gguf")
+    ap.add_argument("--measure-only", action="store_true", help="only the card's measurements of the shipped head")
     args = ap.parse_args()
+    if not (bin_dir() / "llama-quantize").exists():
+        build_upstream()
     if args.measure_vocab:
         measure_vocab()
         return
-    head = RUN / "head.gguf" if args.eval_only else train()
     shipped = ROOT / "eagle3_gguf" / "heads" / "smollm2-135m-instruct-eagle3.gguf"
-    shipped.parent.mkdir(exist_ok=True)
-    if not args.eval_only:
-        shutil.copyfile(head, shipped)
+    if not args.measure_only:
+        shutil.copyfile(train(), shipped)
         log(f"copied to {shipped}")
-    evaluate(shipped if shipped.is_file() else head)
+    measure(shipped)
 
 
 if __name__ == "__main__":

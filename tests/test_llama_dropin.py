@@ -48,6 +48,13 @@ def same_state(plain: llama_cpp.Llama, ours: Eagle3Llama) -> None:
     assert ours.input_ids[:ours.n_tokens].tolist() == plain.input_ids[:plain.n_tokens].tolist()
 
 
+def consistent(st) -> None:
+    """The statistics tell one story: accepted drafts by cycle, by position and in total agree."""
+    assert st.n_accepted == sum(n * c for n, c in enumerate(st.accept_hist)) == sum(st.accepted_by_pos)
+    assert sum(st.accept_hist) == st.n_target_forwards - 1  # one cycle per forward after the prefill
+    assert all(0 <= a <= d for a, d in zip(st.accepted_by_pos, st.drafted_by_pos))
+
+
 def chunks(stream) -> list[tuple]:
     out = []
     for c in stream:
@@ -252,7 +259,25 @@ def test_forced_acceptance(tiny_target, tiny_head, plain, sampling):
         assert all(st.accept_hist[n] > 0 for n in range(k + 1)), st.accept_hist
         assert st.tau > 1.5
         assert st.n_accepted + st.n_target_forwards == st.n_generated == 60
+        consistent(st)
         same_state(plain, llm)
+
+
+@pytest.mark.parametrize("cut", [13, 22, 31])
+def test_stop_inside_an_accepted_run_keeps_stats_consistent(tiny_target, tiny_head, plain, cut):
+    """A stop string that ends inside a cycle's accepted drafts: the text stops there, and the cycle is
+    counted as accepting only the drafts that were emitted."""
+    plain(PROMPTS[1], max_tokens=61, **GREEDY)
+    truth = plain.input_ids[:plain.n_tokens].tolist()
+    full = text_of(plain(PROMPTS[1], max_tokens=60, **GREEDY))
+    stop = full[cut:cut + 4]
+    base = plain(PROMPTS[1], max_tokens=60, stop=[stop], **GREEDY)
+    with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_max=4, **KW)) as llm:
+        use_session(llm, OracleSession(llm._e3_pair.target, llm._e3_pair.head, truth=truth, schedule=[4]))
+        same(base, llm(PROMPTS[1], max_tokens=60, stop=[stop], **GREEDY))
+        st = llm.spec_stats
+        assert st.n_accepted + st.n_target_forwards == st.n_generated < 60
+        consistent(st)
 
 
 # -- attach_eagle3 -----------------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ from contextlib import closing
 import llama_cpp
 import pytest
 
+from eagle3_gguf.native import CACHE_TYPES
+
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
@@ -77,7 +79,9 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def plain(tiny_target):
-    llm = llama_cpp.Llama(model_path=str(tiny_target), n_ctx=N_CTX, flash_attn=True, verbose=False)
+    # the server's exactness settings (serve.py: flash attention, bf16 V cache)
+    llm = llama_cpp.Llama(model_path=str(tiny_target), n_ctx=N_CTX, flash_attn=True, type_v=CACHE_TYPES["bf16"],
+                          verbose=False)
     yield llm
     llm.close()
 
@@ -161,3 +165,15 @@ def test_bad_pair_is_one_line(tiny_head, smollm2_path):
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "hidden size" in lines[0]
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--draft-p-min", "1.5"], "--draft-p-min must be in [0, 1) (got 1.5)"),
+    (["--draft-max", "33"], "--draft-max must be between 0 and 32 (got 33)"),
+    (["--port", "0"], "--port must be in 1..65535 (got 0)"),
+])
+def test_bad_flags_one_line(tiny_target, tiny_head, flags, expected):
+    r = subprocess.run([sys.executable, "-m", "eagle3_gguf.cli.main", "serve", "-m", str(tiny_target), "--draft",
+                        str(tiny_head), *flags], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [f"error: {expected}"]

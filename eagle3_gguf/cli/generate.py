@@ -60,12 +60,17 @@ def _check_flags(prompt, file, n_predict, n_ctx, threads, temp, draft_max, draft
         raise Eagle3Error("give the prompt with -p or -f, not both")
     if n_predict < 1:
         raise Eagle3Error(f"-n must be at least 1 (got {n_predict})")
+    check_decoding_flags(n_ctx, threads, draft_max, draft_p_min)
+    if temp < 0:
+        raise Eagle3Error(f"--temp cannot be negative (got {temp})")
+
+
+def check_decoding_flags(n_ctx: int, threads: int | None, draft_max: int, draft_p_min: float) -> None:
+    """The flags `generate` and `serve` share."""
     if n_ctx < 16:
         raise Eagle3Error(f"-c must be at least 16 (got {n_ctx})")
     if threads is not None and threads < 1:
         raise Eagle3Error(f"-t must be at least 1 (got {threads})")
-    if temp < 0:
-        raise Eagle3Error(f"--temp cannot be negative (got {temp})")
     if not 0 <= draft_max <= 32:
         raise Eagle3Error(f"--draft-max must be between 0 and 32 (got {draft_max})")
     if not 0.0 <= draft_p_min < 1.0:

@@ -18,6 +18,7 @@ from typing import Optional
 import typer
 
 from ..errors import Eagle3Error
+from .generate import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN, check_decoding_flags
 
 SERVER_EXTRA_HINT = "pip install 'eagle3-gguf[server]'"
 SERVER_MODULES = ("fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings")
@@ -29,7 +30,8 @@ class ServeConfig:
     draft: Path
     host: str = "127.0.0.1"
     port: int = 8000
-    draft_max: int = 4
+    draft_max: int = DEFAULT_DRAFT_MAX
+    draft_p_min: float = DEFAULT_DRAFT_P_MIN
     n_ctx: int = 4096
     n_threads: int | None = None
     alias: str | None = None  # the model name clients send; default: the target's file name without .gguf
@@ -73,7 +75,7 @@ def build_app(config: ServeConfig):
         def load_llama_from_model_settings(self, settings):
             llm = LlamaProxy.load_llama_from_model_settings(settings)
             try:
-                return attach_eagle3(llm, config.draft, draft_max=config.draft_max)
+                return attach_eagle3(llm, config.draft, draft_max=config.draft_max, draft_p_min=config.draft_p_min)
             except BaseException:
                 llm.close()
                 raise
@@ -171,7 +173,8 @@ def register(app: typer.Typer) -> None:
         draft: Path = typer.Option(..., "-md", "--draft", help="EAGLE-3 head GGUF."),
         host: str = typer.Option("127.0.0.1", "--host", help="Listen address (loopback by default)."),
         port: int = typer.Option(8000, "--port", help="Listen port."),
-        draft_max: int = typer.Option(4, "--draft-max", help="Tokens drafted per cycle (K); 0 = target only."),
+        draft_max: int = typer.Option(DEFAULT_DRAFT_MAX, "--draft-max", help="Tokens drafted per cycle (K); 0 = target only."),
+        draft_p_min: float = typer.Option(DEFAULT_DRAFT_P_MIN, "--draft-p-min", help="Stop drafting when the draft's top probability falls below this."),
         n_ctx: int = typer.Option(4096, "-c", "--ctx-size", help="Context size (tokens)."),
         threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads."),
         alias: Optional[str] = typer.Option(None, "--alias", help="Model name clients send (default: the target file name without .gguf)."),
@@ -182,14 +185,10 @@ def register(app: typer.Typer) -> None:
         from .main import fail, setup_logging
 
         setup_logging(verbose)
-        config = ServeConfig(model, draft, host, port, draft_max, n_ctx, threads, alias, any_model)
+        config = ServeConfig(model, draft, host=host, port=port, draft_max=draft_max, draft_p_min=draft_p_min,
+                             n_ctx=n_ctx, n_threads=threads, alias=alias, any_model=any_model)
         try:
-            if not 0 <= draft_max <= 32:
-                raise Eagle3Error(f"--draft-max must be between 0 and 32 (got {draft_max})")
-            if n_ctx < 16:
-                raise Eagle3Error(f"-c must be at least 16 (got {n_ctx})")
-            if threads is not None and threads < 1:
-                raise Eagle3Error(f"-t must be at least 1 (got {threads})")
+            check_decoding_flags(n_ctx, threads, draft_max, draft_p_min)
             if not 0 < port < 65536:
                 raise Eagle3Error(f"--port must be in 1..65535 (got {port})")
             server = build_app(config)
@@ -197,6 +196,6 @@ def register(app: typer.Typer) -> None:
             fail(str(e))
         import uvicorn
 
-        typer.echo(f"serving {config.model_alias} (+ {draft.name}, K={draft_max}) on http://{host}:{port}/v1",
-                   err=True)
+        typer.echo(f"serving {config.model_alias} (+ {draft.name}, K={draft_max}, p_min {draft_p_min}) on "
+                   f"http://{host}:{port}/v1", err=True)
         uvicorn.run(server, host=host, port=port, log_level="info" if verbose else "warning")

@@ -60,6 +60,7 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
     """target GGUF → data → draft vocab → trained head → SafeAILab checkpoint → head GGUF in `out`."""
     import torch
 
+    from ..convert.layouts import default_layer_ids
     from .data import DataConfig, generate_data, load_dataset
     from .export import convert_to_gguf, export_safeai, read_target, read_token_embeddings
     from .loop import TrainConfig, train_head
@@ -71,7 +72,7 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tgt = read_target(target)
-    layers = list(cfg.layer_ids) if cfg.layer_ids else [2, tgt.n_layer // 2, tgt.n_layer - 3]
+    layers = list(cfg.layer_ids) if cfg.layer_ids else default_layer_ids(tgt.n_layer)
     if len(layers) != 3 or not all(0 <= x < tgt.n_layer for x in layers):
         raise Eagle3Error(f"--layer-ids {layers}: need 3 ids in 0..{tgt.n_layer - 1} for this target")
 
