@@ -218,7 +218,7 @@ def test_session_drafts_the_same_with_a_converted_head(tmp_path, tiny_target):
     head = tmp_path / "head.gguf"
     convert_head(src, head, tiny_target, outtype="f32", fc_type="f32")
     direct = run_llama_cpp(tiny_target, head, PROMPT, N_STEPS)
-    config = PairConfig(n_ctx=128, n_batch=64, n_threads=2)
+    config = PairConfig(n_ctx=128, n_batch=64, n_threads=2, cache_type_v="f16")  # the direct run's cache
     with load_pair(tiny_target, head, config) as pair, Eagle3Session(pair.target, pair.head) as session:
         batch = N.Batch(64)
         batch.set(PROMPT, 0, logits="last")

@@ -29,7 +29,8 @@ def test_same_greedy_text_as_llama_speculative_simple(smollm2_path, tmp_path):
     n = 40
     up = subprocess.run([str(SPEC), "-m", str(smollm2_path), "-md", str(head), "--spec-type", "draft-eagle3",
                          "--spec-draft-n-max", "4", "-p", prompt, "-n", str(n), "--temp", "0", "-t", "2",
-                         "-c", "1024", "--seed", "1"], capture_output=True, text=True, timeout=600)
+                         "-c", "1024", "--seed", "1", "-ctv", PairConfig.cache_type_v],  # our default V cache
+                        capture_output=True, text=True, timeout=600)
     assert up.returncode == 0, up.stderr[-2000:]
     assert "n_drafted" in up.stderr  # upstream really drafted with the head
     upstream_text = up.stdout[up.stdout.index(prompt) + len(prompt):]
