@@ -37,6 +37,11 @@ def test_prompts_are_ours_and_stable():
     assert a[:120] == b  # any prefix is the same set: resuming with another --prompts is safe
     assert len({p.text for p in a}) == 300
     assert {p.category for p in a} >= {"coding", "explain", "writing", "math", "reasoning", "roleplay", "extraction", "stub"}
+    prose = build_prompts(3000, seed=1, mix="prose")
+    assert prose[:500] == build_prompts(500, seed=1, mix="prose") and len({p.text for p in prose}) == 3000
+    assert {p.category for p in prose} == {"prose"} and not {p.text for p in prose} & {p.text for p in a}
+    with pytest.raises(ValueError, match="unknown prompt mix 'poetry'"):
+        build_prompts(3, mix="poetry")
 
 
 def test_batched_capture_matches_single_sequence(tiny_target, tiny_data):

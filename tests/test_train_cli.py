@@ -10,6 +10,8 @@ import sys
 import pytest
 from model_factory import TinyDims, write_tiny_target
 
+from eagle3_gguf.train.prompts import SOURCE
+
 CLI = [sys.executable, "-m", "eagle3_gguf.cli.main"]
 
 # Runs the CLI with `torch` hidden from importlib, as on an install without the [train] extra.
@@ -63,3 +65,16 @@ def test_train_cli_end_to_end(tmp_path, tiny_target):
     r = run(*args[:-2], "--resume", "--steps", "6")
     assert r.returncode == 0, r.stderr
     assert "training    6 steps" in r.stdout
+    r = run(*args, "--resume", "--prompt-mix", "prose")  # other prompts must not extend this data
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"error: {out / 'data'}: existing data answers other prompts ({SOURCE}): resume with the same prompt mix, "
+        "or use another output folder"]
+
+
+def test_train_unknown_prompt_mix_is_one_line(tmp_path, tiny_target):
+    pytest.importorskip("torch")
+    r = run("train", "-m", str(tiny_target), "-o", str(tmp_path / "o"), "--prompt-mix", "poetry")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == ["error: --prompt-mix poetry: one of balanced, prose"]
+    assert not (tmp_path / "o" / "data").exists()

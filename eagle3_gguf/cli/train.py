@@ -47,6 +47,9 @@ def register(app: typer.Typer) -> None:
         data_model: Path = typer.Option(None, "--data-model", help="Generate the data with this GGUF of the same "
                                         "model, e.g. a faster quantization (default: -m)."),
         prompts: int = typer.Option(1000, "--prompts", help="How many of our built-in training prompts to answer."),
+        prompt_mix: str = typer.Option("balanced", "--prompt-mix", help="balanced (every category) or prose "
+                                       "(open prose requests: explain, compare, write, advise)."),
+        seed: int = typer.Option(0, "--seed", help="Prompt-list seed (the shipped head: 0)."),
         steps: int = typer.Option(None, "--steps", help="Optimizer steps (overrides --epochs)."),
         epochs: float = typer.Option(2.0, "--epochs", help="Passes over the data."),
         draft_vocab: int = typer.Option(8192, "--draft-vocab", help="Draft vocabulary size (most frequent tokens)."),
@@ -81,7 +84,7 @@ def register(app: typer.Typer) -> None:
             ids = parse_layer_ids(layer_ids) if layer_ids is not None else None
             tcfg = TrainConfig(n_unroll=unroll, epochs=epochs, max_steps=steps, batch_tokens=batch_tokens, lr=lr,
                                device=device, n_threads=threads, max_minutes=max_minutes, bf16=bf16)
-            cfg = PipelineConfig(n_prompts=prompts, layer_ids=ids, draft_vocab=draft_vocab, n_ff=n_ff, n_seq=n_seq,
+            cfg = PipelineConfig(n_prompts=prompts, prompt_mix=prompt_mix, seed=seed, layer_ids=ids, draft_vocab=draft_vocab, n_ff=n_ff, n_seq=n_seq,
                                  max_new=max_new, n_threads=threads, resume=resume, train=tcfg,
                                  data_target=data_model)
             res = run_training(model, out, cfg, on_event=_Printer())

@@ -24,6 +24,7 @@ from ..errors import Eagle3Error
 @dataclass
 class PipelineConfig:
     n_prompts: int = 1000
+    prompt_mix: str = "balanced"  # prompts.MIXES: "balanced" (every category) or "prose"
     layer_ids: list[int] | None = None  # default [2, n//2, n-3]
     draft_vocab: int = 8192
     n_ff: int | None = None  # the head's MLP width; default: the target's
@@ -65,7 +66,7 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
     from .export import convert_to_gguf, export_safeai, read_target, read_token_embeddings
     from .loop import TrainConfig, train_head
     from .model import HeadConfig
-    from .prompts import SOURCE, build_prompts
+    from .prompts import MIXES, SOURCE, build_prompts
     from .vocab import DraftVocab, answer_token_counts, build_draft_vocab, heldout_coverage
 
     emit = on_event or (lambda _stage, _payload: None)
@@ -87,9 +88,13 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
     data_dir = out / "data"
     if (data_dir / "manifest.json").is_file() and not cfg.resume:
         raise Eagle3Error(f"{out} already holds a run: pass --resume to continue it, or choose another -o")
-    manifest = generate_data(data_target, build_prompts(cfg.n_prompts, cfg.seed), data_dir,
+    if cfg.prompt_mix not in MIXES:
+        raise Eagle3Error(f"--prompt-mix {cfg.prompt_mix}: one of {', '.join(MIXES)}")
+    source = SOURCE if (cfg.prompt_mix, cfg.seed) == ("balanced", 0) else \
+        f"{SOURCE}; mix {cfg.prompt_mix}, seed {cfg.seed}"  # the shipped head's data: SOURCE alone
+    manifest = generate_data(data_target, build_prompts(cfg.n_prompts, cfg.seed, cfg.prompt_mix), data_dir,
                              DataConfig(layers=layers, n_seq=cfg.n_seq, max_new=cfg.max_new, n_threads=cfg.n_threads),
-                             prompts_source=SOURCE, progress=lambda p: emit("data", p))
+                             prompts_source=source, progress=lambda p: emit("data", p))
     data = load_dataset(data_dir)
 
     counts = answer_token_counts(data, tgt.n_vocab)

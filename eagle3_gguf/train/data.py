@@ -167,6 +167,9 @@ def generate_data(target_path: str | Path, prompts: list[Prompt], out: str | Pat
     elif manifest.layers != list(config.layers) or manifest.n_embd != model.n_embd:
         raise Eagle3Error(f"{out}: existing data was made with layers {manifest.layers} for hidden size "
                           f"{manifest.n_embd}: use another output folder")
+    elif prompts_source and manifest.prompts_source and manifest.prompts_source != prompts_source:
+        raise Eagle3Error(f"{out}: existing data answers other prompts ({manifest.prompts_source}): resume with "
+                          "the same prompt mix, or use another output folder")
     S = config.n_seq
     n_ctx = S * (config.max_prompt + config.max_new + 8)
     n_batch = max(config.max_prompt, S)

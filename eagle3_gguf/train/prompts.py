@@ -246,6 +246,65 @@ ROLE_TEMPLATES = ["Pretend you are {role}. {task}", "You are {role}. Stay in cha
                   "Act as {role}. {task}"]
 
 
+# Open prose: topics × request forms × audience/format. Written for chat data like people ask for it
+# (stem, humanities, everyday life, work, writing), where the balanced mix's fixed pools run out.
+PROSE_TOPICS = [
+    "black holes", "the water cycle", "photosynthesis", "plate tectonics", "vaccines", "the immune system",
+    "climate change", "ocean currents", "the human brain", "sleep", "nutrition", "gut bacteria", "DNA",
+    "evolution by natural selection", "the speed of light", "quantum computers", "artificial intelligence",
+    "machine learning", "the internet", "encryption", "open-source software", "smartphones", "electric cars",
+    "solar panels", "wind turbines", "nuclear fusion", "batteries", "3D printing", "space exploration",
+    "the Moon landing", "Mars", "satellites", "volcanoes", "earthquakes", "hurricanes", "rainforests", "deserts",
+    "coral reefs", "bees and pollination", "recycling", "plastic pollution", "clean drinking water",
+    "the printing press", "the Industrial Revolution", "ancient Egypt", "ancient Greece", "the Silk Road",
+    "the Renaissance", "the French Revolution", "the Cold War", "the history of money", "democracy",
+    "human rights", "the United Nations", "world trade", "inflation", "interest rates", "the stock market",
+    "cryptocurrency", "small businesses", "marketing", "remote work", "job interviews", "negotiation",
+    "public speaking", "time management", "leadership", "teamwork", "customer service", "personal budgeting",
+    "saving for retirement", "buying a first home", "renting an apartment", "cooking at home", "baking bread",
+    "coffee", "tea", "vegetarian diets", "running", "yoga", "strength training", "hiking", "cycling in cities",
+    "learning to swim", "gardening", "keeping houseplants alive", "adopting a pet", "training a puppy",
+    "raising children", "friendship", "loneliness", "stress", "meditation", "happiness", "habits", "motivation",
+    "learning a new language", "studying for exams", "reading more books", "writing a novel", "poetry",
+    "Shakespeare", "classical music", "jazz", "photography", "painting", "museums", "film making", "video games",
+    "board games", "chess", "the Olympic Games", "football", "travel on a budget", "visiting Japan",
+    "living abroad", "city planning", "public transport", "architecture", "bridges", "skyscrapers",
+    "the history of flight", "trains", "the postal service", "libraries", "newspapers", "social media",
+    "online privacy", "misinformation", "critical thinking", "philosophy", "ethics", "free will",
+    "the scientific method", "statistics", "probability", "prime numbers", "geometry", "the number zero",
+    "maps", "languages of the world", "writing systems", "mythology", "fairy tales", "volunteering",
+    "moving to a new city", "starting a podcast", "running a meeting", "giving feedback", "burnout",
+    "minimalism", "fashion", "sustainable clothing", "food waste", "farming", "fishing", "forests",
+    "wildlife conservation", "zoos", "the seasons", "weather forecasts", "rainbows", "the night sky",
+]
+PROSE_FORMS = [
+    "Explain {t}.", "Tell me about {t}.", "What should everyone know about {t}?", "Write a short essay about {t}.",
+    "Write a blog post about {t}.", "What are the benefits and drawbacks of {t}?", "Give me five tips about {t}.",
+    "Describe the history of {t}.", "How would you describe {t} to someone who has never heard of it?",
+    "Why do people care about {t}?", "What are common mistakes people make with {t}?",
+    "Write a persuasive paragraph about {t}.", "Compare {t} and {u}.", "How are {t} and {u} connected?",
+    "Write a short story that involves {t}.", "Write a poem about {t}.", "Write a speech about {t}.",
+    "Write an email to a friend about {t}.", "Create a lesson plan for teaching {t}.",
+    "What questions would you ask an expert on {t}?", "Summarize the main debates about {t}.",
+    "What is a surprising fact about {t}? Explain why it is true.", "Give an example that illustrates {t}.",
+    "How might {t} change in the next twenty years?", "Write a dialogue between two people discussing {t}.",
+    "What is the best way to get started with {t}?", "Write a product pitch inspired by {t}.",
+    "List the key terms related to {t} and define each one.",
+]
+PROSE_STYLES = [
+    "", "", "", "Keep it short.", "Use simple words.", "Answer in two paragraphs.", "Use a numbered list.",
+    "Write it for a teenager.", "Write it for a beginner.", "Be concise but complete.", "Use a friendly tone.",
+    "Use a formal tone.", "Include one concrete example.", "Answer in about 150 words.",
+]
+
+
+def _prose(rng: random.Random) -> str:
+    t, u = rng.sample(PROSE_TOPICS, 2)
+    style = rng.choice(PROSE_STYLES)
+    text = rng.choice(PROSE_FORMS).format(t=t, u=u)
+    return f"{text} {style}" if style else text
+
+
 def _math(rng: random.Random) -> str:
     t = rng.choice(MATH_TEMPLATES)
     a, b = rng.sample(NAMES, 2)
@@ -277,8 +336,14 @@ def _extract(rng: random.Random) -> str:
     return rng.choice(EXTRACT_TEMPLATES).format(text=text)
 
 
-def build_prompts(n: int, seed: int = 0) -> list[Prompt]:
-    """n prompts, categories interleaved (so any prefix of the list is a balanced sample)."""
+MIXES = ("balanced", "prose")
+
+
+def build_prompts(n: int, seed: int = 0, mix: str = "balanced") -> list[Prompt]:
+    """n prompts, categories interleaved (so any prefix of the list is a balanced sample). mix
+    "balanced": every category (the shipped head's data); "prose": open prose requests only (_prose)."""
+    if mix not in MIXES:
+        raise ValueError(f"unknown prompt mix '{mix}' (one of: {', '.join(MIXES)})")
     rng = random.Random(seed)
     fixed = {
         "coding": [t.format(task=k) for k in CODE_TASKS for t in CODE_TEMPLATES],
@@ -288,9 +353,10 @@ def build_prompts(n: int, seed: int = 0) -> list[Prompt]:
     }
     for pool in fixed.values():
         rng.shuffle(pool)
-    generated = {"math": _math, "reasoning": _reason, "extraction": _extract, "stub": _stub}
-    order = ["coding", "explain", "stub", "writing", "math", "coding", "explain", "reasoning", "stub", "roleplay",
-             "extraction", "writing"]
+    generated = {"math": _math, "reasoning": _reason, "extraction": _extract, "stub": _stub, "prose": _prose}
+    order = ["prose"] if mix == "prose" else [
+        "coding", "explain", "stub", "writing", "math", "coding", "explain", "reasoning", "stub", "roleplay",
+        "extraction", "writing"]
     out: list[Prompt] = []
     seen: set[str] = set()
     cursor = {k: 0 for k in fixed}
