@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Reproduce the shipped head: SmolLM2-135M-Instruct → eagle3_gguf/heads/smollm2-135m-instruct-eagle3.gguf.
 
-    python scripts/train_smollm2.py                  # data → vocab → train → export → convert → measure
+    python scripts/train_smollm2.py                  # data → vocab → train → prose data → fine-tune → measure
     python scripts/train_smollm2.py --measure-only   # only the model card's measurements, shipped head
     python scripts/train_smollm2.py --measure-vocab  # draft step cost vs coverage for 4096/8192/16384
 
@@ -33,6 +33,7 @@ from bench_defaults import EVAL_PROMPTS, run_grid, table  # noqa: E402
 from build_upstream import bin_dir, main as build_upstream, requantized  # noqa: E402
 
 RUN = ROOT / "runs" / "smollm2"
+PROSE_RUN = ROOT / "runs" / "smollm2-prose"  # stage 2: prose data, then the fine-tune of stage 1's head
 LAYERS = [2, 15, 27]
 
 # The settings the shipped head was trained with (see eagle3_gguf/heads/MODEL_CARD.md).
@@ -43,6 +44,11 @@ UNROLL = 4
 EPOCHS = 2.0
 BATCH_TOKENS = 1024
 MAX_TRAIN_MINUTES = 52.0  # the wall-time budget: the LR schedule decays by then (whichever comes first)
+# Stage 2: open prose prompts (train --prompt-mix prose --seed 1), then fine-tune on stage 1 + 2 data together
+N_PROSE_PROMPTS = 0  # set by the shipped run (data generation stopped at its time budget)
+PROSE_SEED = 1
+FT_LR = 3e-4
+FT_MINUTES = 30.0
 N_SEQ = 64  # sequences in flight during data generation
 THREADS = 2  # llama.cpp threads
 TORCH_THREADS = 2
@@ -82,6 +88,43 @@ def train() -> Path:
     (RUN / "train_summary.json").write_text(json.dumps(summary, indent=1))
     log(f"summary {json.dumps(summary)}")
     return res.gguf
+
+
+def prose_stage(stage1: Path) -> Path:
+    """Generate the prose data (resumable), then fine-tune stage 1's head on stage 1 + prose data: the
+    same draft vocab and shape, a fresh optimizer and a shorter, lower schedule."""
+    import torch
+
+    from eagle3_gguf.assets import smollm2_path
+    from eagle3_gguf.train.data import DataConfig, generate_data, load_dataset
+    from eagle3_gguf.train.export import convert_to_gguf, export_safeai, read_target, read_token_embeddings
+    from eagle3_gguf.train.loop import TrainConfig, train_head
+    from eagle3_gguf.train.model import HeadConfig
+    from eagle3_gguf.train.prompts import build_prompts, source
+    from eagle3_gguf.train.vocab import DraftVocab
+
+    target = Path(smollm2_path())
+    generate_data(requantized(target, "Q4_0"), build_prompts(N_PROSE_PROMPTS, PROSE_SEED, "prose"),
+                  PROSE_RUN / "data", DataConfig(layers=LAYERS, n_seq=N_SEQ, max_new=256, n_threads=THREADS),
+                  prompts_source=source("prose", PROSE_SEED))
+    data = load_dataset([RUN / "data", PROSE_RUN / "data"])
+    log(f"fine-tune data: {data.n_records} records, {len(data.tokens)} tokens")
+    tgt = read_target(target)
+    z = np.load(RUN / "vocab.npz")
+    vocab = DraftVocab(z["ids"], tgt.n_vocab, float(z["coverage"]))
+    head_cfg = HeadConfig(n_embd=tgt.n_embd, n_ff=N_FF, n_head=tgt.n_head, n_head_kv=tgt.n_head_kv,
+                          n_embd_tgt=tgt.n_embd, n_vocab=tgt.n_vocab, draft_vocab=vocab.size, rms_eps=tgt.rms_eps,
+                          rope_theta=tgt.rope_theta, max_position=tgt.n_ctx_train)
+    tcfg = TrainConfig(n_unroll=UNROLL, epochs=1.0, batch_tokens=BATCH_TOKENS, lr=FT_LR, n_threads=TORCH_THREADS,
+                       max_minutes=FT_MINUTES, ckpt_every=25, bf16=True, init_from=str(stage1))
+    embed = torch.from_numpy(read_token_embeddings(target))  # [n_vocab, n_embd]
+    head, res = train_head(data, vocab, head_cfg, embed, PROSE_RUN / "train", tcfg, resume=True,
+                           progress=lambda r: on_event("train", r))
+    ckpt = export_safeai(head, vocab, LAYERS, tgt.n_layer, PROSE_RUN / "checkpoint")
+    gguf = convert_to_gguf(ckpt, target, PROSE_RUN / "head.gguf", LAYERS, outtype="q8_0", fc_type="q4_0",
+                           name=f"{target.stem}-eagle3")
+    log(f"fine-tune: {res.steps} steps in {res.seconds:.0f} s; gguf {gguf.out} {gguf.file_bytes} bytes")
+    return gguf.out
 
 
 # The model card's measurements: the generate-defaults grid on our prompts, and the benchmark's first prompts.
@@ -163,7 +206,8 @@ def main() -> None:
         return
     shipped = ROOT / "eagle3_gguf" / "heads" / "smollm2-135m-instruct-eagle3.gguf"
     if not args.measure_only:
-        shutil.copyfile(train(), shipped)
+        train()
+        shutil.copyfile(prose_stage(RUN / "train" / "ckpt.pt"), shipped)
         log(f"copied to {shipped}")
     measure(shipped)
 

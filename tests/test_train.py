@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from eagle3_gguf.decode import Decoder, GenerateConfig  # noqa: E402
+from eagle3_gguf.errors import Eagle3Error  # noqa: E402
 from eagle3_gguf.extract import TargetFeatures  # noqa: E402
 from eagle3_gguf.native import Batch, Context, Model  # noqa: E402
 from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
@@ -174,3 +177,42 @@ def test_resume_continues_training(tmp_path, tiny_target):
     res = run_training(tiny_target, tmp_path / "run", PipelineConfig(**base, resume=True, train=TrainConfig(
         n_unroll=2, max_steps=10, batch_tokens=256, held_out=0.25, n_threads=2)))
     assert res.train.steps == 10
+
+
+def test_fine_tune_from_a_checkpoint_on_two_data_folders(tmp_path, tiny_target):
+    """load_dataset concatenates folders in order; init_from starts from a checkpoint's weights with a fresh
+    optimizer (lr 0 keeps them exactly), and refuses a checkpoint of another shape."""
+    from eagle3_gguf.train.loop import train_head
+    from eagle3_gguf.train.vocab import DraftVocab
+
+    first_dir, other = tmp_path / "balanced", tmp_path / "prose"
+    cfg_data = DataConfig(layers=LAYERS, n_seq=3, max_new=12, n_threads=2)
+    generate_data(tiny_target, build_prompts(4), first_dir, cfg_data)
+    generate_data(tiny_target, build_prompts(3, seed=1, mix="prose"), other, cfg_data)
+    one, two = load_dataset(first_dir), load_dataset(other)
+    both = load_dataset([first_dir, other])
+    n = one.n_records
+    assert both.n_records == n + two.n_records and len(both.tokens) == len(one.tokens) + len(two.tokens)
+    for i, (data, j) in {0: (one, 0), n - 1: (one, n - 1), n: (two, 0), both.n_records - 1: (two, -1)}.items():
+        j = j % data.n_records
+        assert all(np.array_equal(x, y) for x, y in zip(both.record(i), data.record(j)))
+    elsewhere = tmp_path / "other-layers"
+    generate_data(tiny_target, build_prompts(1), elsewhere, dataclasses.replace(cfg_data, layers=[0, 2, 5]))
+    with pytest.raises(Eagle3Error) as e:
+        load_dataset([first_dir, elsewhere])
+    assert str(e.value) == (f"{elsewhere}: its data has layers [0, 2, 5] and hidden size 64, the first folder's "
+                            f"{LAYERS} and 64: they cannot train one head")
+
+    tgt, head = _head_for(tiny_target, 256)
+    vocab = DraftVocab(np.arange(256, dtype=np.int64), tgt.n_vocab, 0.0)
+    embed = head.embed.clone()
+    cfg = TrainConfig(n_unroll=2, max_steps=2, batch_tokens=256, held_out=0.0, n_threads=2)
+    first, _ = train_head(both, vocab, head.c, embed, tmp_path / "a", cfg)
+    tuned, _ = train_head(both, vocab, head.c, embed, tmp_path / "b",
+                          dataclasses.replace(cfg, lr=0.0, init_from=str(tmp_path / "a" / "ckpt.pt")))
+    for (name, a), b in zip(first.state_dict().items(), tuned.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(Eagle3Error) as e:
+        train_head(both, DraftVocab(np.arange(1, 257, dtype=np.int64), tgt.n_vocab, 0.0), head.c, embed,
+                   tmp_path / "c", dataclasses.replace(cfg, init_from=str(tmp_path / "a" / "ckpt.pt")))
+    assert str(e.value) == f"{tmp_path / 'a' / 'ckpt.pt'}: checkpoint was trained with another head config or draft vocab"

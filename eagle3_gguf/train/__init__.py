@@ -66,7 +66,7 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
     from .export import convert_to_gguf, export_safeai, read_target, read_token_embeddings
     from .loop import TrainConfig, train_head
     from .model import HeadConfig
-    from .prompts import MIXES, SOURCE, build_prompts
+    from .prompts import MIXES, build_prompts, source
     from .vocab import DraftVocab, answer_token_counts, build_draft_vocab, heldout_coverage
 
     emit = on_event or (lambda _stage, _payload: None)
@@ -90,11 +90,9 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
         raise Eagle3Error(f"{out} already holds a run: pass --resume to continue it, or choose another -o")
     if cfg.prompt_mix not in MIXES:
         raise Eagle3Error(f"--prompt-mix {cfg.prompt_mix}: one of {', '.join(MIXES)}")
-    source = SOURCE if (cfg.prompt_mix, cfg.seed) == ("balanced", 0) else \
-        f"{SOURCE}; mix {cfg.prompt_mix}, seed {cfg.seed}"  # the shipped head's data: SOURCE alone
     manifest = generate_data(data_target, build_prompts(cfg.n_prompts, cfg.seed, cfg.prompt_mix), data_dir,
                              DataConfig(layers=layers, n_seq=cfg.n_seq, max_new=cfg.max_new, n_threads=cfg.n_threads),
-                             prompts_source=source, progress=lambda p: emit("data", p))
+                             prompts_source=source(cfg.prompt_mix, cfg.seed), progress=lambda p: emit("data", p))
     data = load_dataset(data_dir)
 
     counts = answer_token_counts(data, tgt.n_vocab)

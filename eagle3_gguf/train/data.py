@@ -243,19 +243,28 @@ class Dataset:
         return self.tokens[a:b], self.feats[a:b], int(self.n_prompt[i])
 
 
-def load_dataset(path: str | Path) -> Dataset:
-    path = Path(path)
-    manifest = Manifest.load(path)
-    if manifest is None or not manifest.shards:
-        raise Eagle3Error(f"{path}: no training data here (no {MANIFEST} with shards)")
+def load_dataset(path: str | Path | list[str | Path]) -> Dataset:
+    """The records of one data folder, or of several concatenated in order (e.g. a balanced run and a
+    prose run of the same target and layers); the manifest is the first folder's."""
+    paths = [Path(p) for p in (path if isinstance(path, list) else [path])]
     toks, feats, starts, n_prompt = [], [], [np.zeros(1, np.int64)], []
     base = 0
-    for name in manifest.shards:
-        with np.load(path / name) as z:
-            toks.append(z["tokens"])
-            feats.append(z["feats"])
-            starts.append(z["starts"][1:] + base)
-            n_prompt.append(z["n_prompt"])
-            base += len(z["tokens"])
+    first = None
+    for path in paths:
+        manifest = Manifest.load(path)
+        if manifest is None or not manifest.shards:
+            raise Eagle3Error(f"{path}: no training data here (no {MANIFEST} with shards)")
+        if first is None:
+            first = manifest
+        elif (manifest.layers, manifest.n_embd) != (first.layers, first.n_embd):
+            raise Eagle3Error(f"{path}: its data has layers {manifest.layers} and hidden size {manifest.n_embd}, "
+                              f"the first folder's {first.layers} and {first.n_embd}: they cannot train one head")
+        for name in manifest.shards:
+            with np.load(path / name) as z:
+                toks.append(z["tokens"])
+                feats.append(z["feats"])
+                starts.append(z["starts"][1:] + base)
+                n_prompt.append(z["n_prompt"])
+                base += len(z["tokens"])
     return Dataset(np.concatenate(toks), np.concatenate(feats), np.concatenate(starts), np.concatenate(n_prompt),
-                   manifest)
+                   first)

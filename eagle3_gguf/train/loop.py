@@ -50,6 +50,8 @@ class TrainConfig:
     max_minutes: float | None = None  # training wall-time budget: the schedule decays by then, then stops
     ckpt_every: int = 200  # optimizer steps
     bf16: bool = False  # bf16 autocast (fp32 master weights): faster on CPUs with AVX512-BF16/AMX and on GPUs
+    init_from: str | None = None  # start from this ckpt.pt's weights (same head config and draft vocab), with a
+    #                               fresh optimizer and schedule: fine-tuning on new data
 
 
 @dataclass
@@ -216,6 +218,13 @@ def lr_at(frac: float, step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
+def _load_checkpoint(path: Path, device: torch.device, head_config: HeadConfig, vocab: DraftVocab) -> dict:
+    state = torch.load(path, map_location=device, weights_only=False)
+    if state["head_config"] != head_config.to_dict() or not np.array_equal(state["vocab_ids"], vocab.ids):
+        raise Eagle3Error(f"{path}: checkpoint was trained with another head config or draft vocab")
+    return state
+
+
 def train_head(data: Dataset, vocab: DraftVocab, head_config: HeadConfig, embed: torch.Tensor, run_dir: str | Path,
                cfg: TrainConfig, resume: bool = False,
                progress: Callable[[TrainReport], None] | None = None) -> tuple[Eagle3Head, TrainResult]:
@@ -238,15 +247,15 @@ def train_head(data: Dataset, vocab: DraftVocab, head_config: HeadConfig, embed:
     step, result = 0, TrainResult(0, 0.0, str(device))
     ckpt_path = run_dir / CKPT
     if resume and ckpt_path.is_file():
-        state = torch.load(ckpt_path, map_location=device, weights_only=False)
-        if state["head_config"] != head_config.to_dict() or not np.array_equal(state["vocab_ids"], vocab.ids):
-            raise Eagle3Error(f"{ckpt_path}: checkpoint was trained with another head config or draft vocab")
+        state = _load_checkpoint(ckpt_path, device, head_config, vocab)
         head.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step = state["step"]
         total = max(total, state.get("total", total))
         result.evals = [EvalResult(**e) for e in state.get("evals", [])]
         result.seconds = state.get("seconds", 0.0)
+    elif cfg.init_from:
+        head.load_state_dict(_load_checkpoint(Path(cfg.init_from), device, head_config, vocab)["model"])
 
     def save() -> None:
         tmp = ckpt_path.with_suffix(".tmp")

@@ -339,6 +339,11 @@ def _extract(rng: random.Random) -> str:
 MIXES = ("balanced", "prose")
 
 
+def source(mix: str = "balanced", seed: int = 0) -> str:
+    """What a data manifest records as its prompts (the shipped head's data: SOURCE alone)."""
+    return SOURCE if (mix, seed) == ("balanced", 0) else f"{SOURCE}; mix {mix}, seed {seed}"
+
+
 def build_prompts(n: int, seed: int = 0, mix: str = "balanced") -> list[Prompt]:
     """n prompts, categories interleaved (so any prefix of the list is a balanced sample). mix
     "balanced": every category (the shipped head's data); "prose": open prose requests only (_prose)."""
