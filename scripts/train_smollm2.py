@@ -45,10 +45,10 @@ EPOCHS = 2.0
 BATCH_TOKENS = 1024
 MAX_TRAIN_MINUTES = 52.0  # the wall-time budget: the LR schedule decays by then (whichever comes first)
 # Stage 2: open prose prompts (train --prompt-mix prose --seed 1), then fine-tune on stage 1 + 2 data together
-N_PROSE_PROMPTS = 0  # set by the shipped run (data generation stopped at its time budget)
+N_PROSE_PROMPTS = 3480  # the shipped run stopped its prose data generation here (time budget, 32 min)
 PROSE_SEED = 1
 FT_LR = 3e-4
-FT_MINUTES = 30.0
+FT_MINUTES = 25.0
 N_SEQ = 64  # sequences in flight during data generation
 THREADS = 2  # llama.cpp threads
 TORCH_THREADS = 2
@@ -98,8 +98,8 @@ def prose_stage(stage1: Path) -> Path:
     from eagle3_gguf.assets import smollm2_path
     from eagle3_gguf.train.data import DataConfig, generate_data, load_dataset
     from eagle3_gguf.train.export import convert_to_gguf, export_safeai, read_target, read_token_embeddings
-    from eagle3_gguf.train.loop import TrainConfig, train_head
-    from eagle3_gguf.train.model import HeadConfig
+    from eagle3_gguf.train.loop import TrainConfig, evaluate, pick_device, train_head
+    from eagle3_gguf.train.model import Eagle3Head, HeadConfig
     from eagle3_gguf.train.prompts import build_prompts, source
     from eagle3_gguf.train.vocab import DraftVocab
 
@@ -118,13 +118,33 @@ def prose_stage(stage1: Path) -> Path:
     tcfg = TrainConfig(n_unroll=UNROLL, epochs=1.0, batch_tokens=BATCH_TOKENS, lr=FT_LR, n_threads=TORCH_THREADS,
                        max_minutes=FT_MINUTES, ckpt_every=25, bf16=True, init_from=str(stage1))
     embed = torch.from_numpy(read_token_embeddings(target))  # [n_vocab, n_embd]
+    prose_eval = _prose_held_out(data, tcfg)
+
+    def prose_top1(head) -> str:
+        ev = evaluate(head, data, prose_eval, vocab.target_to_draft(), UNROLL, BATCH_TOKENS, pick_device(), True)
+        return " / ".join(f"{t:.1%}" for t in ev.top1)
+
+    before = Eagle3Head(head_cfg, embed)
+    before.load_state_dict(torch.load(stage1, map_location="cpu", weights_only=False)["model"])
+    log(f"held-out prose records ({len(prose_eval)}), top-1 by step, stage 1 head: {prose_top1(before)}")
     head, res = train_head(data, vocab, head_cfg, embed, PROSE_RUN / "train", tcfg, resume=True,
                            progress=lambda r: on_event("train", r))
+    log(f"held-out prose records, top-1 by step, fine-tuned head: {prose_top1(head)}")
     ckpt = export_safeai(head, vocab, LAYERS, tgt.n_layer, PROSE_RUN / "checkpoint")
     gguf = convert_to_gguf(ckpt, target, PROSE_RUN / "head.gguf", LAYERS, outtype="q8_0", fc_type="q4_0",
                            name=f"{target.stem}-eagle3")
     log(f"fine-tune: {res.steps} steps in {res.seconds:.0f} s; gguf {gguf.out} {gguf.file_bytes} bytes")
     return gguf.out
+
+
+def _prose_held_out(data, tcfg) -> list[int]:
+    """The fine-tune's held-out records that come from the prose folder (neither head trained on them)."""
+    from eagle3_gguf.train.data import Manifest
+    from eagle3_gguf.train.loop import split_records
+
+    manifest = Manifest.load(RUN / "data")
+    n_balanced = sum(len(np.load(RUN / "data" / name)["n_prompt"]) for name in manifest.shards)
+    return [r for r in split_records(data, tcfg.held_out, tcfg.seed)[1] if r >= n_balanced]
 
 
 # The model card's measurements: the generate-defaults grid on our prompts, and the benchmark's first prompts.

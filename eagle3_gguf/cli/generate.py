@@ -12,11 +12,11 @@ import typer
 from ..errors import Eagle3Error
 
 # Chosen from measurement on 2 CPU cores (SmolLM2 + the embedded head, 128 tokens, our 6 prompts,
-# scripts/bench_defaults.py, medians): on Q4_1, K=4 with p_min 0 runs at 0.48x target-only (tau 1.87),
-# p_min 0.5 at 0.78x, K=2 p_min 0.5 at 0.88x; on Q4_0, K=4 p_min 0.5 at 0.89x and K=2 at 0.87x. The
-# spread between K=2 and K=4 at p_min 0.5 is within the noise, so the defaults stayed. Stopping the
-# draft when the head is unsure keeps CPU verify batches (3 rows ~1.9x one row on Q4_1) from being
-# spent on tokens the target will reject. The library's GenerateConfig keeps p_min 0.0.
+# scripts/bench_defaults.py, medians): on Q4_1, K=4 with p_min 0 runs at 0.47x target-only (tau 1.80),
+# p_min 0.5 at 0.85x, K=2 p_min 0.5 at 0.85x; on Q4_0, K=4 p_min 0.5 at 0.85x and K=2 at 0.84x. K=2 and
+# K=4 at p_min 0.5 are within the noise of each other, so the defaults stayed. Stopping the draft when
+# the head is unsure keeps CPU verify batches (3 rows ~2x one row on Q4_1) from being spent on tokens
+# the target will reject. The library's GenerateConfig keeps p_min 0.0.
 DEFAULT_DRAFT_MAX = 4
 DEFAULT_DRAFT_P_MIN = 0.5
 
