@@ -110,11 +110,8 @@ def prose_stage(stage1: Path) -> Path:
     data = load_dataset([RUN / "data", PROSE_RUN / "data"])
     log(f"fine-tune data: {data.n_records} records, {len(data.tokens)} tokens")
     tgt = read_target(target)
-    z = np.load(RUN / "vocab.npz")
-    vocab = DraftVocab(z["ids"], tgt.n_vocab, float(z["coverage"]))
-    head_cfg = HeadConfig(n_embd=tgt.n_embd, n_ff=N_FF, n_head=tgt.n_head, n_head_kv=tgt.n_head_kv,
-                          n_embd_tgt=tgt.n_embd, n_vocab=tgt.n_vocab, draft_vocab=vocab.size, rms_eps=tgt.rms_eps,
-                          rope_theta=tgt.rope_theta, max_position=tgt.n_ctx_train)
+    vocab = DraftVocab.load(RUN / "vocab.npz", tgt.n_vocab)  # stage 1's: the fine-tune keeps its lm_head rows
+    head_cfg = HeadConfig.for_target(tgt, vocab.size, N_FF)
     tcfg = TrainConfig(n_unroll=UNROLL, epochs=1.0, batch_tokens=BATCH_TOKENS, lr=FT_LR, n_threads=TORCH_THREADS,
                        max_minutes=FT_MINUTES, ckpt_every=25, bf16=True, init_from=str(stage1))
     embed = torch.from_numpy(read_token_embeddings(target))  # [n_vocab, n_embd]
@@ -183,9 +180,7 @@ def measure_vocab(sizes=(4096, 8192, 16384), reps: int = 5) -> dict:
         out["coverage"] = heldout_coverage(load_dataset(RUN / "data"), tgt.n_vocab, list(sizes))
     work = RUN / "vocab_probe"
     for n in sizes:
-        cfg = HeadConfig(n_embd=tgt.n_embd, n_ff=N_FF, n_head=tgt.n_head, n_head_kv=tgt.n_head_kv,
-                         n_embd_tgt=tgt.n_embd, n_vocab=tgt.n_vocab, draft_vocab=n, rope_theta=tgt.rope_theta)
-        head = Eagle3Head(cfg, torch.zeros(tgt.n_vocab, tgt.n_embd))
+        head = Eagle3Head(HeadConfig.for_target(tgt, n, N_FF), torch.zeros(tgt.n_vocab, tgt.n_embd))
         vocab = DraftVocab(np.arange(n, dtype=np.int64), tgt.n_vocab, 0.0)
         ckpt = export_safeai(head, vocab, LAYERS, tgt.n_layer, work / f"v{n}")
         gguf = convert_to_gguf(ckpt, target, work / f"v{n}.gguf", LAYERS, outtype="q8_0")

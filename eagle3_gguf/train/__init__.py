@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
-
 from ..errors import Eagle3Error
 
 
@@ -100,18 +98,15 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
     coverage = heldout_coverage(data, tgt.n_vocab, [s for s in sizes if s <= tgt.n_vocab])
     vocab_path = out / "vocab.npz"
     if cfg.resume and vocab_path.is_file():
-        z = np.load(vocab_path)
-        vocab = DraftVocab(z["ids"], tgt.n_vocab, float(z["coverage"]))
+        vocab = DraftVocab.load(vocab_path, tgt.n_vocab)
         if vocab.size != cfg.draft_vocab:
             raise Eagle3Error(f"{vocab_path}: this run's draft vocab has {vocab.size} tokens, not {cfg.draft_vocab}")
     else:
         vocab = build_draft_vocab(counts, cfg.draft_vocab)
-        np.savez(vocab_path, ids=vocab.ids, coverage=vocab.coverage)
+        vocab.save(vocab_path)
     emit("vocab", {"size": vocab.size, "coverage": vocab.coverage, "curve": coverage})  # in-sample, held-out
 
-    head_cfg = HeadConfig(n_embd=tgt.n_embd, n_ff=cfg.n_ff or tgt.n_ff, n_head=tgt.n_head, n_head_kv=tgt.n_head_kv,
-                          n_embd_tgt=tgt.n_embd, n_vocab=tgt.n_vocab, draft_vocab=vocab.size, rms_eps=tgt.rms_eps,
-                          rope_theta=tgt.rope_theta, max_position=tgt.n_ctx_train)
+    head_cfg = HeadConfig.for_target(tgt, vocab.size, cfg.n_ff)
     embed = torch.from_numpy(read_token_embeddings(target))  # [n_vocab, n_embd]
     head, result = train_head(data, vocab, head_cfg, embed, out / "train", cfg.train or TrainConfig(),
                               resume=cfg.resume, progress=lambda r: emit("train", r))

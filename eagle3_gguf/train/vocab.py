@@ -7,6 +7,7 @@ mask over the target vocab. Draft ids are the selected target ids in ascending o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -19,6 +20,14 @@ class DraftVocab:
     ids: np.ndarray  # [N] int64, ascending target ids
     n_vocab: int  # the target's
     coverage: float  # share of the answer tokens in the data that the draft vocab contains
+
+    @classmethod
+    def load(cls, path: Path, n_vocab: int) -> "DraftVocab":
+        z = np.load(path)
+        return cls(z["ids"], n_vocab, float(z["coverage"]))
+
+    def save(self, path: Path) -> None:
+        np.savez(path, ids=self.ids, coverage=self.coverage)
 
     @property
     def size(self) -> int:
