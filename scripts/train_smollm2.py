@@ -30,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_defaults import EVAL_PROMPTS, run_grid, table  # noqa: E402
-from build_upstream import bin_dir, main as build_upstream, requantized  # noqa: E402
+from build_upstream import main as build_upstream, requantized  # noqa: E402
 
 RUN = ROOT / "runs" / "smollm2"
 PROSE_RUN = ROOT / "runs" / "smollm2-prose"  # stage 2: prose data, then the fine-tune of stage 1's head
@@ -98,7 +98,7 @@ def prose_stage(stage1: Path) -> Path:
     from eagle3_gguf.assets import smollm2_path
     from eagle3_gguf.train.data import DataConfig, generate_data, load_dataset
     from eagle3_gguf.train.export import convert_to_gguf, export_safeai, read_target, read_token_embeddings
-    from eagle3_gguf.train.loop import TrainConfig, evaluate, pick_device, train_head
+    from eagle3_gguf.train.loop import TrainConfig, evaluate, load_checkpoint, pick_device, train_head
     from eagle3_gguf.train.model import Eagle3Head, HeadConfig
     from eagle3_gguf.train.prompts import build_prompts, source
     from eagle3_gguf.train.vocab import DraftVocab
@@ -117,12 +117,14 @@ def prose_stage(stage1: Path) -> Path:
     embed = torch.from_numpy(read_token_embeddings(target))  # [n_vocab, n_embd]
     prose_eval = _prose_held_out(data, tcfg)
 
+    device = pick_device()
+
     def prose_top1(head) -> str:
-        ev = evaluate(head, data, prose_eval, vocab.target_to_draft(), UNROLL, BATCH_TOKENS, pick_device(), True)
+        ev = evaluate(head, data, prose_eval, vocab.target_to_draft(), UNROLL, BATCH_TOKENS, device, True)
         return " / ".join(f"{t:.1%}" for t in ev.top1)
 
-    before = Eagle3Head(head_cfg, embed)
-    before.load_state_dict(torch.load(stage1, map_location="cpu", weights_only=False)["model"])
+    before = Eagle3Head(head_cfg, embed).to(device)
+    before.load_state_dict(load_checkpoint(stage1, device, head_cfg, vocab)["model"])
     log(f"held-out prose records ({len(prose_eval)}), top-1 by step, stage 1 head: {prose_top1(before)}")
     head, res = train_head(data, vocab, head_cfg, embed, PROSE_RUN / "train", tcfg, resume=True,
                            progress=lambda r: on_event("train", r))
@@ -214,8 +216,7 @@ def main() -> None:
     ap.add_argument("--measure-vocab", action="store_true", help="only measure draft-vocab cost vs coverage")
     ap.add_argument("--measure-only", action="store_true", help="only the card's measurements of the shipped head")
     args = ap.parse_args()
-    if not (bin_dir() / "llama-quantize").exists():
-        build_upstream()
+    build_upstream()  # returns at once when the tools are built
     if args.measure_vocab:
         measure_vocab()
         return

@@ -218,7 +218,8 @@ def lr_at(frac: float, step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def _load_checkpoint(path: Path, device: torch.device, head_config: HeadConfig, vocab: DraftVocab) -> dict:
+def load_checkpoint(path: Path, device: torch.device, head_config: HeadConfig, vocab: DraftVocab) -> dict:
+    """A ckpt.pt's state, after checking it holds a head of this shape and draft vocab."""
     state = torch.load(path, map_location=device, weights_only=False)
     if state["head_config"] != head_config.to_dict() or not np.array_equal(state["vocab_ids"], vocab.ids):
         raise Eagle3Error(f"{path}: checkpoint was trained with another head config or draft vocab")
@@ -247,7 +248,7 @@ def train_head(data: Dataset, vocab: DraftVocab, head_config: HeadConfig, embed:
     step, result = 0, TrainResult(0, 0.0, str(device))
     ckpt_path = run_dir / CKPT
     if resume and ckpt_path.is_file():
-        state = _load_checkpoint(ckpt_path, device, head_config, vocab)
+        state = load_checkpoint(ckpt_path, device, head_config, vocab)
         head.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step = state["step"]
@@ -255,7 +256,7 @@ def train_head(data: Dataset, vocab: DraftVocab, head_config: HeadConfig, embed:
         result.evals = [EvalResult(**e) for e in state.get("evals", [])]
         result.seconds = state.get("seconds", 0.0)
     elif cfg.init_from:
-        head.load_state_dict(_load_checkpoint(Path(cfg.init_from), device, head_config, vocab)["model"])
+        head.load_state_dict(load_checkpoint(Path(cfg.init_from), device, head_config, vocab)["model"])
 
     def save() -> None:
         tmp = ckpt_path.with_suffix(".tmp")
