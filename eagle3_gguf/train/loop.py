@@ -1,10 +1,14 @@
 """Training-time test: unroll the head for several steps on its own hidden states (EAGLE-3), with a
-loss against the target's greedy token restricted to the draft vocab.
+loss against the target's choice restricted to the draft vocab.
 
 A record of n tokens (prompt + answer) gives rows i = 0..n-3: step j at row i reads the real features
 of token i (through g at step 0, the head's own h after), the token t[i+1+j], and predicts
-t[i+2+j]. Only labels the target generated count (i+2+j >= n_prompt); labels outside the draft vocab
-are left out of the loss but count as misses in the top-1 agreement.
+t[i+2+j]. Only answer positions count (i+2+j >= n_prompt, or the data's answer mask); labels whose
+target token is outside the draft vocab are left out of the loss but count as misses in the top-1
+agreement. The label is the target's greedy token (hard), or, where the data holds the target's top-k
+distribution (teacher-forced data) and `soft_labels` is on, that distribution restricted to the draft
+vocab and renormalized (soft: cross-entropy against it, i.e. KL up to the target's entropy). Top-1
+agreement is always measured against the target's greedy token.
 
 AdamW, linear warmup then cosine decay, gradient clipping, checkpoint/resume (`ckpt.pt` in the run
 folder), device auto (cuda / mps / cpu). Library code: reports through the `progress` callback.
@@ -52,6 +56,9 @@ class TrainConfig:
     bf16: bool = False  # bf16 autocast (fp32 master weights): faster on CPUs with AVX512-BF16/AMX and on GPUs
     init_from: str | None = None  # start from this ckpt.pt's weights (same head config and draft vocab), with a
     #                               fresh optimizer and schedule: fine-tuning on new data
+    soft_labels: bool = True  # learn the target's top-k distribution where the data has one
+    pause_after_s: float | None = None  # this call stops (checkpointed) after this long; resuming continues the
+    #                                     same schedule: training in steps shorter than a machine's call limit
 
 
 @dataclass
@@ -81,6 +88,7 @@ class TrainResult:
     evals: list[EvalResult] = field(default_factory=list)
     final_loss: float = float("nan")
     stopped_early: bool = False
+    paused: bool = False  # stopped at pause_after_s with steps left: resume to continue
 
 
 def _autocast(device: torch.device, enabled: bool):
@@ -107,6 +115,8 @@ class Batch:
     feats: torch.Tensor  # [B, T, 3 * n_embd_tgt]
     tokens: torch.Tensor  # [B, T + K]: tokens[:, m] = t[m + 1]
     labels: torch.Tensor  # [K, B, T] draft ids; -1 no label, -2 target token outside the draft vocab
+    soft_ids: torch.Tensor | None = None  # [K, B, T, k] draft ids of the target's top-k (-1: none / outside)
+    soft_p: torch.Tensor | None = None  # [K, B, T, k] their probabilities, renormalized over the draft vocab
 
 
 def split_records(data: Dataset, held_out: float, seed: int) -> tuple[list[int], list[int]]:
@@ -135,8 +145,18 @@ def make_batches(data: Dataset, records: list[int], batch_tokens: int, rng: rand
     return batches
 
 
-def collate(data: Dataset, records: list[int], t2d: np.ndarray, n_unroll: int, device: torch.device) -> Batch:
-    """t2d: [n_vocab] draft id of each target id, -1 outside."""
+def soft_targets(ids: np.ndarray, logp: np.ndarray, t2d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The target's top-k restricted to the draft vocab and renormalized there.
+    ids [n, k] target ids (-1: none), logp [n, k] -> draft ids [n, k] (-1: dropped), probabilities [n, k]"""
+    d = np.where(ids >= 0, t2d[np.maximum(ids, 0)], -1)
+    p = np.where(d >= 0, np.exp(logp.astype(np.float32)), 0.0)
+    return d, p / np.maximum(p.sum(1, keepdims=True), 1e-20)
+
+
+def collate(data: Dataset, records: list[int], t2d: np.ndarray, n_unroll: int, device: torch.device,
+            soft: bool = True) -> Batch:
+    """t2d: [n_vocab] draft id of each target id, -1 outside. Soft labels where the data has them and
+    `soft` is on."""
     K = n_unroll
     T = max(int(data.starts[r + 1] - data.starts[r]) - 2 for r in records)
     B = len(records)
@@ -144,17 +164,28 @@ def collate(data: Dataset, records: list[int], t2d: np.ndarray, n_unroll: int, d
     feats = np.zeros((B, T, width), np.float32)  # [B, T, 3 * n_embd_tgt]
     toks = np.zeros((B, T + K + 1), np.int64)  # [B, T + K + 1]: t[m]
     labs = np.full((B, T + K + 2), -1, np.int64)  # [B, T + K + 2]: label for predicting t[m]
+    k = data.topk_ids.shape[1] if soft and data.topk_ids is not None else 0
+    s_ids = np.full((B, T + K + 2, k), -1, np.int64)  # [B, T + K + 2, k]
+    s_p = np.zeros((B, T + K + 2, k), np.float32)
     for b, r in enumerate(records):
-        tokens, f, n_prompt = data.record(r)
+        tokens, f, _ = data.record(r)
         n = len(tokens)
         feats[b, :n - 2] = f[:n - 2]
         m = min(n, T + K + 1)
         toks[b, :m] = tokens[:m]
-        d = t2d[tokens[n_prompt:]]
-        labs[b, n_prompt:n] = np.where(d >= 0, d, -2)
+        where, target = data.label_positions(r)  # [n_lab] each
+        d = t2d[target]
+        labs[b, where] = np.where(d >= 0, d, -2)
+        if k:
+            rows = data.starts[r] + where - 1  # the distribution after token m-1 predicts token m
+            s_ids[b, where], s_p[b, where] = soft_targets(data.topk_ids[rows], data.topk_logp[rows], t2d)
     labels = np.stack([labs[:, 2 + j:2 + j + T] for j in range(K)])  # [K, B, T]
-    return Batch(torch.from_numpy(feats).to(device), torch.from_numpy(toks[:, 1:]).to(device),
-                 torch.from_numpy(labels).to(device))
+    batch = Batch(torch.from_numpy(feats).to(device), torch.from_numpy(toks[:, 1:]).to(device),
+                  torch.from_numpy(labels).to(device))
+    if k:
+        batch.soft_ids = torch.from_numpy(np.stack([s_ids[:, 2 + j:2 + j + T] for j in range(K)])).to(device)
+        batch.soft_p = torch.from_numpy(np.stack([s_p[:, 2 + j:2 + j + T] for j in range(K)])).to(device)
+    return batch
 
 
 # ------------------------------------------------------------------------------------------------
@@ -162,17 +193,25 @@ def collate(data: Dataset, records: list[int], t2d: np.ndarray, n_unroll: int, d
 # ------------------------------------------------------------------------------------------------
 
 
-def step_losses(head: Eagle3Head, hs: list[torch.Tensor], labels: torch.Tensor, metrics: bool = False
+def step_losses(head: Eagle3Head, hs: list[torch.Tensor], b: Batch, metrics: bool = False
                 ) -> tuple[list[torch.Tensor], list[int], list[int]]:
-    """Per unrolled step: mean CE over in-vocab labels and, with `metrics` (evaluation only: they cost
-    an argmax and a device sync per step), # of top-1 agreements and # of target labels.
-    The lm_head runs only on rows that have an in-vocab label (most of the cost)."""
+    """Per unrolled step: mean CE over in-vocab labels (against the soft targets when the batch has them)
+    and, with `metrics` (evaluation only: they cost an argmax and a device sync per step), # of top-1
+    agreements and # of target labels. The lm_head runs only on rows that have an in-vocab label (most
+    of the cost)."""
     losses, hits, counts = [], [], []
     for j, h in enumerate(hs):
-        lab = labels[j]  # [B, T]
+        lab = b.labels[j]  # [B, T]
         ok = lab >= 0
         lg = head.logits(h[ok])  # [n_ok, V']
-        losses.append(F.cross_entropy(lg.float(), lab[ok]) if ok.any() else h.sum() * 0.0)
+        if not ok.any():
+            losses.append(h.sum() * 0.0)
+        elif b.soft_ids is not None:
+            ids, p = b.soft_ids[j][ok], b.soft_p[j][ok]  # [n_ok, k] each; p is 0 where ids is -1
+            logq = F.log_softmax(lg.float(), dim=-1).gather(1, ids.clamp(min=0))  # [n_ok, k]
+            losses.append(-(p * logq).sum(1).mean())
+        else:
+            losses.append(F.cross_entropy(lg.float(), lab[ok]))
         if metrics:
             hits.append(int((lg.argmax(-1) == lab[ok]).sum()))
             counts.append(int((lab != -1).sum()))
@@ -181,16 +220,16 @@ def step_losses(head: Eagle3Head, hs: list[torch.Tensor], labels: torch.Tensor, 
 
 @torch.no_grad()
 def evaluate(head: Eagle3Head, data: Dataset, records: list[int], t2d: np.ndarray, n_unroll: int,
-             batch_tokens: int, device: torch.device, bf16: bool = False) -> EvalResult:
+             batch_tokens: int, device: torch.device, bf16: bool = False, soft: bool = True) -> EvalResult:
     head.eval()
     tot_loss = np.zeros(n_unroll)
     n_loss = np.zeros(n_unroll)
     hits = np.zeros(n_unroll)
     counts = np.zeros(n_unroll)
     for recs in make_batches(data, records, batch_tokens, None):
-        b = collate(data, recs, t2d, n_unroll, device)
+        b = collate(data, recs, t2d, n_unroll, device, soft)
         with _autocast(device, bf16):
-            losses, h, c = step_losses(head, head.unroll(b.feats, b.tokens, n_unroll), b.labels, metrics=True)
+            losses, h, c = step_losses(head, head.unroll(b.feats, b.tokens, n_unroll), b, metrics=True)
         for j in range(n_unroll):
             k = int((b.labels[j] >= 0).sum())
             tot_loss[j] += float(losses[j]) * k
@@ -279,7 +318,7 @@ def train_head(data: Dataset, vocab: DraftVocab, head_config: HeadConfig, embed:
                 continue
             if step >= total:
                 break
-            b = collate(data, recs, t2d, cfg.n_unroll, device)
+            b = collate(data, recs, t2d, cfg.n_unroll, device, cfg.soft_labels)
             elapsed = time.perf_counter() - t_start
             frac = step / total
             if cfg.max_minutes is not None:
@@ -287,11 +326,14 @@ def train_head(data: Dataset, vocab: DraftVocab, head_config: HeadConfig, embed:
             if frac >= 1.0 and cfg.max_minutes is not None and step < total:
                 result.stopped_early = True
                 break
+            if cfg.pause_after_s is not None and elapsed >= cfg.pause_after_s:
+                result.paused = True
+                break
             lr = lr_at(frac, step, total, cfg)
             for grp in opt.param_groups:
                 grp["lr"] = lr
             with _autocast(device, cfg.bf16):
-                losses, _, _ = step_losses(head, head.unroll(b.feats, b.tokens, cfg.n_unroll), b.labels)
+                losses, _, _ = step_losses(head, head.unroll(b.feats, b.tokens, cfg.n_unroll), b)
                 loss = sum(cfg.step_decay ** j * l for j, l in enumerate(losses))
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -307,8 +349,11 @@ def train_head(data: Dataset, vocab: DraftVocab, head_config: HeadConfig, embed:
                                      rows_done / max(time.perf_counter() - t_rows, 1e-9), result.seconds))
             if step % cfg.ckpt_every == 0:
                 save()
+        if result.paused:
+            break
         if eval_ids:  # end of an epoch (or of the run)
-            ev = evaluate(head, data, eval_ids, t2d, cfg.n_unroll, cfg.batch_tokens, device, cfg.bf16)
+            ev = evaluate(head, data, eval_ids, t2d, cfg.n_unroll, cfg.batch_tokens, device, cfg.bf16,
+                          cfg.soft_labels)
             result.evals.append(ev)
             if progress is not None:
                 progress(TrainReport(step, total, step / n_batches, loss_ema, lr, 0.0, result.seconds, ev))

@@ -1,4 +1,4 @@
-"""The draft vocabulary: the N target tokens the target generates most often in the training data.
+"""The draft vocabulary: the N target tokens the target chooses most often in the training data.
 
 `d2t` follows the SafeAILab convention (int64 offsets: target id = i + d2t[i]); `t2d` is a bool
 mask over the target vocab. Draft ids are the selected target ids in ascending order.
@@ -53,11 +53,10 @@ class DraftVocab:
 
 
 def answer_token_counts(data: Dataset, n_vocab: int) -> np.ndarray:
-    """How often each target token is a training label (a token the target generated).  # [n_vocab]"""
+    """How often each target token is a training label (the target's own choice).  # [n_vocab]"""
     counts = np.zeros(n_vocab, dtype=np.int64)
     for r in range(data.n_records):
-        tokens, _, n_prompt = data.record(r)
-        np.add.at(counts, tokens[n_prompt:], 1)
+        np.add.at(counts, data.label_positions(r)[1], 1)
     return counts
 
 
@@ -78,7 +77,6 @@ def heldout_coverage(data: Dataset, n_vocab: int, sizes: list[int], every: int =
     fit = np.zeros(n_vocab, dtype=np.int64)
     test = np.zeros(n_vocab, dtype=np.int64)
     for r in range(data.n_records):
-        tokens, _, n_prompt = data.record(r)
-        np.add.at(test if r % every == 0 else fit, tokens[n_prompt:], 1)
+        np.add.at(test if r % every == 0 else fit, data.label_positions(r)[1], 1)
     total = max(int(test.sum()), 1)
     return {n: float(test[build_draft_vocab(fit, n).ids].sum()) / total for n in sizes}
