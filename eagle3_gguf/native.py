@@ -98,7 +98,9 @@ llama_model_target_layer_ids_n = _bind(
 
 
 # ------------------------------------------------------------------------------------------------
-# llama.cpp's log → Python logging (quiet unless the application asks)
+# llama.cpp's log → Python logging. The callback is process-wide and llama-cpp-python installs its own
+# at import (Llama(verbose=...) steers it), so importing this module leaves it alone: only an
+# application that asks (the CLI's setup_logging) calls install_log_callback().
 # ------------------------------------------------------------------------------------------------
 
 log = logging.getLogger("eagle3_gguf.llama_cpp")
@@ -130,9 +132,6 @@ def enable_llama_log(enabled: bool = True) -> None:
     """Let llama.cpp's log through to the application's handlers (the CLI's `-v`)."""
     log.propagate = enabled
     log.setLevel(logging.DEBUG if enabled else logging.CRITICAL)
-
-
-install_log_callback()
 
 
 def default_threads() -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from ..errors import Eagle3Error
+from .common import fail, setup_logging
 
 _BAR_MIN_BYTES = 64 * 2**20  # show a progress bar only for heads bigger than this
 
@@ -61,7 +62,6 @@ def register(app: typer.Typer) -> None:
         that llama.cpp loads as arch eagle3; prints the detected layout, layer ids and a tensor table."""
         from ..convert import convert_head
         from ..convert.convert import result_text
-        from .main import fail, setup_logging
 
         setup_logging(verbose)
         progress = _Progress()

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 
 import typer
 
 from ..errors import Eagle3Error
+from . import convert, generate, info, serve, train
+from .common import fail, setup_logging  # noqa: F401  (re-exported: commands that still import them from here)
 
 app = typer.Typer(
     name="eagle3-gguf",
@@ -18,36 +19,8 @@ app = typer.Typer(
 )
 
 
-def _register() -> None:
-    from . import info
-
-    info.register(app)
-    for name in ("convert", "generate", "train", "bench", "serve"):
-        try:
-            module = __import__(f"{__package__}.{name}", fromlist=["register"])
-        except ModuleNotFoundError as e:
-            if e.name != f"{__package__}.{name}":
-                raise
-            continue
-        module.register(app)
-
-
-_register()
-
-
-def setup_logging(verbose: bool) -> None:
-    """Quiet by default; -v shows our debug lines and llama.cpp's own log."""
-    from ..native import enable_llama_log
-
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(message)s",
-                        stream=sys.stderr)
-    enable_llama_log(verbose)
-
-
-def fail(message: str) -> None:
-    """Print one error line on stderr and exit 2."""
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
+for _command in (info, convert, generate, train, serve):
+    _command.register(app)
 
 
 def main() -> None:

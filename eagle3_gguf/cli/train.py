@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from ..errors import Eagle3Error
+from .common import fail, setup_logging
 
 
 class _Printer:
@@ -86,8 +87,6 @@ def register(app: typer.Typer) -> None:
         """Self-distill the target on our prompts (or teacher-force ShareGPT conversations), train an EAGLE-3
         head with training-time test, export it as a SafeAILab checkpoint (OUT/checkpoint) and convert it to
         OUT/head.gguf."""
-        from .main import fail, setup_logging
-
         setup_logging(verbose)
         if importlib.util.find_spec("torch") is None:
             fail("training needs torch: pip install 'eagle3-gguf[train]'")

@@ -1,0 +1,54 @@
+"""llama.cpp's log callback is process-wide: importing eagle3_gguf leaves llama-cpp-python's in place, so
+`Llama(verbose=...)` behaves as before; only the CLI (setup_logging) routes the log through ours."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+CALLBACK = """
+import ctypes, llama_cpp
+
+def current():
+    fn, data = llama_cpp.llama_log_callback(), ctypes.c_void_p()
+    llama_cpp.llama_log_get(ctypes.byref(fn), ctypes.byref(data))
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+def address(fn):
+    return ctypes.cast(fn, ctypes.c_void_p).value
+"""
+
+
+def python(code: str, *args: str) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-c", CALLBACK + code, *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def test_import_leaves_llama_cpp_python_log_callback_in_place():
+    r = python("""
+import llama_cpp._logger
+theirs = address(llama_cpp._logger.llama_log_callback)
+assert current() == theirs, "llama-cpp-python's callback is not the current one to begin with"
+import eagle3_gguf, eagle3_gguf.native, eagle3_gguf.llama, eagle3_gguf.pair, eagle3_gguf.decode
+import eagle3_gguf.cli.main
+print(current() == theirs)
+from eagle3_gguf.cli.common import setup_logging
+setup_logging(False)
+from eagle3_gguf.native import _log_callback
+print(current() == address(_log_callback))
+""")
+    assert r.stdout.split() == ["True", "True"]  # untouched by imports; ours once the CLI asks
+
+
+def test_llama_verbose_behaves_as_before_after_import(tiny_target):
+    code = """
+import sys
+import eagle3_gguf.llama
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, verbose=sys.argv[2] == "1")
+llm.close()
+"""
+    loud = python(code, str(tiny_target), "1").stderr
+    quiet = python(code, str(tiny_target), "0").stderr
+    assert "llama_model_loader" in loud and "llama_context" in loud
+    assert "llama_model_loader" not in quiet and "llama_context" not in quiet
