@@ -68,6 +68,8 @@ class ConvertResult:
     draft_vocab: int | None  # len(d2t); None when the head drafts over the full target vocab
     norm_before_residual: bool
     norm_before_fc: bool
+    fc_norm: list[int] | None  # EAGLE 3.1: [n_feat, n_embd_tgt] of the per-feature norms (metadata), or None
+    norm_output: bool  # EAGLE 3.1: output_norm(h) is fed back as g
     own_token_embd: bool
     own_output: bool
     outtype: str
@@ -125,12 +127,12 @@ def describe_target(target: str | Path) -> TargetDesc:
 # ------------------------------------------------------------------------------------------------
 
 
-def _expected_shapes(spec: HeadSpec, n_embd_tgt: int) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(spec: HeadSpec, n_embd_tgt: int, n_feat: int) -> dict[str, tuple[int, ...]]:
     hp = spec.hparams
     n_q, n_kv, e = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim, hp.n_embd
     return {
         keys.blk(keys.T_ATTN_NORM): (e,), keys.blk(keys.T_ATTN_NORM_2): (e,), keys.blk(keys.T_FFN_NORM): (e,),
-        keys.T_OUTPUT_NORM: (e,), keys.T_ENC_OUTPUT_NORM: (3 * n_embd_tgt,),
+        keys.T_OUTPUT_NORM: (e,), keys.T_ENC_OUTPUT_NORM: (n_feat * n_embd_tgt,),
         keys.blk(keys.T_ATTN_Q): (n_q, 2 * e), keys.blk(keys.T_ATTN_K): (n_kv, 2 * e),
         keys.blk(keys.T_ATTN_V): (n_kv, 2 * e), keys.blk(keys.T_ATTN_OUT): (e, n_q),
         keys.blk(keys.T_FFN_GATE): (hp.n_ff, e), keys.blk(keys.T_FFN_UP): (hp.n_ff, e),
@@ -138,23 +140,35 @@ def _expected_shapes(spec: HeadSpec, n_embd_tgt: int) -> dict[str, tuple[int, ..
     }
 
 
-def _check_shapes(ckpt: Checkpoint, spec: HeadSpec, target: TargetDesc) -> None:
+def _check_shapes(ckpt: Checkpoint, spec: HeadSpec, target: TargetDesc, n_feat: int) -> None:
+    """Every shape against the config and the target; n_feat: how many target features fc reads."""
     hp, where = spec.hparams, ckpt.path
     fc = ckpt.tensors[spec.source(keys.T_FC).src_name].shape
-    if len(fc) != 2 or fc[0] != hp.n_embd or fc[1] % 3:
-        raise Eagle3Error(f"{where}: fc.weight is {list(fc)}, expected [hidden_size {hp.n_embd}, 3 x target hidden]")
-    trained_for = fc[1] // 3
+    if len(fc) != 2 or fc[0] != hp.n_embd or fc[1] % n_feat:
+        raise Eagle3Error(f"{where}: fc.weight is {list(fc)}, expected [hidden_size {hp.n_embd}, {n_feat} x target "
+                          f"hidden]")
+    trained_for = fc[1] // n_feat
     if trained_for != target.n_embd:
         raise Eagle3Error(f"{where}: fc.weight is {list(fc)}, so the head was trained for a target of hidden size "
                           f"{trained_for}, but {target.path.name} has hidden size {target.n_embd}")
     if hp.target_hidden_size is not None and hp.target_hidden_size != trained_for:
         raise Eagle3Error(f"{where}: config target_hidden_size {hp.target_hidden_size} disagrees with fc.weight "
                           f"{list(fc)} (3 x {trained_for})")
-    for gguf_name, shape in _expected_shapes(spec, target.n_embd).items():
+    for gguf_name, shape in _expected_shapes(spec, target.n_embd, n_feat).items():
         src = spec.source(gguf_name)
         if src is not None and ckpt.tensors[src.src_name].shape != shape:
             raise Eagle3Error(f"{where}: '{src.src_name}' is {list(ckpt.tensors[src.src_name].shape)}, "
                               f"expected {list(shape)} from config.json")
+    if spec.fc_norm and len(spec.fc_norm) != n_feat:
+        raise Eagle3Error(f"{where}: head has {len(spec.fc_norm)} fc_norm weights but fc reads {n_feat} target "
+                          f"features: one per feature is needed")
+    if spec.norm_before_fc and n_feat != keys.N_TARGET_LAYERS:
+        raise Eagle3Error(f"{where}: norm_before_fc spans the {n_feat} features this head reads; the pinned graph "
+                          f"reads {keys.N_TARGET_LAYERS} and that norm cannot be padded, so this head cannot run")
+    for name in spec.fc_norm:
+        if ckpt.tensors[name].shape != (trained_for,):
+            raise Eagle3Error(f"{where}: '{name}' is {list(ckpt.tensors[name].shape)}, expected [target hidden "
+                              f"{trained_for}]")
     embd = spec.source(keys.T_TOKEN_EMBD)
     if embd is not None and ckpt.tensors[embd.src_name].shape != (target.n_vocab, hp.n_embd):
         raise Eagle3Error(f"{where}: '{embd.src_name}' is {list(ckpt.tensors[embd.src_name].shape)}, expected "
@@ -242,8 +256,10 @@ _ORDER = [keys.T_TOKEN_EMBD, keys.T_FC, keys.T_ENC_OUTPUT_NORM, keys.blk(keys.T_
           keys.blk(keys.T_FFN_DOWN), keys.T_OUTPUT_NORM, keys.T_OUTPUT, keys.T_D2T]
 
 
-def _plan(ckpt: Checkpoint, spec: HeadSpec, d2t: np.ndarray | None, out_t: GT, fc_t: GT,
+def _plan(ckpt: Checkpoint, spec: HeadSpec, d2t: np.ndarray | None, out_t: GT, fc_t: GT, fc_width: int,
           notes: list[str]) -> list[PlannedTensor]:
+    """fc_width: the fc input width the pinned graph reads (3 x target hidden); a narrower fc (a head
+    reading fewer features) gets zero columns."""
     hp = spec.hparams
     plans: list[PlannedTensor] = []
     for gguf_name in _ORDER:
@@ -251,6 +267,8 @@ def _plan(ckpt: Checkpoint, spec: HeadSpec, d2t: np.ndarray | None, out_t: GT, f
         if src is None:
             continue
         shape = ckpt.tensors[src.src_name].shape
+        if gguf_name == keys.T_FC:
+            shape = (shape[0], fc_width)
         if src.kind == KIND_D2T:
             assert d2t is not None
             plans.append(PlannedTensor(gguf_name, shape, GT.I64, lambda ids=d2t: Encoded(ids, GT.I64, 0.0)))
@@ -262,7 +280,7 @@ def _plan(ckpt: Checkpoint, spec: HeadSpec, d2t: np.ndarray | None, out_t: GT, f
             if t in (GT.Q4_0, GT.Q8_0) and not can_quantize(shape):
                 notes.append(f"{gguf_name}: rows of {shape[-1]} values cannot be {t.name}; stored as F16")
                 t = GT.F16
-        plans.append(PlannedTensor(gguf_name, shape, t, _producer(ckpt, src, t, hp.n_head, hp.n_head_kv)))
+        plans.append(PlannedTensor(gguf_name, shape, t, _producer(ckpt, src, t, hp.n_head, hp.n_head_kv, shape)))
     if hp.rope_scaling is not None and hp.rope_scaling.kind == "llama3":
         r = hp.rope_scaling
         factors = llama3_rope_factors(hp.head_dim, hp.rope_theta, r.factor, r.original_context or 8192,
@@ -271,16 +289,41 @@ def _plan(ckpt: Checkpoint, spec: HeadSpec, d2t: np.ndarray | None, out_t: GT, f
     return plans
 
 
-def _producer(ckpt: Checkpoint, src: TensorSource, t: GT, n_head: int, n_head_kv: int) -> Callable[[], Encoded]:
+def _producer(ckpt: Checkpoint, src: TensorSource, t: GT, n_head: int, n_head_kv: int,
+              shape: tuple[int, ...]) -> Callable[[], Encoded]:
     def produce() -> Encoded:
         w = ckpt.load(src.src_name)  # float32, PyTorch order
         if src.kind == KIND_Q:
             w = permute_rope_rows(w, n_head)
         elif src.kind == KIND_K:
             w = permute_rope_rows(w, n_head_kv)
+        if w.shape != shape:  # fc of a head reading < 3 features: zero columns for the padded slots
+            w = np.pad(w, [(0, want - have) for have, want in zip(w.shape, shape)])
         return encode(w, t, src.src_name)
 
     return produce
+
+
+def _eagle31_metadata(ckpt: Checkpoint, spec: HeadSpec) -> list[KeyValue]:
+    """Our own keys for what the pinned graph lacks (empty for an EAGLE-3 head): stock llama.cpp loads
+    the file and ignores them. Padded feature slots get unit fc_norm weights (their fc columns are zero)."""
+    kvs = []
+    if spec.fc_norm:
+        parts = [ckpt.load(n).astype(np.float32) for n in spec.fc_norm]
+        parts += [np.ones_like(parts[-1])] * (keys.N_TARGET_LAYERS - len(parts))
+        weights = np.concatenate(parts)  # [3 * n_embd_tgt]
+        if not np.isfinite(weights).all():
+            raise Eagle3Error(f"{ckpt.path}: fc_norm weights hold non-finite values")
+        kvs += [KeyValue(keys.KEY_FC_NORM, True, VT.BOOL),
+                KeyValue(keys.KEY_FC_NORM_WEIGHT, weights.tolist(), VT.ARRAY, VT.FLOAT32)]
+    if spec.norm_output:
+        kvs.append(KeyValue(keys.KEY_NORM_OUTPUT, True, VT.BOOL))
+    return kvs
+
+
+def padded_layer_ids(ids: list[int]) -> list[int]:
+    """The 3 ids the pinned graph reads: a head naming fewer repeats its last one."""
+    return list(ids) + [ids[-1]] * (keys.N_TARGET_LAYERS - len(ids))
 
 
 def _metadata(spec: HeadSpec, target: TargetDesc, ids: LayerIds, out_t: GT, name: str) -> list[KeyValue]:
@@ -299,7 +342,7 @@ def _metadata(spec: HeadSpec, target: TargetDesc, ids: LayerIds, out_t: GT, name
         KeyValue(a(keys.KEY_ROPE_FREQ_BASE), hp.rope_theta, VT.FLOAT32),
         KeyValue(a(keys.KEY_ROPE_DIMENSION_COUNT), hp.head_dim, VT.UINT32),
         KeyValue(a(keys.KEY_VOCAB_SIZE), target.n_vocab, VT.UINT32),
-        KeyValue(a(keys.KEY_TARGET_LAYERS), list(ids.ids), VT.ARRAY, VT.INT32),
+        KeyValue(a(keys.KEY_TARGET_LAYERS), padded_layer_ids(ids.ids), VT.ARRAY, VT.INT32),
         KeyValue(a(keys.KEY_TARGET_HIDDEN_SIZE), target.n_embd, VT.UINT32),
         KeyValue(a(keys.KEY_NORM_BEFORE_RESIDUAL), spec.norm_before_residual, VT.BOOL),
         KeyValue(a(keys.KEY_NORM_BEFORE_FC), spec.norm_before_fc, VT.BOOL),
@@ -343,7 +386,8 @@ def convert_head(src: str | Path, out: str | Path | None, target: str | Path, la
     ckpt = open_checkpoint(src)
     spec = detect_layout(ckpt)
     ids = resolve_layer_ids(spec, tgt.n_layer, layer_ids)
-    _check_shapes(ckpt, spec, tgt)
+    n_feat = len(ids.ids)
+    _check_shapes(ckpt, spec, tgt, n_feat)
     d2t = _check_vocab(ckpt, spec, tgt)
 
     out = Path(out) if out is not None else default_out_path(src)
@@ -356,8 +400,12 @@ def convert_head(src: str | Path, out: str | Path | None, target: str | Path, la
                      f"'{tgt.arch}' targets (it reads zeros): pairing will refuse this head; see --layer-ids")
     if tgt.kind != "gguf":
         notes.append("target given as config.json: no tokenizer copied (pass the target .gguf to copy it)")
-    plans = _plan(ckpt, spec, d2t, out_t, fc_t, notes)
-    kvs = _metadata(spec, tgt, ids, out_t, name or out.stem)
+    if n_feat < keys.N_TARGET_LAYERS:
+        notes.append(f"head reads {n_feat} target feature(s); the pinned graph reads {keys.N_TARGET_LAYERS}: layer "
+                     f"{ids.ids[-1]} repeated with zero fc columns (exact), stored ids "
+                     f"{padded_layer_ids(ids.ids)}")
+    plans = _plan(ckpt, spec, d2t, out_t, fc_t, keys.N_TARGET_LAYERS * tgt.n_embd, notes)
+    kvs = _metadata(spec, tgt, ids, out_t, name or out.stem) + _eagle31_metadata(ckpt, spec)
 
     sources = {t.gguf_name: t.src_name for t in spec.tensors}
     total = sum(n_bytes(p.shape, p.ggml_type) for p in plans)
@@ -378,7 +426,9 @@ def convert_head(src: str | Path, out: str | Path | None, target: str | Path, la
         out=out, layout=spec.layout, layout_reason=spec.layout_reason, target=tgt.path, target_kind=tgt.kind,
         layer_ids=ids, n_embd=spec.hparams.n_embd, target_hidden_size=tgt.n_embd, target_vocab=tgt.n_vocab,
         draft_vocab=None if d2t is None else len(d2t), norm_before_residual=spec.norm_before_residual,
-        norm_before_fc=spec.norm_before_fc, own_token_embd=spec.source(keys.T_TOKEN_EMBD) is not None,
+        norm_before_fc=spec.norm_before_fc,
+        fc_norm=[keys.N_TARGET_LAYERS, tgt.n_embd] if spec.fc_norm else None, norm_output=spec.norm_output,
+        own_token_embd=spec.source(keys.T_TOKEN_EMBD) is not None,
         own_output=spec.source(keys.T_OUTPUT) is not None, outtype=out_t.name, fc_type=fc_t.name, rows=rows,
         file_bytes=out.stat().st_size, dropped=spec.dropped, notes=notes,
     )
@@ -404,7 +454,8 @@ def result_text(r: ConvertResult) -> str:
         f"ids source       {ids.source}",
         f"draft vocab      {draft}",
         f"norm flags       norm_before_residual={str(r.norm_before_residual).lower()}, "
-        f"norm_before_fc={str(r.norm_before_fc).lower()}",
+        f"norm_before_fc={str(r.norm_before_fc).lower()}, fc_norm={str(r.fc_norm is not None).lower()}, "
+        f"norm_output={str(r.norm_output).lower()}",
         f"token_embd       {'own' if r.own_token_embd else 'borrowed from the target'}",
         f"lm_head          {'own' if r.own_output else 'borrowed from the target'}",
         "tensors:",
@@ -414,6 +465,12 @@ def result_text(r: ConvertResult) -> str:
     for t in r.rows:
         err = "-" if t.rel_error is None else f"{t.rel_error:.2e}"
         lines.append(f"  {t.name:<{width}}  {str(t.shape):<16} {t.type:<5} {_size(t.bytes):>11}  {err:>9}  {t.source}")
+    if r.fc_norm is not None:
+        lines.append(f"fc_norm          {r.fc_norm} f32 in metadata {keys.KEY_FC_NORM_WEIGHT} (the pinned loader "
+                     f"refuses extra tensors); applied by eagle3-gguf, ignored by upstream llama.cpp")
+    if r.norm_output:
+        lines.append(f"norm_output      {keys.KEY_NORM_OUTPUT}: eagle3-gguf feeds output_norm(h) back; upstream "
+                     f"llama.cpp feeds the pre-norm h")
     if r.dropped:
         lines.append(f"dropped          {', '.join(r.dropped)}")
     lines += [f"note             {n}" for n in r.notes]

@@ -11,8 +11,14 @@ Four layouts exist in the wild (names checked against the public sources):
 - SpecForge: `LlamaForCausalLMEagle3` + `eagle_config`; `midlayer.*`; ids as ModelOpt.
 
 All share `fc`, `norm`, `lm_head`, `d2t` (int64 offsets), `t2d` (dropped) and optional `embed_tokens`;
-speculators adds `input_norm` (norm_before_fc). EAGLE 3.1 heads (`fc_norm`, `norm_output`) need graph
-changes the pinned llama.cpp lacks and are refused.
+speculators adds `input_norm` (norm_before_fc). EAGLE 3.1 (speculators, SpecForge): `fc_norm` (config
+flag, tensors `fc_norm.{i}.weight`, one RMSNorm per target feature before fc) and `norm_output` (config
+flag: the post-norm hidden state is fed back across draft steps). The pinned graph has neither; the
+converter carries them in our own metadata keys and eagle3_gguf.head_norms applies them at run time.
+
+A head may name fewer than 3 layers (speculators allows any number): the pinned graph reads exactly 3,
+so the converter repeats the last id and gives the extra slots zero fc columns, which is exact unless a
+norm spans the concatenation (norm_before_fc): such a head, and one naming more than 3, is refused.
 
 Layer-id conventions: "output of layer X" (first id == 1; ModelOpt/SpecForge default `[1, n//2-1, n-4]`)
 and "input of layer X" (SafeAILab default `[2, n//2, n-3]`, and what the GGUF stores). Like SGLang,
@@ -21,6 +27,7 @@ the first id tells them apart; output-of ids are converted by +1.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +73,8 @@ _TOP_TENSORS = {
     "d2t": (keys.T_D2T, KIND_D2T, False),
 }
 NORM_BEFORE_FC_TENSOR = "input_norm.weight"  # speculators: RMSNorm on the 3 concatenated features
+FC_NORM_TENSOR = "fc_norm.{i}.weight"  # EAGLE 3.1: RMSNorm on target feature i, before the concatenation
+_FC_NORM_RE = re.compile(r"^fc_norm\.(\d+)\.weight$")
 _DROPPED = ("t2d", "verifier_lm_head.weight", "verifier_norm.weight")
 
 
@@ -114,6 +123,12 @@ class HeadSpec:
     layer_ids_key: str | None  # where: e.g. "eagle_config.eagle_aux_hidden_state_layer_ids"
     tensors: list[TensorSource]
     dropped: list[str] = field(default_factory=list)  # checkpoint tensors not carried over (t2d, ...)
+    fc_norm: list[str] = field(default_factory=list)  # EAGLE 3.1: the fc_norm.{i}.weight names, in feature order
+    norm_output: bool = False  # EAGLE 3.1: output_norm(h) is fed back as g
+
+    @property
+    def eagle31(self) -> bool:
+        return bool(self.fc_norm) or self.norm_output
 
     def source(self, gguf_name: str) -> TensorSource | None:
         return next((t for t in self.tensors if t.gguf_name == gguf_name), None)
@@ -132,14 +147,25 @@ class LayerIds:
 # ------------------------------------------------------------------------------------------------
 
 
-def _is_eagle31(config: dict[str, Any], names: list[str]) -> str | None:
-    for key in ("fc_norm", "norm_output"):
-        if config.get(key) or (isinstance(config.get("eagle_config"), dict) and config["eagle_config"].get(key)):
-            return f"config.json sets '{key}'"
-    for name in names:
-        if name.startswith("fc_norm") or "norm_output" in name:
-            return f"it has tensor '{name}'"
-    return None
+def _flag(config: dict[str, Any], key: str) -> bool:
+    """A boolean the config sets at the top level (speculators) or in eagle_config (SpecForge)."""
+    eagle_config = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
+    return bool(config.get(key) or eagle_config.get(key))
+
+
+def _fc_norm_names(ckpt: Checkpoint, names: list[str], config: dict[str, Any]) -> list[str]:
+    """The fc_norm.{i}.weight names in feature order (checked: numbered 0..n-1); [] for no fc_norm."""
+    found = sorted((int(m.group(1)), n) for n in names if (m := _FC_NORM_RE.match(n)))
+    stray = [n for n in names if n.startswith("fc_norm") and not _FC_NORM_RE.match(n)]
+    if stray:
+        raise Eagle3Error(f"{ckpt.path}: unexpected tensor '{stray[0]}' (EAGLE 3.1 fc_norm weights are "
+                          f"fc_norm.{{i}}.weight)")
+    if _flag(config, "fc_norm") and not found:
+        raise Eagle3Error(f"{ckpt.path}: config sets fc_norm but the checkpoint has no fc_norm.{{i}}.weight tensors")
+    if [i for i, _ in found] != list(range(len(found))):
+        raise Eagle3Error(f"{ckpt.path}: fc_norm weights are numbered {[i for i, _ in found]}, expected "
+                          f"0..{len(found) - 1} (one per target feature)")
+    return [n for _, n in found]
 
 
 def detect_layout(ckpt: Checkpoint) -> HeadSpec:
@@ -149,10 +175,7 @@ def detect_layout(ckpt: Checkpoint) -> HeadSpec:
         raise Eagle3Error(f"{ckpt.path}: no config.json next to the checkpoint (an EAGLE-3 head ships one "
                           f"with hidden_size, num_attention_heads, ...)")
     names = list(ckpt.tensors)
-    why_31 = _is_eagle31(config, names)
-    if why_31:
-        raise Eagle3Error(f"{ckpt.path}: an EAGLE 3.1 head ({why_31}); the pinned llama.cpp eagle3 graph has no "
-                          f"fc_norm/norm_output, so it cannot run: use an EAGLE-3 head")
+    fc_norm = _fc_norm_names(ckpt, names, config)
 
     archs = config.get("architectures") or []
     has_mid = any(n.startswith("midlayer.") for n in names)
@@ -180,17 +203,20 @@ def detect_layout(ckpt: Checkpoint) -> HeadSpec:
 
     layer_prefix = _single_layer_prefix(ckpt, names, prefix)
     hparams = _read_hparams(hp_config, ckpt.config_path)
-    tensors, dropped = _map_tensors(ckpt, names, layout, layer_prefix)
+    tensors, dropped = _map_tensors(ckpt, names, layout, layer_prefix, set(fc_norm))
 
-    norm_before_fc = bool(config.get("norm_before_fc")) or ckpt.has(NORM_BEFORE_FC_TENSOR)
+    norm_before_fc = _flag(config, "norm_before_fc") or ckpt.has(NORM_BEFORE_FC_TENSOR)
     if norm_before_fc:
         if not ckpt.has(NORM_BEFORE_FC_TENSOR):
             raise Eagle3Error(f"{ckpt.path}: missing tensor '{NORM_BEFORE_FC_TENSOR}' (config sets norm_before_fc)")
         tensors.append(TensorSource(keys.T_ENC_OUTPUT_NORM, NORM_BEFORE_FC_TENSOR, KIND_NORM))
+    if norm_before_fc and fc_norm:
+        raise Eagle3Error(f"{ckpt.path}: head has both fc_norm (per-feature norms) and norm_before_fc "
+                          f"('{NORM_BEFORE_FC_TENSOR}'); EAGLE 3.1 makes them mutually exclusive")
 
     raw_ids, ids_key = _named_layer_ids(config, ckpt.config_path)
     return HeadSpec(layout, reason, hparams, bool(config.get("norm_before_residual", False)), norm_before_fc,
-                    raw_ids, ids_key, tensors, dropped)
+                    raw_ids, ids_key, tensors, dropped, fc_norm, _flag(config, "norm_output"))
 
 
 def _single_layer_prefix(ckpt: Checkpoint, names: list[str], prefix: str) -> str:
@@ -203,8 +229,8 @@ def _single_layer_prefix(ckpt: Checkpoint, names: list[str], prefix: str) -> str
     return "layers.0."
 
 
-def _map_tensors(ckpt: Checkpoint, names: list[str], layout: str,
-                 layer_prefix: str) -> tuple[list[TensorSource], list[str]]:
+def _map_tensors(ckpt: Checkpoint, names: list[str], layout: str, layer_prefix: str,
+                 fc_norm: set[str]) -> tuple[list[TensorSource], list[str]]:
     tensors: list[TensorSource] = []
     for src, (gguf_name, kind, required) in _TOP_TENSORS.items():
         if ckpt.has(src):
@@ -217,7 +243,7 @@ def _map_tensors(ckpt: Checkpoint, names: list[str], layout: str,
             raise Eagle3Error(f"{ckpt.path}: missing tensor '{src}' (a {layout} head needs it)")
         tensors.append(TensorSource(gguf_name, src, kind))
 
-    known = {t.src_name for t in tensors} | {NORM_BEFORE_FC_TENSOR}
+    known = {t.src_name for t in tensors} | {NORM_BEFORE_FC_TENSOR} | fc_norm
     dropped = []
     for name in names:
         if name in known:
@@ -287,8 +313,12 @@ def _named_layer_ids(config: dict[str, Any], path: Path | None) -> tuple[list[in
     for key, value in candidates:
         if value is None:
             continue
-        if not isinstance(value, list) or len(value) != 3 or not all(isinstance(x, int) for x in value):
-            raise Eagle3Error(f"{path}: '{key}' must list exactly 3 integer layer ids, got {value!r}")
+        if not isinstance(value, list) or not value or not all(isinstance(x, int) for x in value):
+            raise Eagle3Error(f"{path}: '{key}' must list integer layer ids, got {value!r}")
+        if len(value) > keys.N_TARGET_LAYERS:
+            raise Eagle3Error(f"{path}: '{key}' names {len(value)} target layers {value}; the pinned llama.cpp "
+                              f"eagle3 graph reads exactly {keys.N_TARGET_LAYERS} (its loader refuses other "
+                              f"counts), so this head cannot run")
         return [int(x) for x in value], key
     return None, None
 

@@ -262,6 +262,8 @@ class HeadInfo:
     own_token_embd: bool
     own_output: bool
     tensors: list[TensorEntry] = field(default_factory=list)
+    fc_norm: list[int] | None = None  # EAGLE 3.1 per-feature norms: [n_feat, n_embd_tgt] (metadata), or None
+    norm_output: bool = False  # EAGLE 3.1: output_norm(h) is fed back as g
 
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> "HeadInfo":
@@ -280,7 +282,21 @@ class HeadInfo:
             int(g.get(keys.KEY_FEED_FORWARD_LENGTH, 0)), g.n_vocab, d2t.shape[0] if d2t else None,
             bool(g.get(keys.KEY_NORM_BEFORE_RESIDUAL, False)), bool(g.get(keys.KEY_NORM_BEFORE_FC, False)),
             g.tensor(keys.T_TOKEN_EMBD) is not None, g.tensor(keys.T_OUTPUT) is not None, g.tensors,
+            fc_norm=_fc_norm_shape(g, len(layers), int(hidden)),
+            norm_output=bool(g.metadata.get(keys.KEY_NORM_OUTPUT, False)),
         )
+
+
+def _fc_norm_shape(g: GGUFFile, n_feat: int, n_embd_tgt: int) -> list[int] | None:
+    """[n_feat, n_embd_tgt] when the head carries EAGLE 3.1 fc_norm weights (checked), else None."""
+    if not g.metadata.get(keys.KEY_FC_NORM, False):
+        return None
+    weights = g.metadata.get(keys.KEY_FC_NORM_WEIGHT)
+    if not isinstance(weights, list) or len(weights) != n_feat * n_embd_tgt:
+        got = len(weights) if isinstance(weights, list) else "no"
+        raise Eagle3Error(f"{g.path}: {keys.KEY_FC_NORM} is set but {keys.KEY_FC_NORM_WEIGHT} holds {got} values, "
+                          f"expected {n_feat} x {n_embd_tgt}: convert the head again")
+    return [n_feat, n_embd_tgt]
 
 
 def tokenizer_kvs(src: str | Path) -> list[KeyValue]:

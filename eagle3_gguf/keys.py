@@ -38,6 +38,16 @@ KEY_TARGET_LAYERS = "{arch}.target_layers"  # exactly 3 ids, input-of-layer conv
 KEY_TARGET_HIDDEN_SIZE = "{arch}.target_hidden_size"
 KEY_NORM_BEFORE_RESIDUAL = "{arch}.norm_before_residual"  # optional, default false
 KEY_NORM_BEFORE_FC = "{arch}.norm_before_fc"  # optional, default false
+N_TARGET_LAYERS = 3  # load_arch_hparams throws unless target_layers holds exactly 3 ids
+
+# -- EAGLE 3.1 state the pinned graph has no place for, in our own key namespace -------------------
+# The pinned loader refuses a GGUF holding any tensor its arch does not create ("done_getting_tensors:
+# wrong number of tensors"), so the fc_norm weights travel as a metadata array: stock llama.cpp loads
+# the file and ignores them; eagle3_gguf.head_norms applies them around the graph.
+OURS_PREFIX = "eagle3gguf."
+KEY_FC_NORM = "eagle3gguf.fc_norm"  # bool: one RMSNorm per target feature before fc (speculators fc_norm)
+KEY_FC_NORM_WEIGHT = "eagle3gguf.fc_norm.weight"  # FLOAT32 array [n_feat * n_embd_tgt]: fc_norm.{i} in order
+KEY_NORM_OUTPUT = "eagle3gguf.norm_output"  # bool: output_norm(h), not h, is fed back as g across draft steps
 
 # -- tokenizer ------------------------------------------------------------------------------------
 TOKENIZER_PREFIX = "tokenizer."

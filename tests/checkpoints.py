@@ -7,6 +7,9 @@
 - "modelopt":    NVIDIA ModelOpt  — LlamaForCausalLMEagle3 + eagle_config (output-of-layer ids); layers.0.*, no t2d
 - "specforge":   SpecForge        — LlamaForCausalLMEagle3 + eagle_config; midlayer.*, embed_tokens, t2d
 
+EAGLE 3.1 (`fc_norm=True`: tensors fc_norm.{i}.weight; `norm_output=True`): flags at the config's top level
+(speculators) or in eagle_config (SpecForge).
+
 Weights are in PyTorch order (Linear: [out_features, in_features]) with HF's rotate-half q/k rows.
 Safetensors are written by hand here (header + raw bytes) so bf16 needs no torch.
 """
@@ -49,7 +52,7 @@ def _norm(rng: np.random.Generator, n: int) -> np.ndarray:
 
 
 def random_weights(d: CkptDims, seed: int = 0, *, lm_head: bool = True, embed: bool = False,
-                   norm_before_fc: bool = False) -> dict[str, np.ndarray]:
+                   norm_before_fc: bool = False, fc_norm: bool = False) -> dict[str, np.ndarray]:
     """Layout-neutral names: the decoder layer's tensors are prefixed 'L.'."""
     rng = np.random.default_rng(seed)
     hd = d.n_embd // d.n_head
@@ -80,6 +83,9 @@ def random_weights(d: CkptDims, seed: int = 0, *, lm_head: bool = True, embed: b
         w["embed_tokens.weight"] = _rand(rng, d.target_vocab, d.n_embd, scale=1.0)  # [target_vocab, n_embd]
     if norm_before_fc:
         w["input_norm.weight"] = _norm(rng, 3 * d.n_embd_tgt)  # [3 * n_embd_tgt]
+    if fc_norm:  # EAGLE 3.1: one RMSNorm per target feature
+        for i in range(3):
+            w[f"fc_norm.{i}.weight"] = _norm(rng, d.n_embd_tgt)  # [n_embd_tgt]
     return w
 
 
@@ -97,7 +103,19 @@ def _llama_config(d: CkptDims, arch: str) -> dict:
 
 
 def layout_config(layout: str, d: CkptDims, layer_ids: list[int] | None, *, norm_before_residual: bool = False,
-                  norm_before_fc: bool = False) -> dict:
+                  norm_before_fc: bool = False, fc_norm: bool = False, norm_output: bool = False) -> dict:
+    cfg = _layout_config(layout, d, layer_ids, norm_before_residual=norm_before_residual,
+                         norm_before_fc=norm_before_fc)
+    flags = {k: True for k, on in (("fc_norm", fc_norm), ("norm_output", norm_output)) if on}
+    if layout == "specforge":  # EAGLE 3.1 flags: SpecForge's go in eagle_config, speculators' at the top
+        cfg["eagle_config"].update(flags)
+    else:
+        cfg.update(flags)
+    return cfg
+
+
+def _layout_config(layout: str, d: CkptDims, layer_ids: list[int] | None, *, norm_before_residual: bool,
+                   norm_before_fc: bool) -> dict:
     if layout == "safeai":
         cfg = _llama_config(d, "LlamaForCausalLM")
         if layer_ids is not None:
@@ -185,8 +203,8 @@ def save_torch_bin(path: Path, tensors: dict[str, np.ndarray], dtype: str = "f32
 def write_checkpoint(directory: str | Path, layout: str, dims: CkptDims = CkptDims(), *, seed: int = 0,
                      layer_ids: list[int] | None | str = "default", fmt: str = "safetensors", dtype: str = "f32",
                      embed: bool | None = None, lm_head: bool = True, norm_before_residual: bool = False,
-                     norm_before_fc: bool = False, config_extra: dict | None = None,
-                     weights: dict[str, np.ndarray] | None = None) -> Path:
+                     norm_before_fc: bool = False, fc_norm: bool = False, norm_output: bool = False,
+                     config_extra: dict | None = None, weights: dict[str, np.ndarray] | None = None) -> Path:
     """A checkpoint directory (config.json + weights); returns the directory.
 
     fmt: "safetensors" (model.safetensors), "sharded" (2 shards + index), "bin" (pytorch_model.bin).
@@ -197,9 +215,10 @@ def write_checkpoint(directory: str | Path, layout: str, dims: CkptDims = CkptDi
     if embed is None:
         embed = layout == "specforge"
     w = weights if weights is not None else random_weights(dims, seed, lm_head=lm_head, embed=embed,
-                                                           norm_before_fc=norm_before_fc)
+                                                           norm_before_fc=norm_before_fc, fc_norm=fc_norm)
     tensors = layout_names(layout, w)
-    cfg = layout_config(layout, dims, ids, norm_before_residual=norm_before_residual, norm_before_fc=norm_before_fc)
+    cfg = layout_config(layout, dims, ids, norm_before_residual=norm_before_residual, norm_before_fc=norm_before_fc,
+                        fc_norm=fc_norm, norm_output=norm_output)
     cfg.update(config_extra or {})
     (directory / "config.json").write_text(json.dumps(cfg, indent=2))
     if fmt == "safetensors":

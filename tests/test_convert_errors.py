@@ -172,20 +172,61 @@ def test_unknown_layout(tmp_path, tiny_target):
            f"SpecForge (midlayer.*, eagle_config)")
 
 
-def test_eagle31_config_is_refused(tmp_path, tiny_target):
-    src = _ckpt(tmp_path, "specforge", config_extra={"fc_norm": True, "norm_output": True})
+def test_fc_norm_count_mismatch(tmp_path, tiny_target):
+    w = random_weights(CkptDims(), fc_norm=True)
+    del w["fc_norm.2.weight"]
+    src = _ckpt(tmp_path, "speculators", weights=w, fc_norm=True)
     _fails(tmp_path, [str(src), "-t", str(tiny_target)],
-           f"{src}: an EAGLE 3.1 head (config.json sets 'fc_norm'); the pinned llama.cpp eagle3 graph has no "
-           f"fc_norm/norm_output, so it cannot run: use an EAGLE-3 head")
+           f"{src}: head has 2 fc_norm weights but fc reads 3 target features: one per feature is needed")
 
 
-def test_eagle31_tensor_is_refused(tmp_path, tiny_target):
+def test_fc_norm_numbering_gap(tmp_path, tiny_target):
+    w = random_weights(CkptDims(), fc_norm=True)
+    w["fc_norm.3.weight"] = w.pop("fc_norm.2.weight")
+    src = _ckpt(tmp_path, "speculators", weights=w, fc_norm=True)
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{src}: fc_norm weights are numbered [0, 1, 3], expected 0..2 (one per target feature)")
+
+
+def test_fc_norm_shape_mismatch(tmp_path, tiny_target):
+    w = random_weights(CkptDims(), fc_norm=True)
+    w["fc_norm.1.weight"] = np.ones(63, dtype=np.float32)
+    src = _ckpt(tmp_path, "specforge", weights=w, fc_norm=True)
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{src}: 'fc_norm.1.weight' is [63], expected [target hidden 64]")
+
+
+def test_fc_norm_flag_without_weights(tmp_path, tiny_target):
+    src = _ckpt(tmp_path, "speculators", config_extra={"fc_norm": True})
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{src}: config sets fc_norm but the checkpoint has no fc_norm.{{i}}.weight tensors")
+
+
+def test_fc_norm_with_norm_before_fc(tmp_path, tiny_target):
+    src = _ckpt(tmp_path, "speculators", norm_before_fc=True, fc_norm=True)
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{src}: head has both fc_norm (per-feature norms) and norm_before_fc ('input_norm.weight'); "
+           f"EAGLE 3.1 makes them mutually exclusive")
+
+
+def test_more_than_three_target_layers(tmp_path, tiny_target):
+    w = random_weights(CkptDims(), fc_norm=True)
+    w["fc.weight"] = np.zeros((64, 4 * 64), dtype=np.float32)  # [n_embd, 4 * n_embd_tgt]
+    w["fc_norm.3.weight"] = w["fc_norm.2.weight"]
+    src = _ckpt(tmp_path, "speculators", weights=w, fc_norm=True, layer_ids=[1, 2, 3, 5])
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{src / 'config.json'}: 'eagle_aux_hidden_state_layer_ids' names 4 target layers [1, 2, 3, 5]; the "
+           f"pinned llama.cpp eagle3 graph reads exactly 3 (its loader refuses other counts), so this head cannot run")
+
+
+def test_fewer_target_layers_with_norm_before_fc(tmp_path, tiny_target):
     w = random_weights(CkptDims())
-    w["fc_norm.0.weight"] = np.ones(64, dtype=np.float32)
-    src = _ckpt(tmp_path, "speculators", weights=w)
+    w["fc.weight"] = w["fc.weight"][:, :128]  # [n_embd, 2 * n_embd_tgt]
+    w["input_norm.weight"] = np.ones(128, dtype=np.float32)  # [2 * n_embd_tgt]
+    src = _ckpt(tmp_path, "speculators", weights=w, norm_before_fc=True, layer_ids=[2, 4])
     _fails(tmp_path, [str(src), "-t", str(tiny_target)],
-           f"{src}: an EAGLE 3.1 head (it has tensor 'fc_norm.0.weight'); the pinned llama.cpp eagle3 graph has no "
-           f"fc_norm/norm_output, so it cannot run: use an EAGLE-3 head")
+           f"{src}: norm_before_fc spans the 2 features this head reads; the pinned graph reads 3 and that norm "
+           f"cannot be padded, so this head cannot run")
 
 
 def test_bad_targets(tmp_path, tiny_target):

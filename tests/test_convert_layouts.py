@@ -143,10 +143,13 @@ def test_final_output_id_is_valid_but_beyond_is_not(tmp_path):
         resolve_layer_ids(spec, 6, [2, 3, 7])
 
 
-def test_layer_ids_must_be_three(tmp_path):
-    d = write_checkpoint(tmp_path / "c", "speculators", layer_ids=[2, 3])
-    with pytest.raises(Eagle3Error, match=r"'eagle_aux_hidden_state_layer_ids' must list exactly 3 integer layer "
-                                          r"ids, got \[2, 3\]$"):
+def test_layer_ids_at_most_three(tmp_path):
+    spec = detect_layout(open_checkpoint(write_checkpoint(tmp_path / "two", "speculators", layer_ids=[2, 3])))
+    assert spec.raw_layer_ids == [2, 3] and resolve_layer_ids(spec, 6).ids == [2, 3]  # padded when converted
+    d = write_checkpoint(tmp_path / "c", "speculators", layer_ids=[2, 3, 4, 5])
+    with pytest.raises(Eagle3Error, match=r"'eagle_aux_hidden_state_layer_ids' names 4 target layers \[2, 3, 4, 5\]; "
+                                          r"the pinned llama.cpp eagle3 graph reads exactly 3 \(its loader refuses "
+                                          r"other counts\), so this head cannot run$"):
         detect_layout(open_checkpoint(d))
 
 
