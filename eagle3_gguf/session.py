@@ -23,6 +23,7 @@ import numpy as np
 
 from .errors import Eagle3Error
 from .extract import TargetFeatures
+from .head_norms import HeadNorms
 from .native import LLAMA_PROCESS_TYPE_DECODE, LLAMA_PROCESS_TYPE_ENCODE, BatchExt, Context
 
 
@@ -34,6 +35,7 @@ class Eagle3Session:
         if len(self.layers) != 3:
             raise Eagle3Error(f"an EAGLE-3 head extracts exactly 3 target layers, this one names {self.layers}")
         self.extract = TargetFeatures(target, self.layers)
+        self.norms = HeadNorms.load(draft.model.path)  # EAGLE 3.1 fc_norm / norm_output; None for EAGLE-3
         self.n_embd = draft.model.n_embd
         draft.set_nextn(True, masked=True)
         self.batch = BatchExt(draft)
@@ -71,7 +73,10 @@ class Eagle3Session:
     def features(self, n_rows: int) -> np.ndarray:
         """The three extracted target layers of the last target decode's first n_rows rows,
         concatenated as the head's encoder expects.  # [n_rows, 3 * n_embd_tgt]"""
-        return self.extract.gather(n_rows)
+        feats = self.extract.gather(n_rows)
+        if self.norms is not None:  # EAGLE 3.1 fc_norm, slice by slice
+            feats = self.norms.apply_features(feats)
+        return feats
 
     def encode(self, feats: np.ndarray) -> np.ndarray:
         """Run the head's encoder (fc) on feature rows.  # [n, 3 * n_embd_tgt] -> [n, n_embd]"""
@@ -149,6 +154,8 @@ class Eagle3Session:
             if len(out) >= n_max:
                 break
             g = ctx.nextn_ith(row).copy()  # [n_embd] pre-norm hidden state → next step's g
+            if self.norms is not None:  # EAGLE 3.1 norm_output: output_norm(h) instead
+                g = self.norms.feedback(g)
             pos += 1
             self.batch.clear()
         return out
