@@ -28,8 +28,30 @@ def test_info_target_smollm2(smollm2_path):
     assert d["kind"] == "target" and d["architecture"] == "llama"
     assert (d["n_layer"], d["n_embd"], d["n_vocab"]) == (30, 576, 49152)
     assert d["extraction_supported"] is True and d["chat_template"] is True
+    assert (d["n_head"], d["n_head_kv"], d["context_length"]) == (9, 3, 8192)
+    mix = d["tensor_types"]
+    assert sum(t["count"] for t in mix.values()) == d["n_tensors"] == len(d["tensors"])
+    assert sum(t["bytes"] for t in mix.values()) == sum(t["bytes"] for t in d["tensors"])
+    assert list(mix)[0] == max(mix, key=lambda name: mix[name]["bytes"]) and "F32" in mix
+
+
+def test_info_target_is_a_summary_and_tensors_on_request(smollm2_path):
+    d = json.loads(run("info", str(smollm2_path), "--json").stdout)
     r = run("info", str(smollm2_path))
-    assert "EAGLE-3 target   yes" in r.stdout
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) <= 20, r.stdout
+    assert lines[1].strip().startswith("architecture     llama  (")
+    for expected in ("layers           30", "hidden size      576",
+                     "attention heads  9 (KV heads 3)", "vocab            49152", "context (train)  8192",
+                     "chat template    yes", "EAGLE-3 target   yes"):
+        assert any(line.strip() == expected for line in lines), (expected, r.stdout)
+    mix_line = next(line for line in lines if line.strip().startswith("tensor types"))
+    assert all(f"{name} x{share['count']} (" in mix_line for name, share in d["tensor_types"].items())
+    assert not any(t["name"] in r.stdout for t in d["tensors"])
+    full = run("info", str(smollm2_path), "--tensors").stdout.splitlines()
+    assert full[: len(lines)] == lines and full[len(lines)] == "  tensors:"
+    assert [line.split()[0] for line in full[len(lines) + 1:]] == [t["name"] for t in d["tensors"]]
 
 
 def test_info_head(tiny_head_d2t):
@@ -44,6 +66,7 @@ def test_info_head(tiny_head_d2t):
     assert types["d2t"] == "I64" and types["fc.weight"] == "F32"
     text = run("info", str(tiny_head_d2t)).stdout
     assert "target layers    [0, 2, 5]" in text and "draft vocab      512 tokens (d2t)" in text
+    assert "fc.weight" not in text and "fc.weight" in run("info", str(tiny_head_d2t), "--tensors").stdout
 
 
 @pytest.mark.parametrize("case", ["missing", "not-gguf", "truncated-header", "truncated-data", "directory"])

@@ -10,19 +10,20 @@ import typer
 
 from ..errors import Eagle3Error
 from ..report import describe_gguf
+from .common import fail, setup_logging
 
 
 def register(app: typer.Typer) -> None:
     @app.command("info")
     def info(
         path: Path = typer.Argument(..., help="A GGUF file: an EAGLE-3 head or a target model."),
-        as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts."),
+        tensors: bool = typer.Option(False, "--tensors", help="Also list every tensor (name, shape, type, size)."),
+        as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts (always with the tensors)."),
         verbose: bool = typer.Option(False, "-v", "--verbose", help="Show debug output."),
     ) -> None:
-        """Show a GGUF's architecture; for a head its target layers, hidden size, draft vocab and
-        flags; for a target whether the pinned llama.cpp can extract its hidden states."""
-        from .main import fail, setup_logging
-
+        """Summarise a GGUF: for a target its layers, hidden size, heads, vocab, tensor types, context,
+        chat template and whether the pinned llama.cpp can extract its hidden states; for a head its target
+        layers, hidden size, draft vocab and flags. --tensors lists the tensors."""
         setup_logging(verbose)
         try:
             report = describe_gguf(path)
@@ -32,4 +33,4 @@ def register(app: typer.Typer) -> None:
         if as_json:
             typer.echo(json.dumps(asdict(report), indent=2, default=str))
         else:
-            typer.echo(report.text())
+            typer.echo(report.text(tensors=tensors))
