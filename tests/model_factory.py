@@ -115,8 +115,10 @@ class HeadSpec:
 
 
 def write_random_head(path: str | Path, spec: HeadSpec, *, tokenizer_from: Path, seed: int = 1,
-                      d2t: np.ndarray | None = None) -> Path:
-    """A random EAGLE-3 head (F32) for a target of hidden size `spec.n_embd_tgt`."""
+                      d2t: np.ndarray | None = None, extra_tensors: dict[str, np.ndarray] | None = None,
+                      extra_kvs: dict[str, bool | list[float]] | None = None) -> Path:
+    """A random EAGLE-3 head (F32) for a target of hidden size `spec.n_embd_tgt`; `extra_tensors` and
+    `extra_kvs` (bools, float arrays) are added as given."""
     path = Path(path)
     rng = np.random.default_rng(seed)
     s = spec
@@ -148,4 +150,11 @@ def write_random_head(path: str | Path, spec: HeadSpec, *, tokenizer_from: Path,
     w.add_tensor(keys.blk(keys.T_FFN_GATE), _rand(rng, s.n_ff, s.n_embd))
     w.add_tensor(keys.blk(keys.T_FFN_UP), _rand(rng, s.n_ff, s.n_embd))
     w.add_tensor(keys.blk(keys.T_FFN_DOWN), _rand(rng, s.n_embd, s.n_ff))
+    for name, value in (extra_tensors or {}).items():
+        w.add_tensor(name, value)
+    for key, value in (extra_kvs or {}).items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        else:
+            w.add_array(key, [float(x) for x in value])
     return _write(w, path)

@@ -1,12 +1,15 @@
 """The EAGLE-3 head in torch, with exactly the math of the pinned `src/models/eagle3.cpp` graph.
 
 Encoder: g = fc(features)                        features = the target's 3 layer inputs, concatenated
+         (norm_before_fc: one RMSNorm over the concatenation first; EAGLE 3.1 fc_norm: one RMSNorm per
+         feature slice first, which the pinned graph lacks and eagle3_gguf.head_norms applies)
 Decoder, per row (token t, g):
     x     = input_layernorm(embed(t)) ‖ hidden_norm(g)          # [2 * n_embd]
     a     = attention(q/k/v take x; RoPE on q, k)               # GQA, scale 1/sqrt(head_dim)
     r     = a + (hidden_norm(g) if norm_before_residual else g)
     h     = r + mlp(post_attention_layernorm(r))                # SwiGLU; h is fed back as g next step
     logit = lm_head(norm(h))                                    # over the draft vocab
+    (EAGLE 3.1 norm_output: norm(h), not h, is fed back as g; the logits are the same)
 
 Weights are kept in the Hugging Face layout (nn.Linear: [out, in]; RoPE in the rotate-half
 convention), the layout SafeAILab checkpoints use; the converter permutes q/k rows for llama.cpp.
@@ -42,6 +45,10 @@ class HeadConfig:
     rope_theta: float = 10000.0
     norm_before_residual: bool = False
     max_position: int = 4096
+    # EAGLE 3.1 (speculators): at most one of norm_before_fc / fc_norm
+    norm_before_fc: bool = False  # one RMSNorm over the 3 concatenated features (input_norm)
+    fc_norm: bool = False  # one RMSNorm per feature (fc_norm.{i})
+    norm_output: bool = False  # feed norm(h) back across draft steps
 
     @classmethod
     def for_target(cls, tgt, draft_vocab: int, n_ff: int | None = None) -> "HeadConfig":
@@ -56,7 +63,13 @@ class HeadConfig:
         return self.n_embd // self.n_head
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields; the EAGLE 3.1 flags only when set, so checkpoints saved before they existed
+        still compare equal on resume."""
+        d = asdict(self)
+        for flag in ("norm_before_fc", "fc_norm", "norm_output"):
+            if not d[flag]:
+                del d[flag]
+        return d
 
 
 class RMSNorm(nn.Module):
@@ -126,6 +139,10 @@ class Eagle3Head(nn.Module):
         super().__init__()
         self.c = c
         self.register_buffer("embed", embed.float(), persistent=False)
+        if c.fc_norm and c.norm_before_fc:
+            raise ValueError("fc_norm and norm_before_fc are mutually exclusive")
+        self.input_norm = RMSNorm(3 * c.n_embd_tgt, c.rms_eps) if c.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(RMSNorm(c.n_embd_tgt, c.rms_eps) for _ in range(3)) if c.fc_norm else None
         self.fc = nn.Linear(3 * c.n_embd_tgt, c.n_embd, bias=False)
         self.input_layernorm = RMSNorm(c.n_embd, c.rms_eps)
         self.hidden_norm = RMSNorm(c.n_embd, c.rms_eps)
@@ -141,7 +158,15 @@ class Eagle3Head(nn.Module):
     # -- pieces --------------------------------------------------------------------------------
     def encode(self, feats: torch.Tensor) -> torch.Tensor:
         """feats: [..., 3 * n_embd_tgt] -> g [..., n_embd]"""
+        if self.input_norm is not None:
+            feats = self.input_norm(feats)
+        if self.fc_norm is not None:
+            feats = torch.cat([norm(x) for norm, x in zip(self.fc_norm, feats.chunk(3, dim=-1))], dim=-1)
         return self.fc(feats)
+
+    def feedback(self, h: torch.Tensor) -> torch.Tensor:
+        """The g of the next draft step: h, or norm(h) with norm_output.  # [..., n_embd]"""
+        return self.norm(h) if self.c.norm_output else h
 
     def _input(self, tokens: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> attention input x [B, T, 2 * n_embd], residual [B, T, n_embd]"""
@@ -199,5 +224,5 @@ class Eagle3Head(nn.Module):
                 a = p[..., :T] @ v0 + (p[..., T:].unsqueeze(-1) * torch.stack(chain_v, dim=-2)).sum(-2)
             h = self._finish(self.attn.out(a), resid)
             out.append(h)
-            g = h
+            g = self.feedback(h)
         return out
