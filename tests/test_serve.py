@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import closing
+from contextlib import closing, contextmanager
 
 import llama_cpp
 import pytest
@@ -54,11 +54,12 @@ def raw_post(port: int, path: str, body: bytes) -> tuple[int, bytes]:
         return r.status, r.read()
 
 
-@pytest.fixture(scope="module")
-def server(tiny_target, tiny_head):
+@contextmanager
+def serving(tiny_target, tiny_head, *flags):
+    """`eagle3-gguf serve` on the tiny pair in a subprocess; yields its port."""
     port = free_port()
     cmd = [sys.executable, "-m", "eagle3_gguf.cli.main", "serve", "-m", str(tiny_target), "--draft", str(tiny_head),
-           "--port", str(port), "-c", str(N_CTX), "--alias", ALIAS, "-t", "2"]
+           "--port", str(port), "-c", str(N_CTX), "--alias", ALIAS, "-t", "2", *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_ready(proc, port)
@@ -72,9 +73,19 @@ def server(tiny_target, tiny_head):
             proc.wait(timeout=20)
 
 
+def openai_client(port: int):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_target, tiny_head):
+    with serving(tiny_target, tiny_head) as port:
+        yield port
+
+
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key="none", timeout=120, max_retries=0)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
@@ -123,9 +134,27 @@ def test_completion_and_stop(client, plain):
     assert (got.choices[0].text, got.choices[0].finish_reason) == (want["choices"][0]["text"], "stop")
 
 
-def test_unknown_model_is_404(client):
-    with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=4)
+def test_unknown_model_gets_the_models_answer(client, plain):
+    """llama-cpp-python's server rule, kept for drop-in use: a client that hard-codes a model name it does not
+    serve gets the served model's answer."""
+    got = client.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=24, temperature=0,
+                                         extra_body=EXTRA)
+    want = plain.create_chat_completion(CHAT, max_tokens=24, **PLAIN)
+    assert got.choices[0].message.content == want["choices"][0]["message"]["content"]
+    got = client.completions.create(model="text-davinci-003", prompt=PROMPT, max_tokens=12, temperature=0,
+                                    extra_body=EXTRA)
+    assert got.choices[0].text == plain.create_completion(PROMPT, max_tokens=12, **PLAIN)["choices"][0]["text"]
+
+
+def test_strict_model_answers_unknown_names_404(tiny_target, tiny_head, plain):
+    """--strict-model opts in to 404 for other names; the served name still answers, under --draft-policy fixed."""
+    with serving(tiny_target, tiny_head, "--strict-model", "--draft-policy", "fixed") as port:
+        strict = openai_client(port)
+        with pytest.raises(openai.NotFoundError) as e:
+            strict.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=4)
+        assert "The model `gpt-4o` does not exist" in str(e.value.body)
+        got = strict.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=12, temperature=0, extra_body=EXTRA)
+        assert got.choices[0].text == plain.create_completion(PROMPT, max_tokens=12, **PLAIN)["choices"][0]["text"]
 
 
 def test_prompt_beyond_context_is_400(client):
@@ -171,6 +200,7 @@ def test_bad_pair_is_one_line(tiny_head, smollm2_path):
     (["--draft-p-min", "1.5"], "--draft-p-min must be in [0, 1) (got 1.5)"),
     (["--draft-max", "33"], "--draft-max must be between 0 and 32 (got 33)"),
     (["--port", "0"], "--port must be in 1..65535 (got 0)"),
+    (["--draft-policy", "greedy"], "--draft-policy must be adaptive or fixed (got greedy)"),
 ])
 def test_bad_flags_one_line(tiny_target, tiny_head, flags, expected):
     r = subprocess.run([sys.executable, "-m", "eagle3_gguf.cli.main", "serve", "-m", str(tiny_target), "--draft",
