@@ -15,10 +15,18 @@ def readme_command(name: str) -> str:
     return block.group(1).strip()
 
 
+# What .ci/run may do besides the README command: fail on the first error, start at the root, and afterwards
+# (in the venv the README command leaves active) check the built wheel.
+CI_BEFORE = ["set -euo pipefail", 'cd "$(dirname "$0")/.."']
+CI_AFTER = ["python scripts/check_wheel.py"]
+
+
 def test_ci_runs_exactly_the_readme_test_command():
     lines = [ln for ln in (ROOT / ".ci" / "run").read_text().splitlines() if ln and not ln.startswith("#")]
-    assert lines[-1] == readme_command("test-command")
-    assert lines[-1].endswith("&& pytest")
+    command = readme_command("test-command")
+    assert command.endswith("&& pytest")
+    assert lines == [*CI_BEFORE, command, *CI_AFTER]
+    assert all((ROOT / step.split()[1]).is_file() for step in CI_AFTER)
 
 
 def test_main_command_runs_generate_with_baseline_on_the_defaults():
