@@ -52,3 +52,12 @@ llm.close()
     quiet = python(code, str(tiny_target), "0").stderr
     assert "llama_model_loader" in loud and "llama_context" in loud
     assert "llama_model_loader" not in quiet and "llama_context" not in quiet
+
+
+def test_cli_shows_llama_cpp_log_only_with_v(tiny_target, tiny_head):
+    cmd = [sys.executable, "-m", "eagle3_gguf.cli.main", "generate", "-m", str(tiny_target), "--draft", str(tiny_head),
+           "-p", "Hello", "-n", "2", "-c", "256"]
+    quiet = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    loud = subprocess.run([*cmd, "-v"], capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == loud.returncode == 0, quiet.stderr + loud.stderr
+    assert "llama_model_loader" not in quiet.stderr and "llama_model_loader" in loud.stderr
