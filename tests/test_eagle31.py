@@ -98,12 +98,20 @@ def test_draft_logits_match_the_torch_reference(tmp_path, tiny_target, embed, va
     result = convert_head(src, head_path, tiny_target, outtype="f32", fc_type="f32")
     assert (result.norm_before_fc, result.fc_norm, result.norm_output) == (nbf, [3, 64] if fcn else None, nout)
     ids = (w["d2t"] + np.arange(len(w["d2t"]))).astype(np.int64)  # [draft_vocab] target ids
-    n = len(PROMPT)
+    worst_plain = check_drafts(tiny_target, head_path, torch_head(w, d, embed, flags), ids, variant)
+    if variant not in ("3.0", "norm_before_fc"):
+        assert worst_plain > 10, f"{variant}: drafting without the 3.1 hooks stays within tolerance"
 
+
+def check_drafts(target, head_path, head: Eagle3Head, ids: np.ndarray, what: str) -> float:
+    """Our session drafts N_STEPS tokens after PROMPT; each step's logits match the torch head's unroll
+    (on the draft vocab `ids`, -inf elsewhere) and the tokens are its argmax. Returns how far (in
+    tolerances) the logits of the same session with the hooks off land from the reference."""
+    n = len(PROMPT)
     config = PairConfig(n_ctx=128, n_batch=64, n_threads=2)
-    with load_pair(tiny_target, head_path, config) as pair, Eagle3Session(pair.target, pair.head) as session, \
+    with load_pair(target, head_path, config) as pair, Eagle3Session(pair.target, pair.head) as session, \
             N.Batch(64) as batch:
-        assert (session.norms is None) == (variant in ("3.0", "norm_before_fc"))  # no hook cost for EAGLE-3
+        assert (session.norms is None) == (not (head.c.fc_norm or head.c.norm_output))  # no hook cost for EAGLE-3
         batch.set(PROMPT, 0, logits="last")
         pair.target.decode(batch)
         id_last = int(np.argmax(pair.target.logits_ith(n - 1)))
@@ -117,7 +125,6 @@ def test_draft_logits_match_the_torch_reference(tmp_path, tiny_target, embed, va
         session.norms = norms
     assert len(drafts) == N_STEPS and len(logits) == N_STEPS
 
-    head = torch_head(w, d, embed, flags)
     chain = np.asarray(PROMPT[1:] + [id_last] + drafts[:N_STEPS - 1], dtype=np.int64)  # [n + 3]
     with torch.no_grad():
         steps = head.unroll(torch.from_numpy(feats)[None], torch.from_numpy(chain)[None], N_STEPS)
@@ -126,11 +133,10 @@ def test_draft_logits_match_the_torch_reference(tmp_path, tiny_target, embed, va
     for j in range(N_STEPS):
         assert np.isneginf(np.delete(logits[j], ids)).all(), f"step {j + 1}: finite logits outside the d2t ids"
         err, scale = _max_err(logits[j][ids], ref[j])
-        assert err <= 1e-3 * scale + 1e-4, f"{variant} step {j + 1}: max |diff| {err:.3g}, scale {scale:.3g}"
-        assert drafts[j] == int(ids[int(np.argmax(ref[j]))]), f"{variant}: step {j + 1} drafted another token"
+        assert err <= 1e-3 * scale + 1e-4, f"{what} step {j + 1}: max |diff| {err:.3g}, scale {scale:.3g}"
+        assert drafts[j] == int(ids[int(np.argmax(ref[j]))]), f"{what}: step {j + 1} drafted another token"
         worst_plain = max(worst_plain, _max_err(plain[j][ids], ref[j])[0] / (1e-3 * scale + 1e-4))
-    if norms is not None:
-        assert worst_plain > 10, f"{variant}: drafting without the 3.1 hooks stays within tolerance"
+    return worst_plain
 
 
 def test_hooks_apply_per_slice_rms_norm_and_output_norm(tmp_path, tiny_target):
@@ -240,3 +246,40 @@ def test_head_reading_fewer_than_three_features_runs_exactly(tmp_path, tiny_targ
     want = x.reshape(n, -1) @ w["fc.weight"].T.astype(np.float64)  # [n, n_embd]
     np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     assert len(drafts) == N_STEPS
+
+
+def test_train_exports_an_eagle31_head(tmp_path, tiny_target, embed):
+    """`train --eagle31`: the head trains with fc_norm + norm_output, exports in the speculators layout,
+    converts, drafts like the trained torch head and decodes losslessly."""
+    from safetensors.numpy import load_file
+
+    from eagle3_gguf.train import PipelineConfig, run_training
+    from eagle3_gguf.train.loop import TrainConfig
+
+    cfg = PipelineConfig(n_prompts=4, layer_ids=[1, 3, 4], draft_vocab=256, n_ff=64, n_seq=2, max_new=16,
+                         n_threads=2, eagle31=True, train=TrainConfig(n_unroll=3, max_steps=8, batch_tokens=256,
+                                                                      lr=3e-3, held_out=0.25, n_threads=2))
+    res = run_training(tiny_target, tmp_path / "run", cfg)
+    config = json.loads((res.checkpoint / "config.json").read_text())
+    assert config["architectures"] == ["Eagle3Speculator"]
+    assert (config["fc_norm"], config["norm_output"]) == (True, True)
+    w = load_file(str(res.checkpoint / "model.safetensors"))
+    assert sorted(k for k in w if k.startswith("fc_norm.")) == [f"fc_norm.{i}.weight" for i in range(3)]
+    assert not np.allclose(w["fc_norm.0.weight"], 1.0)  # trained, not left at init
+    info = read_gguf(res.gguf)
+    assert info.metadata[keys.KEY_NORM_OUTPUT] is True and len(info.metadata[keys.KEY_FC_NORM_WEIGHT]) == 3 * 64
+
+    neutral = {k.replace("layers.0.", "L."): v for k, v in w.items()}
+    d = CkptDims(n_ff=64, draft_vocab=256)
+    # the GGUF holds f16 matrices and a Q4_0 fc: compare with an f32 conversion of the same checkpoint
+    f32 = convert_head(res.checkpoint, tmp_path / "f32.gguf", tiny_target, layer_ids=[1, 3, 4], outtype="f32",
+                       fc_type="f32").out
+    ids = (w["d2t"] + np.arange(len(w["d2t"]))).astype(np.int64)
+    check_drafts(tiny_target, f32, torch_head(neutral, d, embed, (False, True, True)), ids, "trained 3.1 head")
+
+    r = subprocess.run([sys.executable, "-m", "eagle3_gguf.cli.main", "generate", "-m", str(tiny_target), "--draft",
+                        str(res.gguf), "-p", "Hello there", "-n", "24", "--draft-max", "3", "--draft-p-min", "0",
+                        "-t", "2", "--baseline", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["identical"] is True and out["stats"]["n_drafted"] > 0

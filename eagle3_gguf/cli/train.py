@@ -72,6 +72,8 @@ def register(app: typer.Typer) -> None:
         layer_ids: str = typer.Option(None, "--layer-ids", help="3 input-of-layer ids, e.g. 2,15,27 "
                                                                 "(default [2, n//2, n-3])."),
         n_ff: int = typer.Option(None, "--ffn", help="The head's MLP width (default: the target's)."),
+        eagle31: bool = typer.Option(False, "--eagle31", help="Train an EAGLE 3.1 head (fc_norm + norm_output), "
+                                     "exported in the vLLM speculators layout."),
         unroll: int = typer.Option(4, "--unroll", help="Training-time-test steps."),
         lr: float = typer.Option(1e-3, "--lr", help="Peak learning rate."),
         batch_tokens: int = typer.Option(4096, "--batch-tokens", help="Padded positions per optimizer step."),
@@ -105,7 +107,7 @@ def register(app: typer.Typer) -> None:
             cfg = PipelineConfig(n_prompts=prompts, prompt_mix=prompt_mix, seed=seed, layer_ids=ids, draft_vocab=draft_vocab, n_ff=n_ff, n_seq=n_seq,
                                  max_new=max_new, n_threads=threads, resume=resume, train=tcfg,
                                  data_target=data_model, data_source=data_source, max_data_gb=max_data_gb,
-                                 topk=topk, max_tokens=max_tokens)
+                                 topk=topk, max_tokens=max_tokens, eagle31=eagle31)
             res = run_training(model, out, cfg, on_event=_Printer())
         except Eagle3Error as e:
             fail(str(e))

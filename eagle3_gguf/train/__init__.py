@@ -7,7 +7,8 @@ Stages, each in its own place under the run folder OUT/ and each resumable:
                  the recorded conversations teacher-forced: features + the target's top-k (data.py)
     vocab.npz    the draft vocabulary: the N most frequent generated tokens (vocab.py)
     train/       the torch head trained with training-time test (model.py, loop.py)
-    checkpoint/  SafeAILab-layout model.safetensors + config.json (export.py)
+    checkpoint/  SafeAILab-layout model.safetensors + config.json (export.py); an EAGLE 3.1 head
+                 (`eagle31`: fc_norm + norm_output) in the vLLM speculators layout
     head.gguf    converted with our converter (Q4_0 fc)
 
 `run_training` chains them; data.py, vocab.py and prompts.py need no torch.
@@ -15,6 +16,7 @@ Stages, each in its own place under the run folder OUT/ and each resumable:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -39,6 +41,7 @@ class PipelineConfig:
     layer_ids: list[int] | None = None  # default [2, n//2, n-3]
     draft_vocab: int = 8192
     n_ff: int | None = None  # the head's MLP width; default: the target's
+    eagle31: bool = False  # an EAGLE 3.1 head: fc_norm + norm_output, exported in the speculators layout
     n_seq: int = 16
     max_new: int = 256
     data_target: str | Path | None = None  # generate the data with this GGUF of the same model (e.g. a faster
@@ -74,7 +77,7 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
 
     from ..convert.layouts import default_layer_ids
     from .data import DataConfig, generate_data, load_dataset
-    from .export import convert_to_gguf, export_safeai, read_target, read_token_embeddings
+    from .export import convert_to_gguf, export_safeai, export_speculators, read_target, read_token_embeddings
     from .loop import TrainConfig, train_head
     from .model import HeadConfig
     from .prompts import MIXES, build_prompts, source
@@ -129,11 +132,16 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
     emit("vocab", {"size": vocab.size, "coverage": vocab.coverage, "curve": coverage})  # in-sample, held-out
 
     head_cfg = HeadConfig.for_target(tgt, vocab.size, cfg.n_ff)
+    if cfg.eagle31:
+        head_cfg = dataclasses.replace(head_cfg, fc_norm=True, norm_output=True)
     embed = torch.from_numpy(read_token_embeddings(target))  # [n_vocab, n_embd]
     head, result = train_head(data, vocab, head_cfg, embed, out / "train", cfg.train or TrainConfig(),
                               resume=cfg.resume, progress=lambda r: emit("train", r))
 
-    ckpt_dir = export_safeai(head, vocab, layers, tgt.n_layer, out / "checkpoint")
+    if cfg.eagle31:
+        ckpt_dir = export_speculators(head, vocab, layers, out / "checkpoint", verifier=Path(target).name)
+    else:
+        ckpt_dir = export_safeai(head, vocab, layers, tgt.n_layer, out / "checkpoint")
     conv = convert_to_gguf(ckpt_dir, target, out / "head.gguf", layers, outtype=cfg.outtype, fc_type=cfg.fc_type,
                            name=f"{Path(target).stem}-eagle3")
     emit("convert", conv)

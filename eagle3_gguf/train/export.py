@@ -6,6 +6,10 @@ SafeAILab layout: `fc.weight`, `midlayer.{input_layernorm,hidden_norm,post_atten
 `midlayer.self_attn.{q,k,v,o}_proj.weight`, `midlayer.mlp.{gate,up,down}_proj.weight`, `norm.weight`,
 `lm_head.weight` (draft vocab rows), `d2t` (int64 offsets: target id = i + d2t[i]), `t2d` (bool over
 the target vocab); config = a one-layer llama config with `draft_vocab_size` and `target_hidden_size`.
+
+A head with EAGLE 3.1 norms (fc_norm, norm_output, norm_before_fc) is exported in the vLLM speculators
+layout instead, the one that defines them: `layers.0.*`, `fc_norm.{i}.weight` / `input_norm.weight`,
+config `Eagle3Speculator` with a nested `transformer_layer_config` and the three flags.
 """
 
 from __future__ import annotations
@@ -94,23 +98,73 @@ _NAMES = {
 }
 
 
-def export_safeai(head, vocab: DraftVocab, layer_ids: list[int], n_layer_target: int, out_dir: str | Path) -> Path:
-    """Write model.safetensors (float32) + config.json into out_dir; returns out_dir."""
+def _save_tensors(head, vocab: DraftVocab, out_dir: Path, layer_prefix: str) -> None:
+    """model.safetensors (float32) with the decoder layer under `layer_prefix`; the EAGLE 3.1 norms the
+    head has (input_norm, fc_norm.{i}) under their own names."""
     from safetensors.numpy import save_file
 
-    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    c = head.c
     state = {k: v.detach().float().cpu().numpy() for k, v in head.state_dict().items()}
     missing = set(_NAMES) - set(state)
     if missing:
         raise Eagle3Error(f"head lacks parameters {sorted(missing)}")
-    tensors = {dst: np.ascontiguousarray(state[src]) for src, dst in _NAMES.items()}
+    tensors = {dst.replace("midlayer.", layer_prefix): np.ascontiguousarray(state[src]) for src, dst in _NAMES.items()}
+    tensors.update({k: np.ascontiguousarray(v) for k, v in state.items()
+                    if k == "input_norm.weight" or k.startswith("fc_norm.")})
     tensors["d2t"] = vocab.d2t.astype(np.int64)  # [draft_vocab]
     tensors["t2d"] = vocab.t2d  # [n_vocab] bool
     save_file(tensors, str(out_dir / "model.safetensors"))
+
+
+def export_safeai(head, vocab: DraftVocab, layer_ids: list[int], n_layer_target: int, out_dir: str | Path) -> Path:
+    """Write model.safetensors (float32) + config.json into out_dir; returns out_dir."""
+    out_dir = Path(out_dir)
+    c = head.c
+    if c.fc_norm or c.norm_output or c.norm_before_fc:
+        raise Eagle3Error("an EAGLE 3.1 head has no SafeAILab layout: export it with export_speculators")
+    _save_tensors(head, vocab, out_dir, "midlayer.")
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
+        **_llama_config(c),
+        "draft_vocab_size": c.draft_vocab,
+        "target_hidden_size": c.n_embd_tgt,
+        "norm_before_residual": c.norm_before_residual,
+    }
+    if list(layer_ids) != [2, n_layer_target // 2, n_layer_target - 3]:
+        config["eagle_aux_hidden_state_layer_ids"] = list(layer_ids)  # input-of-layer ids
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir
+
+
+def export_speculators(head, vocab: DraftVocab, layer_ids: list[int], out_dir: str | Path,
+                       verifier: str = "target") -> Path:
+    """Write a vLLM speculators checkpoint (model.safetensors + config.json, the EAGLE 3.1 flags
+    included) into out_dir; returns out_dir. The layer ids are written as given (input-of-layer)."""
+    out_dir = Path(out_dir)
+    c = head.c
+    _save_tensors(head, vocab, out_dir, "layers.0.")
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": _llama_config(c),
+        "draft_vocab_size": c.draft_vocab,
+        "target_hidden_size": c.n_embd_tgt,
+        "norm_before_residual": c.norm_before_residual,
+        "norm_before_fc": c.norm_before_fc,
+        "fc_norm": c.fc_norm,
+        "norm_output": c.norm_output,
+        "eagle_aux_hidden_state_layer_ids": list(layer_ids),
+        "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                               "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                               "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]}},
+    }
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir
+
+
+def _llama_config(c) -> dict:
+    """The one-layer llama config of a HeadConfig (both layouts carry it)."""
+    return {
         "model_type": "llama",
         "hidden_size": c.n_embd,
         "intermediate_size": c.n_ff,
@@ -123,16 +177,9 @@ def export_safeai(head, vocab: DraftVocab, layer_ids: list[int], n_layer_target:
         "rope_theta": c.rope_theta,
         "max_position_embeddings": c.max_position,
         "vocab_size": c.n_vocab,
-        "draft_vocab_size": c.draft_vocab,
-        "target_hidden_size": c.n_embd_tgt,
-        "norm_before_residual": c.norm_before_residual,
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
     }
-    if list(layer_ids) != [2, n_layer_target // 2, n_layer_target - 3]:
-        config["eagle_aux_hidden_state_layer_ids"] = list(layer_ids)  # input-of-layer ids
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out_dir
 
 
 def convert_to_gguf(checkpoint_dir: str | Path, target: str | Path, out: str | Path, layer_ids: list[int],
