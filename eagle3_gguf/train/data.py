@@ -363,6 +363,8 @@ def teacher_forced_data(target_path: str | Path, records: TokenRecords, out: str
                 ctx.clear()
                 feats, ids, logp = [], [], []
                 for a in range(0, len(tokens), n_batch):
+                    if a and config.max_seconds is not None and time.perf_counter() - t0 >= config.max_seconds:
+                        break  # out of time inside a long record: it is redone on resume
                     chunk = tokens[a:a + n_batch]
                     batch.set(chunk, a, logits="all")
                     ctx.decode(batch)
@@ -370,14 +372,16 @@ def teacher_forced_data(target_path: str | Path, records: TokenRecords, out: str
                     top = top_k(ctx.logits(len(chunk)), config.topk)  # [n_chunk, k] each
                     ids.append(top[0])
                     logp.append(top[1])
-                n_labels = int(mask[1:].sum())
-                writer.add(index, tokens, np.concatenate(feats), int(np.argmax(mask)), n_labels, mask=mask.copy(),
-                           topk_ids=np.concatenate(ids), topk_logp=np.concatenate(logp))
-                run_tokens += len(tokens)
-                run_labels += n_labels
+                else:
+                    n_labels = int(mask[1:].sum())
+                    writer.add(index, tokens, np.concatenate(feats), int(np.argmax(mask)), n_labels, mask=mask.copy(),
+                               topk_ids=np.concatenate(ids), topk_logp=np.concatenate(logp))
+                    run_tokens += len(tokens)
+                    run_labels += n_labels
+                    index += 1
             else:
                 writer.done.add(index)
-            index += 1
+                index += 1
             stop = writer.over_budget(config, t0)
             if writer.n_tok >= config.shard_tokens or stop:
                 writer.flush(index)

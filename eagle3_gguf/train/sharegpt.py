@@ -11,7 +11,8 @@ stream, so every complete conversation is recovered and the cut one is dropped.
     too_long   its first exchange alone is longer than `max_chars` (later turns past it are cut, not
                dropped), or, once tokenized, fewer than `min_label_tokens` answer tokens fit `max_tokens`
     benchmark  a turn shares a run of `ngram` words with an MT-bench or HumanEval text, or contains a
-               shorter benchmark text whole (benchmarks never enter training)
+               shorter benchmark text of at least 5 words whole (benchmarks never enter training; shorter
+               ones, e.g. MT-bench reference answers "No." or "0%", say nothing)
     duplicate  the same first user turn (normalized) as an earlier conversation
 
 The split is by a stable hash (sha256) of the conversation id without its `_N` part, so the pieces of one
@@ -147,9 +148,9 @@ def _normalize(text: str) -> list[str]:
 
 class BenchmarkFilter:
     """Does a text contain benchmark material? Runs of `n` normalized words shared with a benchmark
-    text, or a benchmark text shorter than `n` words found whole (on word boundaries)."""
+    text, or a benchmark text of `min_words` to n - 1 words found whole (on word boundaries)."""
 
-    def __init__(self, texts: list[str], n: int = 13):
+    def __init__(self, texts: list[str], n: int = 13, min_words: int = 5):
         self.n = n
         self.grams: set[tuple[str, ...]] = set()
         self.short: list[str] = []
@@ -157,7 +158,7 @@ class BenchmarkFilter:
             w = _normalize(t)
             if len(w) >= n:
                 self.grams.update(tuple(w[i:i + n]) for i in range(len(w) - n + 1))
-            elif w:
+            elif len(w) >= min_words:
                 self.short.append(" " + " ".join(w) + " ")
 
     def contains(self, text: str) -> bool:
