@@ -35,7 +35,7 @@ class Eagle3Session:
         if len(self.layers) != 3:
             raise Eagle3Error(f"an EAGLE-3 head extracts exactly 3 target layers, this one names {self.layers}")
         self.extract = TargetFeatures(target, self.layers)
-        self.norms = HeadNorms.load(draft.model.path)  # EAGLE 3.1 fc_norm / norm_output; None for EAGLE-3
+        self.norms = HeadNorms.for_model(draft.model)  # EAGLE 3.1 fc_norm / norm_output; None for EAGLE-3
         self.n_embd = draft.model.n_embd
         draft.set_nextn(True, masked=True)
         self.batch = BatchExt(draft)
