@@ -136,7 +136,7 @@ class HeadSpec:
 
 @dataclass
 class LayerIds:
-    ids: list[int]  # input-of-layer ids, as the GGUF stores them (== n_layer: final output)
+    ids: list[int]  # input-of-layer ids (== n_layer: final output); 1 to 3, the GGUF pads to 3
     raw: list[int] | None  # as the checkpoint or the user gave them
     source: str  # e.g. "config.json eagle_config.eagle_aux_hidden_state_layer_ids", "--layer-ids", "default"
     convention: str  # CONVENTION_*
@@ -334,7 +334,8 @@ def default_layer_ids(n_layer: int) -> list[int]:
 
 
 def resolve_layer_ids(spec: HeadSpec, n_layer: int, override: list[int] | None = None) -> LayerIds:
-    """The 3 input-of-layer ids for a target with `n_layer` layers, with where they came from."""
+    """The head's input-of-layer ids (3, or the 1-2 its config names) for a target with `n_layer` layers,
+    with where they came from."""
     if override is not None:
         if len(override) != 3:
             raise Eagle3Error(f"--layer-ids needs exactly 3 ids, got {len(override)}")
