@@ -68,7 +68,7 @@ class ConvertResult:
     draft_vocab: int | None  # len(d2t); None when the head drafts over the full target vocab
     norm_before_residual: bool
     norm_before_fc: bool
-    fc_norm: list[int] | None  # EAGLE 3.1: [n_feat, n_embd_tgt] of the per-feature norms (metadata), or None
+    fc_norm: list[int] | None  # EAGLE 3.1: [3, n_embd_tgt] of the per-feature norms as stored (metadata), or None
     norm_output: bool  # EAGLE 3.1: output_norm(h) is fed back as g
     own_token_embd: bool
     own_output: bool
@@ -153,7 +153,7 @@ def _check_shapes(ckpt: Checkpoint, spec: HeadSpec, target: TargetDesc, n_feat: 
                           f"{trained_for}, but {target.path.name} has hidden size {target.n_embd}")
     if hp.target_hidden_size is not None and hp.target_hidden_size != trained_for:
         raise Eagle3Error(f"{where}: config target_hidden_size {hp.target_hidden_size} disagrees with fc.weight "
-                          f"{list(fc)} (3 x {trained_for})")
+                          f"{list(fc)} ({n_feat} x {trained_for})")
     for gguf_name, shape in _expected_shapes(spec, target.n_embd, n_feat).items():
         src = spec.source(gguf_name)
         if src is not None and ckpt.tensors[src.src_name].shape != shape:
