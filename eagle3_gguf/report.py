@@ -44,6 +44,8 @@ class GGUFReport:
     draft_vocab: int | None = None
     norm_before_residual: bool | None = None
     norm_before_fc: bool | None = None
+    fc_norm: list[int] | None = None  # EAGLE 3.1: [3, n_embd_tgt] of the per-feature norms as stored, or None
+    norm_output: bool | None = None
     own_token_embd: bool | None = None
     own_output: bool | None = None
     n_head: int | None = None  # heads and ffn: the target's or the head's own
@@ -66,10 +68,16 @@ class GGUFReport:
                 f"  draft vocab      {draft}",
                 f"  target vocab     {self.n_vocab}",
                 f"  norm flags       norm_before_residual={str(self.norm_before_residual).lower()}, "
-                f"norm_before_fc={str(self.norm_before_fc).lower()}",
+                f"norm_before_fc={str(self.norm_before_fc).lower()}, fc_norm={str(self.fc_norm is not None).lower()}, "
+                f"norm_output={str(self.norm_output).lower()}",
                 f"  token_embd       {'own' if self.own_token_embd else 'borrowed from the target'}",
                 f"  lm_head          {'own' if self.own_output else 'borrowed from the target'}",
             ]
+            if self.fc_norm is not None:
+                lines.append(f"  fc_norm          {self.fc_norm} f32 in metadata {keys.KEY_FC_NORM_WEIGHT} "
+                             f"(EAGLE 3.1; applied by eagle3-gguf, ignored by upstream llama.cpp)")
+            if self.norm_output:
+                lines.append("  norm_output      output_norm(h) fed back as g (EAGLE 3.1; upstream llama.cpp feeds h)")
         else:
             ok = ("yes" if self.extraction_supported else
                   f"no: the pinned llama.cpp has no hidden-state hooks for '{self.architecture}'")
@@ -124,6 +132,7 @@ def describe_gguf(path: str | Path) -> GGUFReport:
         return GGUFReport(kind="eagle3-head", n_embd=h.n_embd, n_vocab=h.n_vocab, target_layers=h.target_layers,
                           target_hidden_size=h.target_hidden_size, draft_vocab=h.draft_vocab,
                           norm_before_residual=h.norm_before_residual, norm_before_fc=h.norm_before_fc,
+                          fc_norm=h.fc_norm, norm_output=h.norm_output,
                           own_token_embd=h.own_token_embd, own_output=h.own_output, n_head=h.n_head,
                           n_head_kv=h.n_head_kv, n_ff=h.n_ff, **base)
     t = TargetInfo.from_gguf(g)
