@@ -319,3 +319,29 @@ def test_train_smollm2_smoke_runs_in_resumable_steps(tmp_path, smollm2_path):
     assert g.arch == "eagle3" and list(g.get(keys.KEY_TARGET_LAYERS)) == [2, 15, 27]
     summary = json.loads((tmp_path / "run" / "v2_summary.json").read_text())
     assert summary["data"]["n_prompts_done"] == 12 and summary["train"]["steps"] == 6
+
+
+def test_run_training_on_sharegpt_end_to_end(tmp_path, tiny_target):
+    """run_training(data_source="sharegpt"): prepare → teacher-forced data → vocab from the target's choices →
+    soft-label training → a head that converts; a second call resumes with more conversations."""
+    pytest.importorskip("torch")
+    from eagle3_gguf.train import PipelineConfig, run_training
+    from eagle3_gguf.train.loop import TrainConfig
+
+    src = tmp_path / "sharegpt.json"
+    convs = _conversations(14, seed=3)
+    convs[2]["conversations"][0]["value"] = BENCH
+    _write_truncated(src, convs)
+    events: dict[str, list] = {}
+    base = dict(data_source="sharegpt", sharegpt_json=src, exclude=[BENCH], max_tokens=128, topk=4, layer_ids=LAYERS,
+                draft_vocab=256, n_ff=64, n_threads=2)
+    tcfg = TrainConfig(n_unroll=2, max_steps=4, batch_tokens=256, held_out=0.2, n_threads=2)
+    res = run_training(tiny_target, tmp_path / "run", PipelineConfig(n_prompts=6, train=tcfg, **base),
+                       on_event=lambda stage, p: events.setdefault(stage, []).append(p))
+    assert events["prepare"][0].dropped["benchmark"] == 1 and res.train.steps == 4 and res.gguf.is_file()
+    manifest = json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())
+    assert manifest["kind"] == "teacher" and manifest["n_prompts_done"] == 6 and manifest["topk"] == 4
+    res = run_training(tiny_target, tmp_path / "run", PipelineConfig(n_prompts=9, train=tcfg, resume=True, **base))
+    assert json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())["n_prompts_done"] == 9
+    with pytest.raises(Eagle3Error, match="--data-source tweets: one of self, sharegpt"):
+        run_training(tiny_target, tmp_path / "other", PipelineConfig(**{**base, "data_source": "tweets"}))

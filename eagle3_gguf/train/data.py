@@ -252,6 +252,14 @@ def _open_manifest(out: Path, target_path: str | Path, model: Model, config: Dat
     return manifest
 
 
+def _finish(manifest: Manifest, out: Path, t0: float, *owners) -> None:
+    """Book this call's time and save the manifest (also when interrupted); free the native objects."""
+    manifest.seconds += time.perf_counter() - t0
+    manifest.save(out)
+    for owner in owners:
+        owner.close()
+
+
 def generate_data(target_path: str | Path, prompts: list[Prompt], out: str | Path, config: DataConfig,
                   prompts_source: str = "", progress: Callable[[Progress], None] | None = None) -> Manifest:
     """Generate (or resume) the data set in `out`. Prompts are consumed in order; the manifest's
@@ -310,11 +318,7 @@ def generate_data(target_path: str | Path, prompts: list[Prompt], out: str | Pat
         if not stop:
             writer.flush(next_index)
     finally:
-        manifest.seconds += time.perf_counter() - t0
-        manifest.save(out)
-        batch.close()
-        ctx.close()
-        model.close()
+        _finish(manifest, out, t0, batch, ctx, model)
     return manifest
 
 
@@ -389,11 +393,7 @@ def teacher_forced_data(target_path: str | Path, records: TokenRecords, out: str
                 progress(Progress(index, records.n_records, run_tokens, run_labels, time.perf_counter() - t0))
         writer.flush(index)
     finally:
-        manifest.seconds += time.perf_counter() - t0
-        manifest.save(out)
-        batch.close()
-        ctx.close()
-        model.close()
+        _finish(manifest, out, t0, batch, ctx, model)
     return manifest
 
 
