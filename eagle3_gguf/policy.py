@@ -1,0 +1,372 @@
+"""Cost-aware drafting: how many tokens to draft, decided before and during every cycle.
+
+A cycle that verifies j drafts costs the target c(j+1) (one batch of j+1 rows) plus j draft steps of
+d each, and emits 1 + P_1 + ... + P_j tokens on average, where P_m is the chance that the first m
+drafts are all accepted. Decoding maximises tokens per second, a ratio; the policy maximises the
+equivalent difference E - R·T per cycle, where R is the rate to beat (Dinkelbach's rule for ratio
+objectives): the best of target-only speed 1/c(1) and the rate the run has realised so far. So a draft
+token is worth its cost only when its chance of being emitted beats R times what it adds to the cycle.
+
+- `CostCurve`: c(1..K_max+1) and d, measured at load (`calibrate`, a fraction of a second, cached per
+  target file, head file, threads, GPU layers and KV types in `~/.cache/eagle3-gguf/costs/`; a corrupt
+  or stale entry is measured again) and refined online from every cycle's timings.
+- `Acceptance`: P(draft accepted | earlier drafts accepted, the head's top probability) by draft
+  position, from counts in confidence bins with a prior (a calibrated head's confidence), pooled
+  across positions while a position has few counts; and the expected acceptance of a step not yet
+  drafted (the running mean of that estimate at each position), for planning ahead.
+- `AdaptivePolicy.plan()` picks the draft budget before the cycle from the expected acceptances:
+  0 when no length can pay, and then the cycle is plain decoding (the head is not run; the session
+  keeps the rows and catches up on the next draft). While it plans 0 it probes now and then (one
+  draft step, whose confidence may start drafting again), backing off while probes find nothing.
+- `AdaptivePolicy.judge(confs)` runs after every draft step with the confidences so far: keep
+  drafting, or stop and verify the first j drafts (a confident prefix; it generalises p_min).
+
+`FixedPolicy` is the old behaviour (always K, stop under p_min) for benchmarks and `--draft-policy fixed`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+CACHE_VERSION = 1
+N_BINS = 10  # confidence bins over [0, 1]
+PRIOR_COUNT = 4.0  # pseudo-counts of each prior
+EMA = 0.05  # weight of one new timing in the online cost refinement
+LOOKAHEAD_EMA = 0.1  # weight of one draft step in a position's expected acceptance
+PROBE_MIN, PROBE_MAX = 4, 64  # plain cycles between probes: reset on success, doubled on failure
+
+
+# ------------------------------------------------------------------------------------------------
+# costs
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class CostCurve:
+    verify_s: list[float]  # [K_max + 1]: seconds to verify n = 1..K_max+1 rows (index n - 1)
+    draft_step_s: float  # seconds per draft step (head decode of one row, plus reading it)
+    source: str = "measured"  # "measured", "cache" or "given"
+
+    @property
+    def k_max(self) -> int:
+        return len(self.verify_s) - 1
+
+    def verify(self, n: int) -> float:
+        return self.verify_s[n - 1]
+
+    def relative(self) -> list[float]:
+        """The verify costs in single-row units.  # [K_max + 1]"""
+        return [t / self.verify_s[0] for t in self.verify_s]
+
+    def observe_verify(self, n: int, seconds: float) -> None:
+        self.verify_s[n - 1] += EMA * (seconds - self.verify_s[n - 1])
+
+    def observe_draft(self, steps: int, seconds: float) -> None:
+        if steps > 0:
+            self.draft_step_s += EMA * (seconds / steps - self.draft_step_s)
+
+    def valid(self, k_max: int) -> bool:
+        ok = lambda x: isinstance(x, float) and math.isfinite(x) and 0.0 < x < 10.0  # noqa: E731
+        return len(self.verify_s) >= k_max + 1 and all(ok(t) for t in self.verify_s) and ok(self.draft_step_s)
+
+
+@dataclass(frozen=True)
+class CostKey:
+    """What a cost curve depends on: the files, how they run, and where."""
+
+    target: str  # path, size, mtime
+    head: str
+    n_threads: int
+    tag: str  # the rest of how they run: KV cache types, GPU layers
+    n_batch: int
+    machine: str
+
+    @classmethod
+    def for_files(cls, target: Path, head: Path, n_threads: int, tag: str, n_batch: int) -> "CostKey":
+        def ident(p: Path) -> str:
+            st = Path(p).stat()
+            return f"{Path(p).resolve()}:{st.st_size}:{st.st_mtime_ns}"
+
+        return cls(ident(target), ident(head), n_threads, tag, n_batch, f"{os.uname().machine}:{os.cpu_count()}")
+
+    def path(self) -> Path:
+        base = Path(os.environ.get("EAGLE3_GGUF_CACHE", Path.home() / ".cache" / "eagle3-gguf"))
+        digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:20]
+        return base / "costs" / f"{digest}.json"
+
+
+def load_costs(key: CostKey, k_max: int) -> CostCurve | None:
+    """The cached curve for `key`, or None when there is none, it is corrupt, stale or too short."""
+    try:
+        data = json.loads(key.path().read_text())
+        if data.get("version") != CACHE_VERSION or data.get("key") != asdict(key):
+            return None
+        curve = CostCurve([float(t) for t in data["verify_s"]], float(data["draft_step_s"]), "cache")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not curve.valid(k_max):
+        return None
+    curve.verify_s = curve.verify_s[:k_max + 1]
+    return curve
+
+
+def save_costs(key: CostKey, curve: CostCurve) -> None:
+    """Write the curve atomically; a cache that cannot be written is only a missed shortcut."""
+    path = key.path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"version": CACHE_VERSION, "key": asdict(key), "verify_s": curve.verify_s,
+                                   "draft_step_s": curve.draft_step_s}))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def measure(run_verify: Callable[[int], float], run_draft: Callable[[int], float], k_max: int,
+            reps: int = 3) -> CostCurve:
+    """Minima of run_verify(n) (seconds to verify n = 1..k_max+1 rows) and run_draft(steps) / steps, after
+    one warm-up each (graph allocation), the sizes interleaved so that drift hits all alike."""
+    times: list[list[float]] = [[] for _ in range(k_max + 1)]
+    for n in range(1, k_max + 2):
+        run_verify(n)
+    for _ in range(reps):
+        for n in range(1, k_max + 2):
+            times[n - 1].append(run_verify(n))
+    steps = max(k_max, 2)
+    run_draft(steps)
+    draft = sorted(run_draft(steps) / steps for _ in range(reps))
+    verify = [min(ts) for ts in times]  # the least-disturbed run: interference only adds time
+    for n in range(1, len(verify)):  # more rows never cost less: timing noise must not invert the curve
+        verify[n] = max(verify[n], verify[n - 1])
+    return CostCurve(verify, draft[0], "measured")
+
+
+# ------------------------------------------------------------------------------------------------
+# acceptance
+# ------------------------------------------------------------------------------------------------
+
+def _bin(conf: float) -> int:
+    return min(int(conf * N_BINS), N_BINS - 1)
+
+
+class Acceptance:
+    """Online P(accept | position, confidence) and the expected acceptance of the next step."""
+
+    def __init__(self, k_max: int, lookahead_prior: float = 0.5):
+        self.k_max = k_max
+        mids = [(b + 0.5) / N_BINS for b in range(N_BINS)]
+        self.pool_hits = [PRIOR_COUNT * m for m in mids]  # [N_BINS], prior: a calibrated head
+        self.pool_seen = [PRIOR_COUNT] * N_BINS
+        self.hits = [[0.0] * N_BINS for _ in range(k_max)]  # [K_max][N_BINS]
+        self.seen = [[0.0] * N_BINS for _ in range(k_max)]
+        self.lookahead = [lookahead_prior] * k_max  # [K_max]: expected acceptance of a step not yet drafted
+
+    def prob(self, i: int, conf: float) -> float:
+        """Chance that draft i (0-based) is accepted, given drafts 0..i-1 were, at this confidence."""
+        b = _bin(conf)
+        pooled = self.pool_hits[b] / self.pool_seen[b]
+        return (self.hits[i][b] + PRIOR_COUNT * pooled) / (self.seen[i][b] + PRIOR_COUNT)
+
+    def saw_step(self, i: int, p: float) -> None:
+        """Draft step i was run and its estimate is p: move the position's expectation towards it."""
+        self.lookahead[i] += LOOKAHEAD_EMA * (p - self.lookahead[i])
+
+    def observe(self, confs: list[float], n_verified: int, n_accepted: int) -> None:
+        """Drafts 0..n_verified-1 (confidences `confs`) were verified and the first n_accepted kept: each
+        draft up to and including the first rejected one is an observation; later ones are not."""
+        for i in range(min(n_accepted + 1, n_verified)):
+            b = _bin(confs[i])
+            ok = 1.0 if i < n_accepted else 0.0
+            self.hits[i][b] += ok
+            self.seen[i][b] += 1.0
+            self.pool_hits[b] += ok
+            self.pool_seen[b] += 1.0
+
+
+# ------------------------------------------------------------------------------------------------
+# policies
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class PolicyStats:
+    """What the policy chose, for the run's statistics."""
+
+    name: str = "fixed"
+    chosen: list[int] = field(default_factory=list)  # [K_max + 1]: cycles that verified 0..K_max drafts
+    probes: int = 0
+    plain_cycles: int = 0  # cycles that ran no draft step at all
+    predicted_tokens: float = 0.0  # the policy's expectation of the emitted tokens, summed over cycles
+    predicted_s: float = 0.0  # ... and of the cycles' time
+    cost_curve: list[float] = field(default_factory=list)  # [K_max + 1] verify cost in single-row units
+    draft_step_cost: float = 0.0  # a draft step in single-row units
+    cost_source: str = ""
+
+    @property
+    def predicted_tok_s(self) -> float:
+        return self.predicted_tokens / self.predicted_s if self.predicted_s > 0 else 0.0
+
+
+class FixedPolicy:
+    """Always draft up to k; stop when the head's top probability falls under p_min (upstream's rule)."""
+
+    name = "fixed"
+
+    def __init__(self, k: int, p_min: float = 0.0):
+        self.k = self.k_max = k
+        self.p_min = p_min
+        self.stats = PolicyStats("fixed", [0] * (k + 1))
+
+    def begin(self) -> None:
+        self.stats = PolicyStats("fixed", [0] * (self.k + 1))
+
+    def finish_stats(self) -> PolicyStats:
+        return self.stats
+
+    def plan(self, k_cap: int) -> int:
+        return min(self.k, k_cap)
+
+    def judge(self, confs: list[float], n_max: int) -> int:
+        """-1: draft another step; j >= 0: stop and verify the first j drafts."""
+        i = len(confs)
+        if confs[-1] < self.p_min:
+            return i - 1
+        return i if i >= n_max else -1
+
+    def observe(self, confs: list[float], n_verified: int, n_accepted: int, n_drafted: int,
+                t_verify: float, t_draft: float, n_emitted: int) -> None:
+        self.stats.chosen[n_verified] += 1
+        if n_drafted == 0:
+            self.stats.plain_cycles += 1
+
+
+class AdaptivePolicy:
+    """Draft the length that maximises expected tokens per second (module doc)."""
+
+    name = "adaptive"
+
+    def __init__(self, costs: CostCurve, k_max: int):
+        if costs.k_max < k_max:
+            raise ValueError(f"the cost curve covers {costs.k_max} drafts, the policy needs {k_max}")
+        self.costs = costs
+        self.k_max = k_max
+        self.acc = Acceptance(k_max)
+        self.rate = 1.0 / costs.verify(1)  # realised tokens/s, a running mean
+        self.probe_wait = PROBE_MIN  # plain cycles until the next probe
+        self.probe_gap = PROBE_MIN
+        self.probing = False
+        self._pred: tuple[float, float] = (1.0, costs.verify(1))
+        self.stats = PolicyStats("adaptive", [0] * (k_max + 1), cost_source=costs.source)
+
+    def begin(self) -> None:
+        """A new generation: fresh statistics; what was learnt (costs, acceptance) stays."""
+        self.stats = PolicyStats("adaptive", [0] * (self.k_max + 1), cost_source=self.costs.source)
+        self.probe_wait = self.probe_gap = PROBE_MIN
+
+    # -- the rate to beat -----------------------------------------------------------------------------
+    def _r(self) -> float:
+        return max(self.rate, 1.0 / self.costs.verify(1))
+
+    # -- before the cycle ------------------------------------------------------------------------------
+    def plan(self, k_cap: int) -> int:
+        """The draft budget for this cycle: 0 (plain decoding) unless some length is expected to pay,
+        or a probe is due."""
+        k_cap = min(k_cap, self.k_max)
+        self.probing = False
+        if k_cap <= 0:
+            return 0
+        r, c, d = self._r(), self.costs.verify_s, self.costs.draft_step_s
+        best_j, best_v = 0, 1.0 - r * c[0]
+        reach = v_tokens = 1.0
+        for j in range(1, k_cap + 1):
+            reach *= self.acc.lookahead[j - 1]
+            v_tokens += reach
+            v = v_tokens - r * (c[j] + j * d)
+            if v > best_v:
+                best_j, best_v = j, v
+        if best_j > 0:
+            self.probe_wait = self.probe_gap = PROBE_MIN
+            return k_cap
+        self.probe_wait -= 1
+        if self.probe_wait > 0:
+            return 0
+        self.probing = True
+        self.stats.probes += 1
+        return k_cap
+
+    # -- during the draft ------------------------------------------------------------------------------
+    def judge(self, confs: list[float], n_max: int) -> int:
+        """After draft step i = len(confs) (confidences so far): -1 to draft another step, or j >= 0 to
+        stop and verify the first j drafts. Steps not drafted yet are expected to go as the last one did
+        (acceptance runs in stretches), which is also what the plan of the next cycle learns."""
+        i = len(confs)
+        acc, r, c, d = self.acc, self._r(), self.costs.verify_s, self.costs.draft_step_s
+        # stopping now: the best prefix j <= i of what was drafted (the draft steps are spent either way)
+        reach, gain = 1.0, 0.0
+        best_j, best_v = 0, -r * c[0]
+        for j in range(1, i + 1):
+            reach *= acc.prob(j - 1, confs[j - 1])
+            gain += reach
+            v = gain - r * c[j]
+            if v > best_v:
+                best_j, best_v = j, v
+        acc.saw_step(i - 1, acc.prob(i - 1, confs[-1]))
+        ahead = [acc.prob(j, confs[-1]) for j in range(i, self.k_max)]  # [K_max - i]
+        for j, p in enumerate(ahead):
+            acc.saw_step(i + j, p)
+        # drafting on to j > i, each further step at the last step's acceptance
+        for j in range(i + 1, n_max + 1):
+            reach *= ahead[j - i - 1]
+            gain += reach
+            if gain - r * (c[j] + (j - i) * d) > best_v:
+                return -1
+        self._pred = (1.0 + sum(self._reach_prefix(confs, best_j)), c[best_j] + i * d)
+        return best_j
+
+    def _reach_prefix(self, confs: list[float], j: int) -> list[float]:
+        out, reach = [], 1.0
+        for m in range(j):
+            reach *= self.acc.prob(m, confs[m])
+            out.append(reach)
+        return out
+
+    # -- after the cycle ------------------------------------------------------------------------------
+    def observe(self, confs: list[float], n_verified: int, n_accepted: int, n_drafted: int,
+                t_verify: float, t_draft: float, n_emitted: int) -> None:
+        """The cycle's outcome: drafts verified and accepted, and its timings (seconds)."""
+        st = self.stats
+        st.chosen[n_verified] += 1
+        if n_drafted == 0:
+            st.plain_cycles += 1
+            self._pred = (1.0, self.costs.verify(1))
+        st.predicted_tokens += self._pred[0]
+        st.predicted_s += self._pred[1]
+        if n_verified:
+            self.acc.observe(confs, n_verified, n_accepted)
+        self.costs.observe_verify(n_verified + 1, t_verify)
+        self.costs.observe_draft(n_drafted, t_draft)
+        t = t_verify + t_draft
+        if t > 0:
+            self.rate += LOOKAHEAD_EMA * (n_emitted / t - self.rate)
+        if self.probing:  # a probe that got a draft accepted resumes drafting; one that did not backs off
+            if n_accepted > 0:
+                self.probe_gap = PROBE_MIN
+            else:
+                self.probe_gap = min(2 * self.probe_gap, PROBE_MAX)
+            self.probe_wait = self.probe_gap
+        self._pred = (1.0, self.costs.verify(1))
+
+    def finish_stats(self) -> PolicyStats:
+        st = self.stats
+        st.cost_curve = self.costs.relative()
+        st.draft_step_cost = self.costs.draft_step_s / self.costs.verify(1)
+        return st
+
+
+DraftPolicy = FixedPolicy | AdaptivePolicy
+POLICIES = ("adaptive", "fixed")

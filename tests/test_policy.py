@@ -1,0 +1,181 @@
+"""The drafting policy on synthetic worlds (cost curves and acceptance it must discover), and the cost cache."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from eagle3_gguf.policy import (PROBE_MAX, AdaptivePolicy, CostCurve, CostKey, FixedPolicy, load_costs, measure,
+                                save_costs)
+
+
+class World:
+    """A head whose draft i is accepted with probability `accept` (given the earlier ones were), at a
+    stated confidence, and a target whose verify of n rows takes costs[n - 1] seconds."""
+
+    def __init__(self, costs: list[float], draft_step: float, accept: float, conf: float, seed: int = 0):
+        self.costs, self.d, self.accept, self.conf = costs, draft_step, accept, conf
+        self.rng = np.random.default_rng(seed)
+
+    def cycle(self, policy, k_cap: int) -> tuple[int, float, int]:
+        """One cycle under `policy`: (tokens emitted, seconds, drafts verified)."""
+        k = policy.plan(k_cap)
+        confs: list[float] = []
+        j = 0
+        if k > 0:
+            while True:
+                confs.append(self.conf)
+                j = policy.judge(confs, k)
+                if j >= 0:
+                    break
+        n_acc = 0
+        while n_acc < j and self.rng.random() < self.accept:
+            n_acc += 1
+        t_verify, t_draft = self.costs[j], len(confs) * self.d
+        policy.observe(confs, j, n_acc, len(confs), t_verify, t_draft, n_acc + 1)
+        return n_acc + 1, t_verify + t_draft, j
+
+    def run(self, policy, k_cap: int, cycles: int) -> tuple[float, list[int]]:
+        tokens, seconds, trace = 0, 0.0, []
+        for _ in range(cycles):
+            n, t, j = self.cycle(policy, k_cap)
+            tokens, seconds = tokens + n, seconds + t
+            trace.append(j)
+        return tokens / seconds, trace
+
+    def expected_rate(self, k: int) -> float:
+        """Tokens per second of always drafting and verifying k."""
+        tokens = 1 + sum(self.accept ** m for m in range(1, k + 1))
+        return tokens / (self.costs[k] + k * self.d)
+
+
+CPU = [1.0, 1.6, 2.0, 2.4, 2.45]  # SmolLM2 Q4_1 on 2 cores, in single-row units
+GPU = [1.0, 1.02, 1.04, 1.06, 1.08]  # five rows cost about one
+KNEE = [1.0, 1.05, 1.1, 3.0, 3.1]  # cheap up to 3 rows, then a cliff
+
+
+def adaptive(costs: list[float], d: float, k: int = 4) -> AdaptivePolicy:
+    policy = AdaptivePolicy(CostCurve(list(costs), d, "given"), k)
+    policy.begin()
+    return policy
+
+
+def test_nothing_pays_on_cpu_with_a_weak_head():
+    world = World(CPU, 0.05, accept=0.35, conf=0.35)
+    policy = adaptive(CPU, 0.05)
+    rate, trace = world.run(policy, 4, 400)
+    assert rate >= 0.97 * world.expected_rate(0)
+    assert trace.count(0) >= 0.95 * len(trace)
+    assert all(world.expected_rate(k) < world.expected_rate(0) for k in range(1, 5))  # the world is as claimed
+
+
+def test_random_head_settles_on_plain_decoding_within_20_cycles():
+    world = World(GPU, 0.02, accept=0.0, conf=0.01)  # even where verifying is free, a random head never pays
+    policy = adaptive(GPU, 0.02)
+    rate, trace = world.run(policy, 4, 300)
+    assert max(trace[20:]) == 0
+    assert policy.stats.probes <= 2 + 300 // 16  # it backs off while probes find nothing
+    assert rate >= 0.97 * world.expected_rate(0)
+
+
+def test_good_head_on_gpu_drafts_k_max():
+    world = World(GPU, 0.02, accept=0.85, conf=0.9)
+    policy = adaptive(GPU, 0.02)
+    rate, trace = world.run(policy, 4, 300)
+    assert trace.count(4) >= 0.9 * len(trace)
+    best = max(world.expected_rate(k) for k in range(5))
+    assert best == world.expected_rate(4) and rate >= 0.97 * best
+
+
+def test_finds_the_knee():
+    world = World(KNEE, 0.02, accept=0.95, conf=0.97)
+    policy = adaptive(KNEE, 0.02)
+    rate, trace = world.run(policy, 4, 400)
+    rates = [world.expected_rate(k) for k in range(5)]
+    assert int(np.argmax(rates)) == 2
+    assert max(set(trace[100:]), key=trace[100:].count) == 2
+    assert rate >= 0.97 * max(rates)
+
+
+def test_confidence_decides_mid_draft():
+    """A head that is sure of the first token and unsure of the rest: the draft stops after one step."""
+    policy = adaptive(CPU, 0.02)
+    for _ in range(200):  # teach it: confident drafts are accepted, unconfident ones are not
+        policy.observe([0.95, 0.1], 2, 1, 2, CPU[2], 0.04, 2)
+    assert policy.judge([0.95], 4) == -1
+    assert policy.judge([0.95, 0.1], 4) == 1
+    assert policy.judge([0.1], 4) == 0
+
+
+def test_fixed_policy_is_upstreams_rule():
+    fixed = FixedPolicy(3, p_min=0.5)
+    assert fixed.plan(10) == 3 and fixed.plan(2) == 2
+    assert fixed.judge([0.9], 3) == -1 and fixed.judge([0.9, 0.4], 3) == 1 and fixed.judge([0.9] * 3, 3) == 3
+
+
+def test_probing_backs_off_to_the_cap():
+    world = World(CPU, 0.05, accept=0.0, conf=0.9)  # confident and always wrong: every probe fails
+    policy = adaptive(CPU, 0.05)
+    world.run(policy, 4, 600)
+    assert policy.probe_gap == PROBE_MAX
+
+
+# -- the cost cache ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def key(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE3_GGUF_CACHE", str(tmp_path / "cache"))
+    target, head = tmp_path / "t.gguf", tmp_path / "h.gguf"
+    target.write_bytes(b"target")
+    head.write_bytes(b"head")
+    return CostKey.for_files(target, head, 2, "kv 1/30", 512)
+
+
+def test_cost_cache_round_trip(key):
+    curve = CostCurve([0.01, 0.016, 0.02], 0.001)
+    save_costs(key, curve)
+    got = load_costs(key, 2)
+    assert got.verify_s == curve.verify_s and got.draft_step_s == curve.draft_step_s and got.source == "cache"
+    assert load_costs(key, 3) is None  # too short for a larger K: measure again
+
+
+@pytest.mark.parametrize("damage", ["garbage", "nan", "negative", "other key", "old version"])
+def test_cost_cache_is_never_trusted_blindly(key, damage):
+    save_costs(key, CostCurve([0.01, 0.016, 0.02], 0.001))
+    path = key.path()
+    data = json.loads(path.read_text())
+    if damage == "garbage":
+        path.write_text('{"version": 1, "key": ')
+    else:
+        if damage == "nan":
+            data["verify_s"][1] = math.nan
+        elif damage == "negative":
+            data["draft_step_s"] = -1.0
+        elif damage == "other key":
+            data["key"]["n_threads"] = 3
+        elif damage == "old version":
+            data["version"] = 0
+        path.write_text(json.dumps(data))
+    assert load_costs(key, 2) is None
+
+
+def test_a_changed_file_is_a_new_key(key, tmp_path):
+    save_costs(key, CostCurve([0.01, 0.016], 0.001))
+    (tmp_path / "t.gguf").write_bytes(b"target, requantized")
+    assert load_costs(CostKey.for_files(tmp_path / "t.gguf", tmp_path / "h.gguf", 2, "kv 1/30", 512), 1) is None
+
+
+def test_measure_takes_the_least_disturbed_run_and_keeps_the_curve_monotone():
+    calls = []
+
+    def verify(n: int) -> float:
+        calls.append(n)
+        disturbed = 5.0 if len(calls) == 4 else 0.0  # the first measured run of one row
+        return {1: 1.0, 2: 1.5, 3: 1.4}[n] + disturbed
+
+    curve = measure(verify, lambda steps: 0.1 * steps, 2)
+    assert curve.verify_s == [1.0, 1.5, 1.5] and curve.draft_step_s == pytest.approx(0.1)
+    assert calls[:3] == [1, 2, 3] and len(calls) == 12  # a warm-up, then the sizes interleaved
