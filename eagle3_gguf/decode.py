@@ -18,6 +18,8 @@ import numpy as np
 
 from .errors import Eagle3Error
 from .native import Batch, Context
+from .policy import (POLICIES, AdaptivePolicy, CostCurve, CostKey, DraftPolicy, FixedPolicy, load_costs,
+                     measure, save_costs)
 from .session import Eagle3Session
 from .stats import RunResult, SpecStats
 from .tokens import detokenize, is_eog
@@ -62,90 +64,192 @@ class Sampler:
 @dataclass
 class GenerateConfig:
     n_predict: int = 128
-    draft_max: int = 4  # K
-    draft_p_min: float = 0.0
+    draft_max: int = 4  # K: the most tokens one cycle drafts
+    draft_p_min: float = 0.0  # the fixed policy's stop rule
+    draft_policy: str = "adaptive"  # "adaptive" (policy.AdaptivePolicy) or "fixed" (always K, p_min)
 
 
 @dataclass
 class Cycle:
-    """One draft → verify cycle, before the head is told the outcome."""
+    """One draft → verify cycle."""
 
     rows: list[int]  # [id_last, d1..dk]: what the target decoded
     out: list[int]  # the target's choices: the accepted drafts, then the cycle's own token
     n_acc: int  # accepted drafts
 
 
-def verify(target: Context, session: Eagle3Session | None, batch: Batch, id_last: int, pos: int, k: int,
-           p_min: float, pick: Callable[[list[int], int], int], st: SpecStats,
-           stop: Callable[[int], bool] | None = None) -> Cycle:
-    """Draft up to k tokens after id_last (at position pos), decode [id_last, d1..dk] in one target batch
-    and pick the target's choice row by row (`pick(rows, i)`) while it equals the draft (and `stop` does not
-    hold for it); the rejected rows leave the target's cache. Timing goes to `st`."""
-    drafts: list[int] = []
-    if k > 0 and session is not None:
+class Speculator:
+    """The speculative cycle, the one both loops run (`Decoder.stream` here, `Eagle3Llama` in llama.py):
+    the policy sets the draft budget, the head drafts (the policy judging each step), the target decodes
+    [id_last, d1..dk] in one batch and `pick(rows, i)` chooses row by row while the choice equals the
+    draft (and `stop` does not hold for it); rejected rows leave the target's cache, the kept rows are
+    set aside for the head, and the policy learns the outcome and the timings. Without a session or
+    policy the cycle is plain decoding of one row."""
+
+    def __init__(self, target: Context, session: Eagle3Session | None, n_batch: int, cost_tag: str = ""):
+        """cost_tag: what else the cost curve depends on (KV cache types, GPU layers), for its cache key."""
+        self.target = target
+        self.session = session
+        self.batch = Batch(n_batch)
+        self.k_limit = n_batch - 1  # drafts that fit in one verify batch
+        self.cost_tag = cost_tag
+        self.costs: CostCurve | None = None
+        self._adaptive: AdaptivePolicy | None = None
+
+    def close(self) -> None:
+        self.batch.close()
+
+    # -- the policy ----------------------------------------------------------------------------------
+    def needs_calibration(self, config: GenerateConfig) -> bool:
+        k = min(config.draft_max, self.k_limit)
+        return config.draft_policy == "adaptive" and (self.costs is None or self.costs.k_max < k)
+
+    def policy_for(self, config: GenerateConfig) -> DraftPolicy:
+        """The policy for a generation. The adaptive one persists (what it learnt carries over); its cost
+        curve comes from the cache or a calibration, which CLEARS the target's and the head's caches:
+        callers check needs_calibration() while the caches hold nothing they need."""
+        k = min(config.draft_max, self.k_limit)
+        if config.draft_policy == "fixed":
+            policy: DraftPolicy = FixedPolicy(k, config.draft_p_min)
+        elif config.draft_policy == "adaptive":
+            if self.needs_calibration(config):
+                self.costs = self.calibrate(k)
+                self._adaptive = None
+            if self._adaptive is None or self._adaptive.k_max != k:
+                self._adaptive = AdaptivePolicy(self.costs, k)
+            policy = self._adaptive
+        else:
+            raise Eagle3Error(f"unknown draft policy {config.draft_policy!r}: choose one of {', '.join(POLICIES)}")
+        policy.begin()
+        return policy
+
+    def calibrate(self, k_max: int) -> CostCurve:
+        """The cost curve from the cache, or measured now (a fraction of a second) and cached."""
+        target, session = self.target, self.session
+        key = CostKey.for_files(target.model.path, session.draft_ctx.model.path, target.n_threads,
+                                self.cost_tag, self.batch.capacity)
+        cached = load_costs(key, k_max)
+        if cached is not None:
+            return cached
+        tok = 0  # any token: the cost of a row does not depend on which
+        feats = np.zeros((2, session.extract.width), np.float32)  # [2, 3 * n_embd_tgt]
+
+        def run_verify(n: int) -> float:
+            self.batch.set([tok] * n, 0, logits="all")
+            t = time.perf_counter()
+            target.decode(self.batch)
+            logits = target.logits(n)  # [n, n_vocab]
+            for i in range(n):
+                int(np.argmax(logits[i]))
+            t = time.perf_counter() - t
+            target.seq_rm(0, 0, -1)
+            return t
+
+        def run_draft(steps: int) -> float:
+            session.reset()
+            session.process([tok, tok], 0, feats)
+            session.draft(tok, 1, lambda confs, n_max: len(confs))  # the catch-up rides with this step
+            session.accept(0)
+            t = time.perf_counter()
+            session.draft(tok, steps, lambda confs, n_max: len(confs) if len(confs) >= n_max else -1)
+            return time.perf_counter() - t
+
+        target.clear()
+        try:
+            curve = measure(run_verify, run_draft, k_max)
+        finally:
+            target.clear()
+            session.reset()
+        save_costs(key, curve)
+        return curve
+
+    def prefill(self, tokens: list[int], pos0: int, st: SpecStats, feed_head: bool, logits: str = "last") -> int:
+        """Decode tokens at pos0.. in n_batch chunks (each chunk's rows go to the head when feed_head).
+        Returns the size of the last chunk (its last row holds the next token's logits)."""
+        n_batch = self.batch.capacity
+        m = 0
+        for i in range(0, len(tokens), n_batch):
+            chunk = tokens[i:i + n_batch]
+            m = len(chunk)
+            self.batch.set(chunk, pos0 + i, logits=logits)
+            self.target.decode(self.batch)
+            if feed_head:
+                with timed(st, "t_process"):
+                    self.session.process(chunk, pos0 + i)
+        return m
+
+    def cycle(self, policy: "DraftPolicy | None", id_last: int, pos: int, k_cap: int,
+              pick: Callable[[list[int], int], int], st: SpecStats,
+              stop: Callable[[int], bool] | None = None) -> Cycle:
+        session = self.session if policy is not None else None
+        drafts: list[int] = []
+        n_steps, t_draft = 0, 0.0
+        k = policy.plan(min(k_cap, self.k_limit)) if session is not None else 0
+        if k > 0:
+            t = time.perf_counter()
+            drafts = session.draft(id_last, k, policy.judge)
+            t_draft = time.perf_counter() - t
+            n_steps = len(session.confs)
+            st.t_draft += t_draft
         t = time.perf_counter()
-        drafts = session.draft(id_last, k, p_min)
-        st.t_draft += time.perf_counter() - t
-    t = time.perf_counter()
-    rows = [id_last] + drafts
-    batch.set(rows, pos, logits="all")
-    target.decode(batch)
-    out: list[int] = []
-    for i in range(len(rows)):
-        choice = pick(rows, i)
-        out.append(choice)
-        if i >= len(drafts) or drafts[i] != choice or (stop is not None and stop(choice)):
-            break
-    n_acc = len(out) - 1
-    if n_acc < len(drafts):
-        target.seq_rm(0, pos + n_acc + 1, -1)
-    st.t_target += time.perf_counter() - t
-    st.n_target_forwards += 1
-    return Cycle(rows, out, n_acc)
+        rows = [id_last] + drafts
+        n = self.batch.set(rows, pos, logits="all")
+        self.target.decode(self.batch)
+        out: list[int] = []
+        for i in range(n):
+            choice = pick(rows, i)
+            out.append(choice)
+            if i >= len(drafts) or drafts[i] != choice or (stop is not None and stop(choice)):
+                break
+        n_acc = len(out) - 1
+        if n_acc < len(drafts):
+            self.target.seq_rm(0, pos + n_acc + 1, -1)
+        t_verify = time.perf_counter() - t
+        st.t_target += t_verify
+        st.n_target_forwards += 1
+        if session is not None:
+            t = time.perf_counter()
+            if n_steps:
+                session.accept(n_acc)
+            session.keep(rows[:n_acc + 1], pos)
+            st.t_process += time.perf_counter() - t
+            policy.observe(session.confs if n_steps else [], len(drafts), n_acc, n_steps, t_verify, t_draft,
+                           len(out))
+            st.record_cycle(len(drafts), n_acc)
+        return Cycle(rows, out, n_acc)
 
 
-def tell_head(session: Eagle3Session, cycle: Cycle, pos: int, st: SpecStats) -> None:
-    """The head keeps the accepted rows: its draft chain is cut back, the kept pairs are queued."""
-    st.record_cycle(len(cycle.rows) - 1, cycle.n_acc)
-    t = time.perf_counter()
-    session.accept(cycle.n_acc)
-    session.process(cycle.rows[:cycle.n_acc + 1], pos)
-    st.t_process += time.perf_counter() - t
+class timed:
+    """Adds the wall time of a `with` block to a SpecStats field."""
+
+    def __init__(self, st: SpecStats, name: str):
+        self.st, self.name = st, name
+
+    def __enter__(self) -> None:
+        self.t = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        setattr(self.st, self.name, getattr(self.st, self.name) + time.perf_counter() - self.t)
 
 
 class Decoder:
     """Runs generations on a target context, with an Eagle3Session (speculative) or without (baseline)."""
 
-    def __init__(self, target: Context, session: Eagle3Session | None = None):
+    def __init__(self, target: Context, session: Eagle3Session | None = None, cost_tag: str = ""):
         self.target = target
         self.session = session
         self.model = target.model
-        self.n_batch = target.n_batch
-        self.batch = Batch(self.n_batch)
+        self.spec = Speculator(target, session, target.n_batch, cost_tag)
         self.stats = SpecStats()
 
     def close(self) -> None:
-        self.batch.close()
+        self.spec.close()
 
     def __enter__(self) -> "Decoder":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # -- helpers -------------------------------------------------------------------------------------
-    def _prefill(self, prompt: list[int]) -> np.ndarray:
-        """Decode the prompt in n_batch chunks; feed each chunk to the head.  Returns the last logits row."""
-        self.target.clear()
-        if self.session is not None:
-            self.session.reset()
-        for i in range(0, len(prompt), self.n_batch):
-            chunk = prompt[i:i + self.n_batch]
-            self.batch.set(chunk, i, logits="last")
-            self.target.decode(self.batch)
-            if self.session is not None:
-                self.session.process(chunk, i)
-        return self.target.logits_ith(len(chunk) - 1)  # [n_vocab]
 
     def _native_time(self) -> float:
         draft = self.session.draft_ctx.t_native if self.session is not None else 0.0
@@ -162,13 +266,18 @@ class Decoder:
                speculative: bool = True) -> Iterator[list[int]]:
         """Yield the new tokens of each cycle; `self.stats` is up to date after every yield."""
         self._check_prompt(prompt)
-        spec = speculative and self.session is not None
-        k_max = config.draft_max if spec else 0
-        st = self.stats = SpecStats(draft_max=k_max, n_prompt=len(prompt))
+        spec = speculative and self.session is not None and config.draft_max > 0
+        policy = self.spec.policy_for(config) if spec else None
+        st = self.stats = SpecStats(draft_max=policy.k_max if policy is not None else 0, n_prompt=len(prompt))
         sampler.reset()
         t0 = time.perf_counter()
-        logits = self._prefill(prompt)
+        self.target.clear()
+        if spec:
+            self.session.reset()
+        m = self.spec.prefill(prompt, 0, st, feed_head=spec)
+        logits = self.target.logits_ith(m - 1)  # [n_vocab]
         st.t_prefill = time.perf_counter() - t0
+        st.t_process = 0.0  # the prompt's head work counts as prompt time
         t_start = time.perf_counter()
         native0 = self._native_time()
         n_ctx = self.target.n_ctx
@@ -176,8 +285,10 @@ class Decoder:
         id_last = sampler.pick(logits)
         st.n_target_forwards = 1
         st.n_generated = 1  # an end-of-generation token counts as generated; it is not yielded
+        is_end = lambda tok: is_eog(self.model, tok)  # noqa: E731
+        pick = lambda _rows, i: sampler.pick(self.target.logits_ith(i))  # noqa: E731
         try:
-            if is_eog(self.model, id_last):
+            if is_end(id_last):
                 st.stop_reason = "eos"
                 return
             yield [id_last]
@@ -189,28 +300,24 @@ class Decoder:
                 if room < 0:
                     st.stop_reason = "context full"
                     return
-                k = min(k_max, config.n_predict - st.n_generated - 1, room)
+                k = min(config.n_predict - st.n_generated - 1, room)
                 # an EOG token ends the cycle as its own token: drafts after it are not accepted
-                cyc = verify(self.target, self.session, self.batch, id_last, pos, k, config.draft_p_min,
-                             lambda _rows, i: sampler.pick(self.target.logits_ith(i)), st,
-                             stop=lambda tok: is_eog(self.model, tok))
+                cyc = self.spec.cycle(policy, id_last, pos, k, pick, st, stop=is_end)
                 out, n_acc = cyc.out, cyc.n_acc
-                if spec:
-                    tell_head(self.session, cyc, pos, st)
                 pos += n_acc + 1
                 id_last = out[-1]
-                if is_eog(self.model, id_last):
-                    st.n_generated += len(out)
-                    out = out[:-1]
-                    st.stop_reason = "eos"
-                    if out:
-                        yield out
-                    return
                 st.n_generated += len(out)
+                if is_end(id_last):
+                    st.stop_reason = "eos"
+                    if len(out) > 1:
+                        yield out[:-1]
+                    return
                 yield out
         finally:
             st.t_total = time.perf_counter() - t_start
             st.t_native = self._native_time() - native0
+            if policy is not None:
+                st.policy = policy.finish_stats()
 
     def generate(self, prompt: list[int], config: GenerateConfig, sampler: Sampler | None = None,
                  speculative: bool = True, on_tokens: Callable[[list[int]], None] | None = None) -> RunResult:

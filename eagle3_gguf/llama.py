@@ -43,10 +43,11 @@ from typing import Any, Iterator, Sequence
 import llama_cpp
 from llama_cpp import Llama
 
-from .decode import tell_head, verify
+from .decode import GenerateConfig, Speculator
 from .errors import Eagle3Error
-from .native import CACHE_TYPES, Batch, Context, Model, batch_invariant_cache
+from .native import CACHE_TYPES, Context, Model, batch_invariant_cache
 from .pair import Pair, PairConfig, load_pair
+from .policy import POLICIES
 from .session import Eagle3Session
 from .stats import SpecStats
 
@@ -80,7 +81,8 @@ class Eagle3Llama(Llama):
     """`llama_cpp.Llama(model_path=..., **kwargs)` plus an EAGLE-3 head (`draft_model_path`)."""
 
     def __init__(self, model_path: str, draft_model_path: str | Path | None = None, *,
-                 draft_max: int = DEFAULT_DRAFT_MAX, draft_p_min: float = 0.0, **kwargs: Any):
+                 draft_max: int = DEFAULT_DRAFT_MAX, draft_p_min: float = 0.0, draft_policy: str = "adaptive",
+                 **kwargs: Any):
         if draft_model_path is None:
             raise Eagle3Error("Eagle3Llama needs the EAGLE-3 head: Eagle3Llama(model_path=..., draft_model_path=HEAD.gguf)")
         if kwargs.get("draft_model") is not None:
@@ -89,13 +91,13 @@ class Eagle3Llama(Llama):
         kwargs.setdefault("type_v", CACHE_TYPES["bf16"])
         super().__init__(model_path=model_path, **kwargs)
         try:
-            self._eagle3_setup(draft_model_path, draft_max, draft_p_min)
+            self._eagle3_setup(draft_model_path, draft_max, draft_p_min, draft_policy)
         except BaseException:
             self.close()
             raise
 
     # -- setup / teardown ---------------------------------------------------------------------------
-    def _eagle3_setup(self, head_path: str | Path, draft_max: int, draft_p_min: float) -> None:
+    def _eagle3_setup(self, head_path: str | Path, draft_max: int, draft_p_min: float, draft_policy: str) -> None:
         if self.draft_model is not None:
             raise Eagle3Error("this Llama already has a draft_model (prompt lookup); create it without one")
         if self.context_params.embeddings:
@@ -110,6 +112,7 @@ class Eagle3Llama(Llama):
                           RuntimeWarning, stacklevel=3)
         self.draft_max = draft_max
         self.draft_p_min = draft_p_min
+        self.draft_policy = draft_policy
         self.spec_stats = SpecStats()
         self.spec_fallback: str | None = None
         self._e3_head_path = Path(head_path)
@@ -120,21 +123,34 @@ class Eagle3Llama(Llama):
                             n_gpu_layers=max(self.model_params.n_gpu_layers, 0))
         self._e3_pair: Pair | None = load_pair(self.model_path, head_path, config, target_model=model,
                                                target_ctx=target)
+        self._e3_spec: Speculator | None = None
         try:
-            self._e3_session: Eagle3Session | None = Eagle3Session(self._e3_pair.target, self._e3_pair.head)
-            self._e3_batch: Batch | None = Batch(self.n_batch)
+            session = Eagle3Session(self._e3_pair.target, self._e3_pair.head)
+            cost_tag = f"kv {cp.type_k}/{cp.type_v} ngl {config.n_gpu_layers} fa {cp.flash_attn_type}"
+            self._e3_spec = Speculator(target, session, self.n_batch, cost_tag)
         except BaseException:
-            self._e3_pair.close()
+            self._eagle3_close()
             raise
         self._e3_head_tokens: list[int] = []  # target rows the head has processed, in order
         self._stack.callback(self._eagle3_close)  # runs before Llama frees its context and model
+        self._calibrate_if_needed()
+
+    @property
+    def _e3_session(self) -> Eagle3Session | None:
+        """The head's session: the one the speculative cycle drafts with."""
+        spec = getattr(self, "_e3_spec", None)
+        return spec.session if spec is not None else None
+
+    @_e3_session.setter
+    def _e3_session(self, session: Eagle3Session) -> None:
+        self._e3_spec.session = session
 
     def _eagle3_close(self) -> None:
-        for name in ("_e3_batch", "_e3_session", "_e3_pair"):
-            owner = getattr(self, name, None)
+        session = self._e3_session
+        for owner in (self._e3_spec, session, getattr(self, "_e3_pair", None)):
             if owner is not None:
                 owner.close()
-                setattr(self, name, None)
+        self._e3_spec = self._e3_pair = None
 
     def close(self) -> None:
         if getattr(self, "_stack", None) is not None:  # a constructor that failed early made no stack
@@ -142,7 +158,7 @@ class Eagle3Llama(Llama):
 
     def __getstate__(self):
         return {**super().__getstate__(), "draft_model_path": str(self._e3_head_path),
-                "draft_max": self.draft_max, "draft_p_min": self.draft_p_min}
+                "draft_max": self.draft_max, "draft_p_min": self.draft_p_min, "draft_policy": self.draft_policy}
 
     @property
     def draft_max(self) -> int:
@@ -163,6 +179,27 @@ class Eagle3Llama(Llama):
         if not 0.0 <= p < 1.0:
             raise Eagle3Error(f"draft_p_min must be in [0, 1) (got {p})")
         self._draft_p_min = float(p)
+
+    @property
+    def draft_policy(self) -> str:
+        return self._draft_policy
+
+    @draft_policy.setter
+    def draft_policy(self, name: str) -> None:
+        if name not in POLICIES:
+            raise Eagle3Error(f"draft_policy must be one of {', '.join(POLICIES)} (got {name!r})")
+        self._draft_policy = name
+
+    def _config(self) -> GenerateConfig:
+        return GenerateConfig(draft_max=self.draft_max, draft_p_min=self.draft_p_min, draft_policy=self.draft_policy)
+
+    def _calibrate_if_needed(self) -> None:
+        """The adaptive policy's cost curve (cached, or measured in a fraction of a second): measuring
+        clears the caches, so the state that says what they hold is cleared with them."""
+        if self.draft_max > 0 and self._e3_spec.needs_calibration(self._config()):
+            self.n_tokens = 0
+            self._e3_head_tokens.clear()
+            self._e3_spec.policy_for(self._config())
 
     # -- completion budget hint -----------------------------------------------------------------------
     def _create_completion(self, *args, **kwargs):
@@ -206,8 +243,10 @@ class Eagle3Llama(Llama):
         return None
 
     def _speculate(self, prompt: list[int], sampling: dict, stopping_criteria) -> Iterator[int]:
-        session, batch, target = self._e3_session, self._e3_batch, self._e3_pair.target
-        st = self.spec_stats = SpecStats(draft_max=self.draft_max, n_prompt=len(prompt))
+        spec, target = self._e3_spec, self._e3_pair.target
+        self._calibrate_if_needed()
+        policy = spec.policy_for(self._config())
+        st = self.spec_stats = SpecStats(draft_max=policy.k_max, n_prompt=len(prompt))
         self._mirostat_mu = ctypes.c_float(2.0 * sampling["mirostat_tau"])
         self._sampler = self._init_sampler(**sampling)
         n_ctx = self._n_ctx
@@ -215,6 +254,7 @@ class Eagle3Llama(Llama):
         self._rewind(prompt)
         self._prefill(prompt[self.n_tokens:])
         st.t_prefill = time.perf_counter() - t0
+        st.t_process = 0.0  # the prompt's head work counts as prompt time
         t_start = time.perf_counter()
         pos = self.n_tokens  # where id_last goes
         last = -1
@@ -227,15 +267,14 @@ class Eagle3Llama(Llama):
             st.n_generated, last = 1, id_last
             self._check_sent((yield id_last))
             while True:
-                k = min(self.draft_max, n_ctx - pos - 1, self.n_batch - 1)
+                k = n_ctx - pos - 1
                 if self._e3_budget is not None:
                     k = min(k, self._e3_budget - st.n_generated - 1)
-                cyc = verify(target, session, batch, id_last, pos, k, self.draft_p_min,
-                             lambda rows, i: self._sample_row(rows, pos, i), st, stop=self._is_eog)
+                cyc = spec.cycle(policy, id_last, pos, k, lambda rows, i: self._sample_row(rows, pos, i), st,
+                                 stop=self._is_eog)
                 out, n_acc, rows = cyc.out, cyc.n_acc, cyc.rows
                 if self._logits_all:
                     self.scores[pos:pos + n_acc + 1, :] = target.logits(len(rows))[:n_acc + 1]
-                tell_head(session, cyc, pos, st)
                 self._e3_head_tokens[pos:] = rows[:n_acc + 1]
                 for j, tok in enumerate(out):
                     self.n_tokens = pos + j + 1  # plain decoding's state when it emits out[j]
@@ -264,6 +303,7 @@ class Eagle3Llama(Llama):
         finally:
             self._requires_eval = True  # the last decode's last row may not be row n_tokens - 1
             st.t_total = time.perf_counter() - t_start
+            st.policy = policy.finish_stats()
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _sample_row(self, rows: list[int], pos: int, i: int) -> int:
@@ -312,7 +352,7 @@ class Eagle3Llama(Llama):
 
     def _prefill(self, tokens: list[int]) -> None:
         """Decode tokens after n_tokens in n_batch chunks; each chunk's rows go to the head."""
-        target, batch, session = self._e3_pair.target, self._e3_batch, self._e3_session
+        target, batch, session = self._e3_pair.target, self._e3_spec.batch, self._e3_session
         for i in range(0, len(tokens), self.n_batch):
             chunk = tokens[i:i + self.n_batch]
             pos0 = self.n_tokens
@@ -327,7 +367,7 @@ class Eagle3Llama(Llama):
 
 
 def attach_eagle3(llm: Llama, head_path: str | Path, *, draft_max: int = DEFAULT_DRAFT_MAX,
-                  draft_p_min: float = 0.0) -> Eagle3Llama:
+                  draft_p_min: float = 0.0, draft_policy: str = "adaptive") -> Eagle3Llama:
     """Give an existing `llama_cpp.Llama` an EAGLE-3 head, in place: the same object becomes an
     Eagle3Llama (its class changes; everything it was configured with stays). Returns it."""
     if isinstance(llm, Eagle3Llama):
@@ -338,7 +378,7 @@ def attach_eagle3(llm: Llama, head_path: str | Path, *, draft_max: int = DEFAULT
     new_cls = Eagle3Llama if cls is Llama else type(f"Eagle3{cls.__name__}", (Eagle3Llama, cls), {})
     llm.__class__ = new_cls
     try:
-        llm._eagle3_setup(head_path, draft_max, draft_p_min)
+        llm._eagle3_setup(head_path, draft_max, draft_p_min, draft_policy)
     except BaseException:
         llm.__class__ = cls
         raise

@@ -324,6 +324,10 @@ class Context(_Owner):
         return C.llama_n_batch(self._live())
 
     @property
+    def n_threads(self) -> int:
+        return C.llama_n_threads(self._live())
+
+    @property
     def n_ubatch(self) -> int:
         return C.llama_n_ubatch(self._live())
 
@@ -341,6 +345,7 @@ class Context(_Owner):
     def decode(self, batch: "Batch") -> None:
         t = time.perf_counter()
         rc = C.llama_decode(self._live(), batch.struct)
+        C.llama_synchronize(self.ptr)  # the backend may still be copying outputs: that is llama.cpp's time too
         self.t_native += time.perf_counter() - t
         if rc != 0:
             raise Eagle3Error(f"llama_decode failed (rc={rc}): the context may be full (raise -c)")
@@ -349,10 +354,21 @@ class Context(_Owner):
     def process(self, kind: int, batch: "BatchExt") -> None:
         t = time.perf_counter()
         rc = C.llama_process(self._live(), kind, batch._live())
+        C.llama_synchronize(self.ptr)
         self.t_native += time.perf_counter() - t
         if rc != 0:
             what = "ENCODE" if kind == LLAMA_PROCESS_TYPE_ENCODE else "DECODE"
             raise Eagle3Error(f"llama_process({what}) failed (rc={rc}): the draft context may be full (raise -c)")
+        self._decoded = True
+
+    def encode(self, batch: "Batch") -> None:
+        """llama_encode: for an EAGLE-3 head, its encoder (fc) on a batch of feature rows."""
+        t = time.perf_counter()
+        rc = C.llama_encode(self._live(), batch.struct)
+        C.llama_synchronize(self.ptr)
+        self.t_native += time.perf_counter() - t
+        if rc != 0:
+            raise Eagle3Error(f"llama_encode failed (rc={rc})")
         self._decoded = True
 
     def logits(self, n_rows: int) -> np.ndarray:
@@ -412,41 +428,85 @@ class Context(_Owner):
 
 
 class Batch(_Owner):
-    """A llama_batch of token ids for sequence 0, filled from numpy."""
+    """A llama_batch whose arrays are numpy arrays owned here, so that filling it costs a few numpy
+    copies, not a Python call per row. Rows carry token ids, or embedding rows (`n_embd` > 0), or both:
+    llama.cpp turns a batch with both into a llama_batch_ext whose entries hold a token and an
+    embedding row each (the EAGLE-3 head's decoder input), and a batch of embedding rows given to
+    `llama_encode` into its encoder input."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, n_embd: int = 0):
         self.capacity = capacity
-        self.struct = C.llama_batch_init(capacity, 0, 1)
-        self.ptr = True  # the struct is held by value; close() frees its arrays
-        for i in range(capacity):
-            self.struct.n_seq_id[i] = 1
-            self.struct.seq_id[i][0] = 0
-        self._token = np.ctypeslib.as_array(self.struct.token, shape=(capacity,))  # [capacity] int32
-        self._pos = np.ctypeslib.as_array(self.struct.pos, shape=(capacity,))  # [capacity] int32
-        self._logits = np.ctypeslib.as_array(self.struct.logits, shape=(capacity,))  # [capacity] int8
+        self.n_embd = n_embd
+        self._token = np.zeros(capacity, np.int32)  # [capacity]
+        self._pos = np.zeros(capacity, np.int32)  # [capacity]
+        self._n_seq = np.ones(capacity, np.int32)  # [capacity]
+        self._seq = np.zeros(capacity, np.int32)  # [capacity]: one sequence id per row
+        self._logits = np.zeros(capacity, np.int8)  # [capacity]
+        self._embd = np.zeros((capacity, n_embd), np.float32) if n_embd else None  # [capacity, n_embd]
+        i32, f32 = ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_float)
+        addr = self._seq.ctypes.data
+        self._seq_ptrs = (i32 * capacity)(*(ctypes.cast(addr + 4 * i, i32) for i in range(capacity)))
+        self.struct = C.llama_batch()
+        self._token_ptr = self._token.ctypes.data_as(i32)
+        self.struct.token = self._token_ptr
+        self.struct.pos = self._pos.ctypes.data_as(i32)
+        self.struct.n_seq_id = self._n_seq.ctypes.data_as(i32)
+        self.struct.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(i32))
+        self.struct.logits = self._logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self.struct.embd = None
+        self._embd_ptr = self._embd.ctypes.data_as(f32) if n_embd else None
+        self.ptr = True  # the arrays live as long as this object
 
     def _free(self, _ptr) -> None:
-        C.llama_batch_free(self.struct)
+        pass
+
+    def _fit(self, n: int) -> None:
+        if not 0 < n <= self.capacity:
+            raise Eagle3Error(f"batch of {n} tokens does not fit capacity {self.capacity}")
+        self._live()
 
     def set(self, tokens, pos0: int, *, logits: str = "last") -> int:
         """Fill with `tokens` of sequence 0 at positions pos0.. ; logits for "all" rows, the "last" one,
         or "none"."""
         n = len(tokens)
-        return self.set_rows(tokens, np.arange(pos0, pos0 + n, dtype=np.int32), np.zeros(n, np.int32),
-                             np.full(n, logits == "all") if logits != "last" else np.arange(n) == n - 1)
+        self._fit(n)
+        self._token[:n] = tokens
+        self._pos[:n] = np.arange(pos0, pos0 + n, dtype=np.int32)
+        self._seq[:n] = 0
+        self._logits[:n] = 1 if logits == "all" else 0
+        if logits == "last":
+            self._logits[n - 1] = 1
+        self.struct.token, self.struct.embd = self._token_ptr, None
+        self.struct.n_tokens = n
+        return n
 
     def set_rows(self, tokens, pos, seq_ids, outputs) -> int:
-        """Fill row by row: several sequences in one batch (one seq id per row).
-        # tokens, pos, seq_ids, outputs: [n] each"""
+        """Several sequences in one batch (one seq id per row).  # tokens, pos, seq_ids, outputs: [n] each"""
         n = len(tokens)
-        if not 0 < n <= self.capacity:
-            raise Eagle3Error(f"batch of {n} tokens does not fit capacity {self.capacity}")
-        self._live()
+        self._fit(n)
         self._token[:n] = tokens
         self._pos[:n] = pos
+        self._seq[:n] = seq_ids
         self._logits[:n] = np.asarray(outputs, dtype=np.int8)
-        for i, s in enumerate(seq_ids):
-            self.struct.seq_id[i][0] = int(s)
+        self.struct.token, self.struct.embd = self._token_ptr, None
+        self.struct.n_tokens = n
+        return n
+
+    def set_embd(self, rows: np.ndarray, pos, tokens=None) -> int:
+        """Embedding rows (with tokens: token + embedding entries) at positions `pos`, every row an output
+        (the pinned eagle3 graphs have no output-row selection).  # rows: [n, n_embd]; pos, tokens: [n]"""
+        n = rows.shape[0]
+        self._fit(n)
+        if rows.shape[1] != self.n_embd:
+            raise Eagle3Error(f"embedding rows of width {rows.shape[1]} in a batch of width {self.n_embd}")
+        self._embd[:n] = rows
+        self._pos[:n] = pos
+        self._seq[:n] = 0
+        self._logits[:n] = 1
+        if tokens is not None:
+            self._token[:n] = tokens
+        self.struct.token = self._token_ptr if tokens is not None else None
+        self.struct.embd = self._embd_ptr
         self.struct.n_tokens = n
         return n
 

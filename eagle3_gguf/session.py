@@ -2,33 +2,51 @@
 
 Lifecycle (the semantics of upstream's `common_speculative_impl_draft_eagle3`, written anew):
 
-- `process(tokens, pos0)` after every target decode whose first `len(tokens)` rows the target kept:
-  gather the three extracted layer inputs of those rows → draft encoder (`llama_process(ENCODE)`) → g;
-  then the draft decoder stores the pairs (token[p+1], g[p]) at position p. The last row's pair needs
-  the next token, which is not known yet: it is deferred (`pending_g` at `pending_pos`).
-- `draft(id_last, n_max, p_min)`: seed step (id_last, pending_g) at pending_pos, then autoregressive
-  steps that feed the draft's own pre-norm hidden state back in place of g.
+- `keep(tokens, pos0)` after every target decode whose first `len(tokens)` rows the target kept: the
+  three extracted layer inputs of those rows are copied aside, nothing runs yet. `process(tokens, pos0)`
+  does the same and catches up at once (the prompt).
+- Catching up (at the next `draft`, or `process`): the kept rows go through the draft encoder
+  (`llama_encode`, fc) in one batch → g; the draft decoder stores the pairs (token[p+1], g[p]) at
+  position p, in one batch with the next draft's seed step. The last row's pair needs the next token,
+  which is not known yet: it is deferred (`pending_g` at `pending_pos`).
+- `draft(id_last, n_max, judge)`: seed step (id_last, pending_g) at pending_pos, then autoregressive
+  steps that feed the draft's own pre-norm hidden state back in place of g; after every step `judge`
+  (the drafting policy) says whether to go on or how many of the drafts to verify.
 - `accept(n_accepted)`: drop the draft's speculative KV entries (everything after the seed), so that
-  the following `process` of the kept rows writes the pairs built from the target's real features.
+  the kept rows' pairs are rewritten from real target features.
+
+While the policy does not draft, rows only pile up aside; at most `window` of them are kept, so a
+draft after a long plain stretch catches up on the last `window` rows only. llama.cpp wants a
+sequence's positions without holes, so the head's positions then run behind the target's: the rows
+dropped leave a gap (`gaps`), and later rows sit in the head at their target position minus the gaps
+before them. The head attends over less context, with its recent rows at their true distances, never
+over a wrong one.
 
 Unlike upstream, rows the target rejected never reach the draft encoder or decoder.
 
-Positions: the target holds token t_i at position i. The draft holds at position i the pair
-(t_{i+1}, g_i), where g_i = fc(target features of t_i); its output there predicts t_{i+2}.
+Positions: the target holds token t_i at position i. The draft holds at position i - (gaps before i)
+the pair (t_{i+1}, g_i), where g_i = fc(target features of t_i); its output there predicts t_{i+2}.
+The API takes target positions; `pending_pos` and the queues are in the head's.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 
 from .errors import Eagle3Error
 from .extract import TargetFeatures
 from .head_norms import HeadNorms
-from .native import LLAMA_PROCESS_TYPE_DECODE, LLAMA_PROCESS_TYPE_ENCODE, BatchExt, Context
+from .native import Batch, Context
+from .policy import FixedPolicy
+
+CATCH_UP_WINDOW = 8  # rows kept aside while the policy does not draft (scripts/bench.py measured the cost)
 
 
 class Eagle3Session:
-    def __init__(self, target: Context, draft: Context, target_layers: list[int] | None = None):
+    def __init__(self, target: Context, draft: Context, target_layers: list[int] | None = None,
+                 window: int = CATCH_UP_WINDOW):
         self.target = target
         self.draft_ctx = draft
         self.layers = list(target_layers if target_layers is not None else draft.model.target_layer_ids())
@@ -37,15 +55,31 @@ class Eagle3Session:
         self.extract = TargetFeatures(target, self.layers)
         self.norms = HeadNorms.for_model(draft.model)  # EAGLE 3.1 fc_norm / norm_output; None for EAGLE-3
         self.n_embd = draft.model.n_embd
+        self.window = window
         draft.set_nextn(True, masked=True)
-        self.batch = BatchExt(draft)
-        self.n_ubatch = draft.n_ubatch
+        n_ub = draft.n_ubatch
+        self.n_ubatch = n_ub
+        self.enc_batch = Batch(n_ub, self.extract.width)  # feature rows → g
+        self.dec_batch = Batch(n_ub, self.n_embd)  # (token, g) pairs + the draft steps
         self.pending_g = np.zeros(self.n_embd, dtype=np.float32)  # [n_embd]
         self.pending_pos = -1
-        self._queue: list[tuple[int, int, np.ndarray]] = []  # decoder pairs (token, pos, g) not yet run
+        self._open = False  # the deferred pair is neither in the draft cache nor queued
+        # rows the target kept that the head has not seen yet, at positions rows_pos0..
+        self._rows_tok = np.zeros(0, np.int32)  # [n_rows]
+        self._rows_feat = np.zeros((0, self.extract.width), np.float32)  # [n_rows, 3 * n_embd_tgt]
+        self._rows_pos0 = 0  # head position of the first row aside
+        self.gaps: list[tuple[int, int]] = []  # (target position, length): rows the head never saw
+        self.shift = 0  # their total length: head position = target position - shift, from the last gap on
+        # decoder pairs ready to go with the next draft's seed step
+        self._q_tok = np.zeros(0, np.int32)  # [n_q]
+        self._q_pos = np.zeros(0, np.int32)  # [n_q]
+        self._q_g = np.zeros((0, self.n_embd), np.float32)  # [n_q, n_embd]
+        self._vocab: np.ndarray | None = None  # draft-vocab ids inside the full logits row, once known
+        self.confs: list[float] = []  # the last draft's top probabilities, one per step
 
     def close(self) -> None:
-        self.batch.close()
+        self.enc_batch.close()
+        self.dec_batch.close()
 
     def __enter__(self) -> "Eagle3Session":
         return self
@@ -54,19 +88,27 @@ class Eagle3Session:
         self.close()
 
     def reset(self) -> None:
-        """Forget everything (new prompt): clears the draft KV and the deferred row."""
+        """Forget everything (new prompt): clears the draft KV, the rows aside and the deferred row."""
         self.draft_ctx.clear()
         self.pending_pos = -1
-        self._queue.clear()
+        self._open = False
+        self.gaps, self.shift = [], 0
+        self._drop_rows()
+        self._set_queue(self._q_tok[:0], self._q_pos[:0], self._q_g[:0])
 
     def truncate(self, n: int) -> bool:
-        """Keep the pairs at positions < n (a new prompt sharing n tokens with the old context); the
-        next process() resumes at n, with no deferred row. False (and nothing kept) where the draft
-        cache cannot cut there; reset() then."""
-        self.flush()  # queued pairs reach the draft cache first, then the cut applies to all of them
-        if not self.draft_ctx.seq_rm(0, n, -1):
+        """Keep what the head holds of target positions < n (a new prompt sharing n tokens with the old
+        context); the next process() resumes at n, with no deferred row. False (and nothing kept) where
+        the draft cache cannot cut there; reset() then."""
+        self.catch_up()
+        self.flush()  # rows aside and queued pairs reach the draft cache first, then the cut applies to all
+        gaps = [(t0, min(e, n - t0)) for t0, e in self.gaps if t0 < n]
+        shift = sum(e for _, e in gaps)
+        if not self.draft_ctx.seq_rm(0, n - shift, -1):
             return False
+        self.gaps, self.shift = gaps, shift
         self.pending_pos = -1  # the pair at n - 1 is already in the draft cache
+        self._open = False
         return True
 
     # -- features --------------------------------------------------------------------------------
@@ -84,92 +126,157 @@ class Eagle3Session:
         g = np.empty((n, self.n_embd), dtype=np.float32)  # [n, n_embd]
         base = self.draft_ctx.pos_max() + 1  # the encoder ignores positions; llama.cpp wants them after the KV
         for i in range(0, n, self.n_ubatch):
-            chunk = feats[i:i + self.n_ubatch]
-            self.batch.clear()
-            for j, row in enumerate(chunk):
-                self.batch.add_embd(row, base + j, output=True)
-            self.draft_ctx.process(LLAMA_PROCESS_TYPE_ENCODE, self.batch)
-            g[i:i + len(chunk)] = self.draft_ctx.nextn(len(chunk))
+            m = min(self.n_ubatch, n - i)
+            self.enc_batch.set_embd(feats[i:i + m], np.arange(base, base + m, dtype=np.int32))
+            self.draft_ctx.encode(self.enc_batch)
+            g[i:i + m] = self.draft_ctx.nextn(m)
         return g
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def process(self, tokens: list[int], pos0: int, feats: np.ndarray | None = None) -> None:
-        """Feed the head the rows the target kept: tokens at positions pos0.. (rows 0..n-1 of the
-        target's last decode, unless `feats` is given).  # feats: [n, 3 * n_embd_tgt]
-
-        The encoder runs now; the decoder pairs are queued and go to llama.cpp together with the next
-        draft's seed step (one graph instead of two per cycle), or with the next process()."""
+    def keep(self, tokens, pos0: int, feats: np.ndarray | None = None, trim: bool = True) -> None:
+        """The target kept `tokens` at positions pos0.. (rows 0..n-1 of its last decode, unless `feats`
+        is given): set their features aside for the next catch-up, at most `window` rows unless trim is
+        False.  # feats: [n, 3 * n_embd_tgt]"""
         n = len(tokens)
         if n == 0:
             return
         if feats is None:
             feats = self.features(n)
-        g = self.encode(feats)  # [n, n_embd]
-        self.flush()
-        # complete the deferred pair when the draft has not already written it (draft() seeds it)
-        if self.pending_pos >= 0 and self.pending_pos + 1 == pos0 and self.draft_ctx.pos_max() < self.pending_pos:
-            self._queue.append((tokens[0], self.pending_pos, self.pending_g))
-        for k in range(n - 1):
-            self._queue.append((tokens[k + 1], pos0 + k, g[k]))
+        h0 = pos0 - self.shift
+        have = len(self._rows_tok)
+        if have and self._rows_pos0 + have != h0:
+            raise Eagle3Error(f"rows kept at {pos0} do not follow the rows set aside up to "
+                              f"{self._rows_pos0 + have + self.shift}")
+        if not have:
+            self._rows_pos0 = h0
+        self._rows_tok = np.concatenate([self._rows_tok, np.asarray(tokens, np.int32)])
+        self._rows_feat = np.concatenate([self._rows_feat, feats])
+        if trim and len(self._rows_tok) > self.window:
+            self._trim(len(self._rows_tok) - self.window)
+
+    def process(self, tokens, pos0: int, feats: np.ndarray | None = None) -> None:
+        """Feed the head rows the target kept, all of them, now (the prompt): the encoder runs; the
+        decoder pairs are queued."""
+        self.keep(tokens, pos0, feats, trim=False)
+        self.catch_up()
+
+    def _trim(self, e: int) -> None:
+        """Drop the oldest e rows aside: the deferred pair takes the first one's token, and the rest
+        leave a gap in the head's positions."""
+        if self._open and self.pending_pos + 1 == self._rows_pos0:
+            self._queue_pair(int(self._rows_tok[0]), self.pending_pos, self.pending_g)
+            self._open = False
+        self.gaps.append((self._rows_pos0 + self.shift, e))
+        self.shift += e
+        self._rows_tok = self._rows_tok[e:]
+        self._rows_feat = self._rows_feat[e:]
+
+    def _queue_pair(self, token: int, pos: int, g: np.ndarray) -> None:
+        self._set_queue(np.append(self._q_tok, np.int32(token)), np.append(self._q_pos, np.int32(pos)),
+                        np.concatenate([self._q_g, g[None]]))
+
+    def _drop_rows(self) -> None:
+        self._rows_tok = self._rows_tok[:0]
+        self._rows_feat = self._rows_feat[:0]
+
+    def catch_up(self) -> None:
+        """Encode the rows set aside and queue their decoder pairs (token[p+1], g[p]); the last row's g
+        waits for the next token as the deferred pair."""
+        n = len(self._rows_tok)
+        if n == 0:
+            return
+        toks, pos0 = self._rows_tok, self._rows_pos0
+        g = self.encode(self._rows_feat)  # [n, n_embd]
+        q_tok, q_pos, q_g = [self._q_tok], [self._q_pos], [self._q_g]
+        # complete the deferred pair unless the draft has already written it (draft() seeds it)
+        if self._open and self.pending_pos + 1 == pos0:
+            q_tok.append(toks[:1])
+            q_pos.append(np.array([self.pending_pos], np.int32))
+            q_g.append(self.pending_g[None])
+        q_tok.append(toks[1:])
+        q_pos.append(np.arange(pos0, pos0 + n - 1, dtype=np.int32))
+        q_g.append(g[:n - 1])
+        self._set_queue(np.concatenate(q_tok), np.concatenate(q_pos), np.concatenate(q_g))
         self.pending_g = g[n - 1].copy()
         self.pending_pos = pos0 + n - 1
+        self._open = True
+        self._drop_rows()
+
+    def _set_queue(self, tok: np.ndarray, pos: np.ndarray, g: np.ndarray) -> None:
+        self._q_tok, self._q_pos, self._q_g = tok, pos, g
 
     def flush(self) -> None:
-        """Run the queued decoder pairs now (draft() does this itself)."""
-        if self._queue:
-            self.batch.clear()
-            self._add_queue(output=False)
-            self.draft_ctx.process(LLAMA_PROCESS_TYPE_DECODE, self.batch)
+        """Run the queued decoder pairs now (draft() does this itself), in n_ubatch chunks."""
+        n = len(self._q_tok)
+        for i in range(0, n, self.n_ubatch):
+            m = min(self.n_ubatch, n - i)
+            self.dec_batch.set_embd(self._q_g[i:i + m], self._q_pos[i:i + m], self._q_tok[i:i + m])
+            self.draft_ctx.decode(self.dec_batch)
+        self._set_queue(self._q_tok[:0], self._q_pos[:0], self._q_g[:0])
 
-    def _add_queue(self, output: bool) -> None:
-        for token, pos, g in self._queue:
-            self.batch.add_token(token, pos, g, output=output)
-        self._queue.clear()
+    def _top(self, logits: np.ndarray) -> tuple[int, float]:
+        """The draft's top token and its probability.  # logits: [n_vocab], -inf outside the draft vocab"""
+        if self._vocab is None:
+            finite = np.flatnonzero(np.isfinite(logits))
+            self._vocab = finite if finite.size < logits.size else np.arange(0)
+        if self._vocab.size:
+            z = logits[self._vocab]  # [n_draft_vocab]
+            j = int(np.argmax(z))
+            token = int(self._vocab[j])
+        else:
+            z = logits
+            j = token = int(np.argmax(z))
+        return token, float(1.0 / np.exp(z - z[j]).sum())
 
-    def draft(self, id_last: int, n_max: int, p_min: float = 0.0) -> list[int]:
-        """Draft up to n_max tokens that follow id_last (the target's newest token); stop early when
-        the top draft probability falls under p_min."""
+    def draft(self, id_last: int, n_max: int, judge: Callable[[list[float], int], int] | None = None,
+              p_min: float = 0.0) -> list[int]:
+        """Draft up to n_max tokens that follow id_last (the target's newest token). After each step,
+        `judge(confs, n_max)` (confs: the top probabilities so far) returns -1 to go on or j >= 0 to stop
+        and return the first j drafts; without a judge, drafting stops where the top probability falls
+        under p_min. `self.confs` keeps every step's top probability."""
+        self.confs = []
         if n_max <= 0:
             return []
+        self.catch_up()
         if self.pending_pos < 0:
             raise Eagle3Error("draft() before process(): feed the head the prompt first")
+        if judge is None:
+            judge = FixedPolicy(n_max, p_min).judge
         ctx = self.draft_ctx
         ctx.seq_rm(0, self.pending_pos, -1)
+        # The queued pairs ride along with the seed step (one graph instead of two), all rows marked as
+        # outputs: the pinned eagle3 decoder graph has no output-row selection (no inp_out_ids), so with
+        # outputs on a subset of rows llama.cpp hands back the first rows' logits, not the marked ones.
+        if len(self._q_tok) + 1 > self.n_ubatch:
+            self.flush()
+        q = len(self._q_tok)
+        tok = np.append(self._q_tok, np.int32(id_last))  # [q + 1]
+        pos = np.append(self._q_pos, np.int32(self.pending_pos))  # [q + 1]
+        g = np.concatenate([self._q_g, self.pending_g[None]])  # [q + 1, n_embd]
+        self._set_queue(self._q_tok[:0], self._q_pos[:0], self._q_g[:0])
+        self._open = False  # the seed step writes the deferred pair
         out: list[int] = []
-        token, g, pos = id_last, self.pending_g, self.pending_pos
-        self.batch.clear()
-        # The queued pairs of the last process() ride along with the seed step. They are marked as
-        # outputs too: the pinned eagle3 decoder graph has no output-row selection (no inp_out_ids),
-        # so with outputs on a subset of rows llama.cpp hands back the first rows' logits, not the
-        # marked ones. Its lm_head runs on every row anyway; the marks only cost the copy-out.
-        self._add_queue(output=True)
+        row, p = q, self.pending_pos
         while True:
-            row = self.batch.add_token(token, pos, g, output=True)
-            ctx.process(LLAMA_PROCESS_TYPE_DECODE, self.batch)
-            logits = ctx.logits_ith(row)  # [n_vocab]
-            token = int(np.argmax(logits))
-            if p_min > 0.0 and _top_prob(logits, token) < p_min:
-                break
+            self.dec_batch.set_embd(g, pos, tok)
+            ctx.decode(self.dec_batch)
+            token, conf = self._top(ctx.logits_ith(row))
             out.append(token)
-            if len(out) >= n_max:
-                break
-            g = ctx.nextn_ith(row).copy()  # [n_embd] pre-norm hidden state → next step's g
+            self.confs.append(conf)
+            keep = judge(self.confs, n_max)
+            if keep >= 0:
+                return out[:keep]
+            h = ctx.nextn_ith(row)  # [n_embd] pre-norm hidden state → next step's g
             if self.norms is not None:  # EAGLE 3.1 norm_output: output_norm(h) instead
-                g = self.norms.feedback(g)
-            pos += 1
-            self.batch.clear()
-        return out
+                h = self.norms.feedback(h)
+            p += 1
+            tok, pos, g, row = np.array([token], np.int32), np.array([p], np.int32), h[None], 0
 
     def accept(self, n_accepted: int) -> None:
         """The target kept n_accepted drafted tokens: drop the draft's speculative KV entries past the
-        seed pair, so that process() of the kept rows rewrites them from real target features."""
+        seed pair, so that the kept rows' pairs are rewritten from real target features."""
         if n_accepted < 0:
             raise Eagle3Error(f"accept({n_accepted}): the count of accepted tokens cannot be negative")
         if self.pending_pos >= 0:
             self.draft_ctx.seq_rm(0, self.pending_pos + 1, -1)
 
-
-def _top_prob(logits: np.ndarray, token: int) -> float:
-    """Softmax probability of `token`.  # logits: [n_vocab], -inf outside the draft vocab"""
-    top = logits[token]
-    return float(1.0 / np.exp(logits - top).sum())

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from .policy import PolicyStats
+
 
 @dataclass
 class SpecStats:
@@ -24,6 +26,7 @@ class SpecStats:
     t_total: float = 0.0  # generation after the prompt, everything included
     t_native: float = 0.0  # of t_total: inside llama.cpp (target + draft decodes and encodes)
     stop_reason: str = ""
+    policy: PolicyStats | None = None  # what the drafting policy chose (speculative runs)
 
     def __post_init__(self) -> None:
         k = self.draft_max
@@ -77,6 +80,19 @@ class SpecStats:
         cycles = max(self.n_target_forwards - 1, 1)
         return 1e3 * self.t_python / cycles
 
+    def policy_rows(self) -> list[tuple[str, str]]:
+        p = self.policy
+        rows = [("draft policy", p.name),
+                (f"drafts verified 0..{len(p.chosen) - 1} (cycles)", " ".join(str(x) for x in p.chosen))]
+        if p.name == "adaptive":
+            rows += [
+                ("plain cycles / probes", f"{p.plain_cycles} / {p.probes}"),
+                (f"cost of 1..{len(p.cost_curve)} verify rows", " ".join(f"{x:.2f}" for x in p.cost_curve)
+                 + f" x one row; draft step {p.draft_step_cost:.2f} ({p.cost_source})"),
+                ("predicted / realised", f"{p.predicted_tok_s:.1f} / {self.tokens_per_second:.1f} tok/s"),
+            ]
+        return rows
+
     def acceptance_by_pos(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_by_pos, self.drafted_by_pos)]
 
@@ -101,6 +117,8 @@ class SpecStats:
                 (f"accepted 0..{self.draft_max} (cycles)", " ".join(str(x) for x in self.accept_hist)),
                 ("acceptance by position", " ".join(f"{x:.2f}" for x in self.acceptance_by_pos())),
             ]
+        if self.policy is not None:
+            rows += self.policy_rows()
         t = self.t_total or 1e-9
         rows += [
             ("time: target / draft / process / other",

@@ -17,8 +17,8 @@ class OracleSession(Eagle3Session):
         self.truth = truth
         self.schedule = itertools.cycle(schedule)
 
-    def draft(self, id_last: int, n_max: int, p_min: float = 0.0) -> list[int]:
-        real = super().draft(id_last, n_max, p_min)
+    def draft(self, id_last: int, n_max: int, judge=None, p_min: float = 0.0) -> list[int]:
+        real = super().draft(id_last, n_max, judge, p_min)
         start = self.pending_pos + 2  # id_last sits at pending_pos + 1
         good = next(self.schedule)
         future = self.truth[start:start + len(real)]

@@ -104,7 +104,7 @@ def test_prompt_longer_than_context(tiny_target, tiny_head):
 
 def test_generate_json_with_baseline(tiny_target, tiny_head):
     r = invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-p", "The capital of France is",
-               "-n", "24", "--baseline", "--json")
+               "-n", "24", "--baseline", "--json", "--draft-policy", "fixed")
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert d["identical"] is True
@@ -136,7 +136,7 @@ def test_identical_past_256_tokens_on_two_threads(tiny_target, tiny_head, ctv):
     text equals target-only decoding past the 256 tokens where f16/f16 single rows go split-KV; with
     -ctv f16 the CLI says that it may not be."""
     r = invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-p", "Once upon a time", "-n", "400",
-               "-t", "2", "--draft-p-min", "0", "--baseline", "--json", "-ctv", ctv)
+               "-t", "2", "--draft-policy", "fixed", "--draft-p-min", "0", "--baseline", "--json", "-ctv", ctv)
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert d["stats"]["n_generated"] == 400 and d["stats"]["n_drafted"] > 300  # rows decoded in verify batches

@@ -72,7 +72,7 @@ def plain(tiny_target):
 
 @pytest.fixture(scope="module")
 def ours(tiny_target, tiny_head):
-    llm = Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_max=4, **KW)
+    llm = Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_policy="fixed", draft_max=4, **KW)
     yield llm
     llm.close()
 
@@ -163,7 +163,7 @@ def test_rewound_head_drafts_like_a_fresh_one(tiny_target, tiny_head, ours):
             del llm._e3_session.draft
         return seen
 
-    with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, **KW)) as fresh:
+    with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_policy="fixed", **KW)) as fresh:
         expected = drafts_of(fresh, PROMPTS[2] + " the baker said")
     ours(PROMPTS[2] + " a dog barked", max_tokens=10, **GREEDY)
     assert drafts_of(ours, PROMPTS[2] + " the baker said") == expected
@@ -234,7 +234,7 @@ def test_stopping_criteria_identical(plain, ours):
 def test_logprobs_with_logits_all(tiny_target, tiny_head):
     kw = {**KW, "logits_all": True}
     with closing(llama_cpp.Llama(model_path=str(tiny_target), **kw)) as plain, \
-            closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, **kw)) as ours:
+            closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_policy="fixed", **kw)) as ours:
         a = plain(PROMPTS[0], max_tokens=12, logprobs=3, **GREEDY)
         b = ours(PROMPTS[0], max_tokens=12, logprobs=3, **GREEDY)
         la, lb = a["choices"][0].pop("logprobs"), b["choices"][0].pop("logprobs")
@@ -251,7 +251,7 @@ def test_forced_acceptance(tiny_target, tiny_head, plain, sampling):
     plain(PROMPTS[1], max_tokens=61, **sampling)
     truth = plain.input_ids[:plain.n_tokens].tolist()  # the prompt and the 60 tokens below
     base = plain(PROMPTS[1], max_tokens=60, **sampling)
-    with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_max=k, **KW)) as llm:
+    with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_policy="fixed", draft_max=k, **KW)) as llm:
         use_session(llm, OracleSession(llm._e3_pair.target, llm._e3_pair.head, truth=truth,
                                        schedule=[0, 1, 2, 3, 4, 4, 2]))
         same(base, llm(PROMPTS[1], max_tokens=60, **sampling))
@@ -272,7 +272,7 @@ def test_stop_inside_an_accepted_run_keeps_stats_consistent(tiny_target, tiny_he
     full = text_of(plain(PROMPTS[1], max_tokens=60, **GREEDY))
     stop = full[cut:cut + 4]
     base = plain(PROMPTS[1], max_tokens=60, stop=[stop], **GREEDY)
-    with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_max=4, **KW)) as llm:
+    with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_policy="fixed", draft_max=4, **KW)) as llm:
         use_session(llm, OracleSession(llm._e3_pair.target, llm._e3_pair.head, truth=truth, schedule=[4]))
         same(base, llm(PROMPTS[1], max_tokens=60, stop=[stop], **GREEDY))
         st = llm.spec_stats
@@ -285,7 +285,7 @@ def test_attach_eagle3(tiny_target, tiny_head, plain):
     llm = llama_cpp.Llama(model_path=str(tiny_target), **KW)
     try:
         before = llm(PROMPTS[0], max_tokens=20, **GREEDY)
-        same_llm = attach_eagle3(llm, tiny_head, draft_max=3)
+        same_llm = attach_eagle3(llm, tiny_head, draft_max=3, draft_policy="fixed")
         assert same_llm is llm and isinstance(llm, Eagle3Llama) and isinstance(llm, llama_cpp.Llama)
         same(before, llm(PROMPTS[0], max_tokens=20, **GREEDY))
         same(plain(PROMPTS[2], max_tokens=20, **GREEDY), llm(PROMPTS[2], max_tokens=20, **GREEDY))
@@ -325,7 +325,7 @@ def test_raw_generate_and_its_fallbacks(plain, ours):
 
 def test_exactness_defaults_and_warning_on_f16_cache(tiny_target, tiny_head):
     plain_kw = dict(n_ctx=512, n_batch=64, verbose=False)
-    with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, **plain_kw)) as llm:
+    with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_policy="fixed", **plain_kw)) as llm:
         assert llm.context_params.type_v == CACHE_TYPES["bf16"]
         assert llm.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
     f16 = CACHE_TYPES["f16"]
@@ -340,7 +340,7 @@ def test_exactness_defaults_and_warning_on_f16_cache(tiny_target, tiny_head):
 
 def test_warns_without_flash_attention(tiny_target, tiny_head):
     with pytest.warns(RuntimeWarning, match="flash_attn=False"):
-        llm = Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, **{**KW, "flash_attn": False})
+        llm = Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_policy="fixed", **{**KW, "flash_attn": False})
     llm.close()
     with pytest.warns(RuntimeWarning, match="flash_attn=False"):
         with closing(llama_cpp.Llama(model_path=str(tiny_target), **{**KW, "flash_attn": False})) as llm:
@@ -354,9 +354,9 @@ def test_bad_construction(tiny_target, tiny_head, smollm2_path):
         Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head,
                     draft_model=LlamaPromptLookupDecoding(), **KW)
     with pytest.raises(Eagle3Error, match="draft_max"):
-        Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_max=-1, **KW)
+        Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_policy="fixed", draft_max=-1, **KW)
     with pytest.raises(Eagle3Error, match="hidden size"):  # a head for the tiny target on SmolLM2
-        Eagle3Llama(model_path=str(smollm2_path), draft_model_path=tiny_head, **KW)
+        Eagle3Llama(model_path=str(smollm2_path), draft_model_path=tiny_head, draft_policy="fixed", **KW)
     with pytest.raises(Eagle3Error, match="no such file"):
         Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head.with_name("missing.gguf"), **KW)
 

@@ -27,16 +27,18 @@ def tiny_pair(tiny_target, tiny_head):
         yield pair
 
 
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
 @pytest.mark.parametrize("k", [1, 2, 4, 6])
-def test_greedy_equals_target_only_tiny(tiny_pair, k):
+def test_greedy_equals_target_only_tiny(tiny_pair, k, policy):
     with Eagle3Session(tiny_pair.target, tiny_pair.head) as s, Decoder(tiny_pair.target, s) as d:
         for text in PROMPTS:
             prompt = tokenize(tiny_pair.target_model, text)
-            cfg = GenerateConfig(n_predict=40, draft_max=k)
+            cfg = GenerateConfig(n_predict=40, draft_max=k, draft_policy=policy)
             base = d.generate(prompt, cfg, speculative=False)
             spec = d.generate(prompt, cfg, speculative=True)
             assert spec.tokens == base.tokens
-            assert spec.stats.n_drafted > 0
+            if policy == "fixed":
+                assert spec.stats.n_drafted > 0
             check_stats_add_up(spec.stats, len(spec.tokens))
 
 
@@ -48,7 +50,7 @@ def test_forced_acceptance_every_length(tiny_pair):
     full = prompt + base.tokens
     with OracleSession(tiny_pair.target, tiny_pair.head, truth=full, schedule=[0, 1, 2, 3, 4, 4, 2]) as s, \
             Decoder(tiny_pair.target, s) as d:
-        spec = d.generate(prompt, GenerateConfig(n_predict=60, draft_max=k))
+        spec = d.generate(prompt, GenerateConfig(n_predict=60, draft_max=k, draft_policy="fixed"))
     assert spec.tokens == base.tokens
     st = spec.stats
     assert all(st.accept_hist[n] > 0 for n in range(k + 1)), st.accept_hist
@@ -70,7 +72,7 @@ def test_sampling_is_lossless_with_the_same_seed(tiny_pair):
     full = prompt + base.tokens
     with OracleSession(tiny_pair.target, tiny_pair.head, truth=full, schedule=[3, 0, 2]) as s, \
             Decoder(tiny_pair.target, s) as d:
-        spec = d.generate(prompt, GenerateConfig(n_predict=40, draft_max=3), hot(7))
+        spec = d.generate(prompt, GenerateConfig(n_predict=40, draft_max=3, draft_policy="fixed"), hot(7))
     assert spec.tokens == base.tokens
     assert spec.stats.n_accepted > 0
 
@@ -131,7 +133,7 @@ def test_context_full_stops_cleanly(tiny_target, tiny_head):
         n_ctx = pair.target.n_ctx
         prompt = tokenize(pair.target_model, "word " * (n_ctx - 40))
         with Eagle3Session(pair.target, pair.head) as s, Decoder(pair.target, s) as d:
-            r = d.generate(prompt, GenerateConfig(n_predict=500, draft_max=4))
+            r = d.generate(prompt, GenerateConfig(n_predict=500, draft_max=4, draft_policy="fixed"))
             base = d.generate(prompt, GenerateConfig(n_predict=500, draft_max=4), speculative=False)
     assert r.stats.stop_reason == base.stats.stop_reason == "context full"
     assert len(prompt) + len(r.tokens) == n_ctx + 1  # the last token is sampled, never stored
@@ -152,12 +154,12 @@ def test_greedy_equals_target_only_smollm2(smollm2_path, tmp_path):
             bases = [plain.generate(pr, GenerateConfig(n_predict=64), speculative=False) for pr in prompts]
         with Eagle3Session(pair.target, pair.head) as s, Decoder(pair.target, s) as d:
             for pr, base in zip(prompts, bases):
-                spec = d.generate(pr, GenerateConfig(n_predict=64, draft_max=4))
+                spec = d.generate(pr, GenerateConfig(n_predict=64, draft_max=4, draft_policy="fixed"))
                 assert spec.tokens == base.tokens
                 check_stats_add_up(spec.stats, len(spec.tokens))
         full = prompts[0] + bases[0].tokens
         with OracleSession(pair.target, pair.head, truth=full, schedule=[4, 1, 3, 0, 2]) as s, \
                 Decoder(pair.target, s) as d:
-            spec = d.generate(prompts[0], GenerateConfig(n_predict=64, draft_max=4))
+            spec = d.generate(prompts[0], GenerateConfig(n_predict=64, draft_max=4, draft_policy="fixed"))
         assert spec.tokens == bases[0].tokens
         assert spec.stats.tau > 2.0  # the oracle schedule accepts 2 drafts per cycle on average

@@ -36,6 +36,6 @@ def test_same_greedy_text_as_llama_speculative_simple(smollm2_path, tmp_path):
     upstream_text = up.stdout[up.stdout.index(prompt) + len(prompt):]
     with load_pair(smollm2_path, head, PairConfig(n_ctx=1024)) as pair:
         with Eagle3Session(pair.target, pair.head) as s, Decoder(pair.target, s) as d:
-            ours = d.generate(tokenize(pair.target_model, prompt), GenerateConfig(n_predict=n, draft_max=4))
+            ours = d.generate(tokenize(pair.target_model, prompt), GenerateConfig(n_predict=n, draft_max=4, draft_policy="fixed"))
     assert len(ours.text) > 40
     assert upstream_text.startswith(ours.text), (upstream_text[:300], ours.text[:300])

@@ -10,15 +10,16 @@ from typing import Optional
 import typer
 
 from ..errors import Eagle3Error
+from ..policy import POLICIES
 
-# Chosen from measurement on 2 CPU cores (SmolLM2 + the embedded head, 128 tokens, our 6 prompts,
+# The default policy is adaptive (eagle3_gguf.policy): it chooses 0..K drafts per cycle from the measured
+# cost curve and the head's online acceptance, so K is only a cap. For `--draft-policy fixed`, p_min 0.5
+# was chosen from measurement on 2 CPU cores (SmolLM2 + the embedded head, 128 tokens, our 6 prompts,
 # scripts/bench_defaults.py, medians): on Q4_1, K=4 with p_min 0 runs at 0.47x target-only (tau 1.80),
-# p_min 0.5 at 0.85x, K=2 p_min 0.5 at 0.85x; on Q4_0, K=4 p_min 0.5 at 0.85x and K=2 at 0.84x. K=2 and
-# K=4 at p_min 0.5 are within the noise of each other, so the defaults stayed. Stopping the draft when
-# the head is unsure keeps CPU verify batches (3 rows ~2x one row on Q4_1) from being spent on tokens
-# the target will reject. The library's GenerateConfig keeps p_min 0.0.
+# p_min 0.5 at 0.85x, K=2 p_min 0.5 at 0.85x. The library's GenerateConfig keeps p_min 0.0.
 DEFAULT_DRAFT_MAX = 4
 DEFAULT_DRAFT_P_MIN = 0.5
+DEFAULT_DRAFT_POLICY = "adaptive"
 
 
 def register(app: typer.Typer) -> None:
@@ -36,7 +37,8 @@ def register(app: typer.Typer) -> None:
         temp: float = typer.Option(0.0, "--temp", help="Temperature; 0 = greedy."),
         seed: int = typer.Option(0, "--seed", help="Sampling seed (with --temp > 0)."),
         draft_max: int = typer.Option(DEFAULT_DRAFT_MAX, "--draft-max", help="Tokens drafted per cycle (K); 0 = target only."),
-        draft_p_min: float = typer.Option(DEFAULT_DRAFT_P_MIN, "--draft-p-min", help="Stop drafting when the draft's top probability falls below this."),
+        draft_p_min: float = typer.Option(DEFAULT_DRAFT_P_MIN, "--draft-p-min", help="With --draft-policy fixed: stop drafting when the draft's top probability falls below this."),
+        draft_policy: str = typer.Option(DEFAULT_DRAFT_POLICY, "--draft-policy", help="adaptive: draft 0..K tokens per cycle, whatever is expected to pay (measured costs, online acceptance); fixed: always K, cut at --draft-p-min."),
         chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the target's chat template (from its GGUF)."),
         baseline: bool = typer.Option(False, "--baseline", help="Also run target-only decoding and report speedup and identity."),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text + statistics) instead of streaming."),
@@ -48,25 +50,29 @@ def register(app: typer.Typer) -> None:
 
         setup_logging(verbose)
         try:
-            _check_flags(prompt, file, n_predict, n_ctx, threads, temp, draft_max, draft_p_min)
+            _check_flags(prompt, file, n_predict, n_ctx, threads, temp, draft_max, draft_p_min, draft_policy)
             pair_config = _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max)
-            _run(model, draft, prompt, file, n_predict, pair_config, temp, seed, draft_max, draft_p_min, chat,
-                 baseline, as_json)
+            from ..decode import GenerateConfig
+
+            config = GenerateConfig(n_predict=n_predict, draft_max=draft_max, draft_p_min=draft_p_min,
+                                    draft_policy=draft_policy)
+            _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, baseline, as_json)
         except Eagle3Error as e:
             fail(str(e))
 
 
-def _check_flags(prompt, file, n_predict, n_ctx, threads, temp, draft_max, draft_p_min) -> None:
+def _check_flags(prompt, file, n_predict, n_ctx, threads, temp, draft_max, draft_p_min, draft_policy) -> None:
     if prompt is not None and file is not None:
         raise Eagle3Error("give the prompt with -p or -f, not both")
     if n_predict < 1:
         raise Eagle3Error(f"-n must be at least 1 (got {n_predict})")
-    check_decoding_flags(n_ctx, threads, draft_max, draft_p_min)
+    check_decoding_flags(n_ctx, threads, draft_max, draft_p_min, draft_policy)
     if temp < 0:
         raise Eagle3Error(f"--temp cannot be negative (got {temp})")
 
 
-def check_decoding_flags(n_ctx: int, threads: int | None, draft_max: int, draft_p_min: float) -> None:
+def check_decoding_flags(n_ctx: int, threads: int | None, draft_max: int, draft_p_min: float,
+                         draft_policy: str = DEFAULT_DRAFT_POLICY) -> None:
     """The flags `generate` and `serve` share."""
     if n_ctx < 16:
         raise Eagle3Error(f"-c must be at least 16 (got {n_ctx})")
@@ -76,6 +82,8 @@ def check_decoding_flags(n_ctx: int, threads: int | None, draft_max: int, draft_
         raise Eagle3Error(f"--draft-max must be between 0 and 32 (got {draft_max})")
     if not 0.0 <= draft_p_min < 1.0:
         raise Eagle3Error(f"--draft-p-min must be in [0, 1) (got {draft_p_min})")
+    if draft_policy not in POLICIES:
+        raise Eagle3Error(f"--draft-policy must be {' or '.join(POLICIES)} (got {draft_policy})")
 
 
 INEXACT_NOTE = ("note: with a {k}/{v} KV cache, llama.cpp computes a lone row differently from a verify-batch row "
@@ -93,10 +101,9 @@ def _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max):
     return PairConfig(n_ctx=n_ctx, n_threads=threads, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
 
 
-def _run(model, draft, prompt, file, n_predict, pair_config, temp, seed, draft_max, draft_p_min, chat,
-         baseline, as_json) -> None:
+def _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, baseline, as_json) -> None:
     from ..assets import default_head_path, smollm2_path
-    from ..decode import Decoder, GenerateConfig, PartialResult, Sampler
+    from ..decode import Decoder, PartialResult, Sampler
     from ..pair import load_pair
     from ..session import Eagle3Session
     from ..stats import Comparison
@@ -113,12 +120,12 @@ def _run(model, draft, prompt, file, n_predict, pair_config, temp, seed, draft_m
     head_path = draft or default_head_path()
     with load_pair(target_path, head_path, pair_config) as pair:
         tokens = chat_tokens(pair.target_model, prompt) if chat else tokenize(pair.target_model, prompt)
-        config = GenerateConfig(n_predict=n_predict, draft_max=draft_max, draft_p_min=draft_p_min)
-        with Eagle3Session(pair.target, pair.head) as session, Decoder(pair.target, session) as decoder:
+        cost_tag = f"kv {pair_config.cache_type_k}/{pair_config.cache_type_v} ngl {pair_config.n_gpu_layers}"
+        with Eagle3Session(pair.target, pair.head) as session, Decoder(pair.target, session, cost_tag) as decoder:
             detok = Detokenizer(pair.target_model)
             stream = None if as_json else (lambda new: _emit(detok.push(new)))
             try:
-                spec = decoder.generate(tokens, config, Sampler(temp, seed), speculative=draft_max > 0,
+                spec = decoder.generate(tokens, config, Sampler(temp, seed), speculative=config.draft_max > 0,
                                         on_tokens=stream)
             except PartialResult as p:
                 if stream:
