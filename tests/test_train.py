@@ -162,7 +162,7 @@ def test_run_training_end_to_end(tmp_path, tiny_target):
         assert pair.head_model.target_layer_ids() == LAYERS
         with Eagle3Session(pair.target, pair.head) as sess, Decoder(pair.target, sess) as dec:
             prompt = chat_tokens(pair.target_model, "Write a Python function that adds two numbers.")
-            spec = dec.generate(prompt, GenerateConfig(n_predict=24, draft_max=3))
+            spec = dec.generate(prompt, GenerateConfig(n_predict=24, draft_max=3, draft_policy="fixed"))
             base = dec.generate(prompt, GenerateConfig(n_predict=24, draft_max=3), speculative=False)
     assert spec.tokens == base.tokens
     assert spec.stats.n_drafted > 0
