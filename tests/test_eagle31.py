@@ -30,6 +30,7 @@ from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
 from eagle3_gguf.session import Eagle3Session  # noqa: E402
 from eagle3_gguf.train.export import _NAMES, read_token_embeddings  # noqa: E402
 from eagle3_gguf.train.model import Eagle3Head, HeadConfig  # noqa: E402
+from generate_flags import fixed_policy  # noqa: E402
 from model_factory import HeadSpec, write_random_head  # noqa: E402
 
 PROMPT = [1, 17, 305, 4021, 77, 12000, 9, 411, 2315]
@@ -279,7 +280,8 @@ def test_train_exports_an_eagle31_head(tmp_path, tiny_target, embed):
 
     r = subprocess.run([sys.executable, "-m", "eagle3_gguf.cli.main", "generate", "-m", str(tiny_target), "--draft",
                         str(res.gguf), "-p", "Hello there", "-n", "24", "--draft-max", "3", "--draft-p-min", "0",
-                        "-t", "2", "--baseline", "--json"], capture_output=True, text=True, timeout=300)
+                        "-t", "2", "--baseline", "--json", *fixed_policy()], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     assert out["identical"] is True and out["stats"]["n_drafted"] > 0

@@ -18,6 +18,7 @@ from checkpoints import dims_with, write_checkpoint  # noqa: E402
 from eagle3_gguf.convert import convert_head  # noqa: E402
 from eagle3_gguf.head_norms import HeadNorms  # noqa: E402
 from eagle3_gguf.pair import PairConfig  # noqa: E402
+from generate_flags import fixed_policy  # noqa: E402
 
 SPEC = bin_dir() / "llama-speculative-simple"
 pytestmark = [pytest.mark.upstream, pytest.mark.slow,
@@ -52,7 +53,8 @@ def test_generate_with_a_31_head_is_lossless(head31, smollm2_path):
     assert HeadNorms.load(head31) is not None  # the session applies both norms
     r = subprocess.run([sys.executable, "-m", "eagle3_gguf.cli.main", "generate", "-m", str(smollm2_path),
                         "--draft", str(head31), "-p", "Explain how a lighthouse works, step by step.", "--chat",
-                        "-n", "64", "--draft-max", "4", "--draft-p-min", "0", "-t", "2", "--baseline", "--json"],
+                        "-n", "64", "--draft-max", "4", "--draft-p-min", "0", "-t", "2", "--baseline", "--json",
+                        *fixed_policy()],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
