@@ -10,9 +10,7 @@ import typer
 from ..errors import Eagle3Error
 from ..server import ServeConfig, build_app
 from .common import fail, setup_logging
-from .generate import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN, check_decoding_flags
-
-DRAFT_POLICIES = ("adaptive", "fixed")  # attach_eagle3(draft_policy=...)
+from .generate import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_POLICY, check_decoding_flags
 
 
 def register(app: typer.Typer) -> None:
@@ -27,7 +25,7 @@ def register(app: typer.Typer) -> None:
         n_ctx: int = typer.Option(4096, "-c", "--ctx-size", help="Context size (tokens)."),
         threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads."),
         alias: Optional[str] = typer.Option(None, "--alias", help="Model name clients send (default: the target file name without .gguf)."),
-        draft_policy: str = typer.Option("adaptive", "--draft-policy", help="Draft length policy: adaptive (default) or fixed (attach_eagle3's draft_policy)."),
+        draft_policy: str = typer.Option(DEFAULT_DRAFT_POLICY, "--draft-policy", help="adaptive: draft 0..K tokens per cycle, whatever is expected to pay; fixed: always K, cut at --draft-p-min."),
         strict_model: bool = typer.Option(False, "--strict-model", help="Answer 404 to requests naming another model (default: llama-cpp-python's rule, the served model answers)."),
         verbose: bool = typer.Option(False, "-v", "--verbose", help="Show llama.cpp's log and every request."),
     ) -> None:
@@ -37,9 +35,7 @@ def register(app: typer.Typer) -> None:
                              draft_p_min=draft_p_min, draft_policy=draft_policy, n_ctx=n_ctx, n_threads=threads,
                              alias=alias, strict_model=strict_model)
         try:
-            check_decoding_flags(n_ctx, threads, draft_max, draft_p_min)
-            if draft_policy not in DRAFT_POLICIES:
-                raise Eagle3Error(f"--draft-policy must be {' or '.join(DRAFT_POLICIES)} (got {draft_policy})")
+            check_decoding_flags(n_ctx, threads, draft_max, draft_p_min, draft_policy)
             if not 0 < port < 65536:
                 raise Eagle3Error(f"--port must be in 1..65535 (got {port})")
             server = build_app(config)
@@ -47,6 +43,6 @@ def register(app: typer.Typer) -> None:
             fail(str(e))
         import uvicorn
 
-        typer.echo(f"serving {config.model_alias} (+ {draft.name}, K={draft_max}, p_min {draft_p_min}) on "
-                   f"http://{host}:{port}/v1", err=True)
+        typer.echo(f"serving {config.model_alias} (+ {draft.name}, {draft_policy}, K={draft_max}, p_min {draft_p_min})"
+                   f" on http://{host}:{port}/v1", err=True)
         uvicorn.run(server, host=host, port=port, log_level="info" if verbose else "warning")
