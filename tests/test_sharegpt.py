@@ -20,7 +20,7 @@ from eagle3_gguf.tokens import Message, apply_chat_template, chat_tokens, token_
 from eagle3_gguf.train import sharegpt
 from eagle3_gguf.train.data import DataConfig, TokenRecords, load_dataset, teacher_forced_data, top_k
 from eagle3_gguf.train.sharegpt import (BenchmarkFilter, Conversation, FilterConfig, ReadStats, Turn, clean,
-                                        iter_json_array, prepare, render, split_of)
+                                        iter_json_array, load_prepared, prepare, render, split_of)
 
 LAYERS = [1, 3, 4]
 WORDS = ("the model reads every token of the answer and learns which word comes next in a sentence about "
@@ -152,6 +152,12 @@ def test_prepare_filters_dedups_splits_and_is_a_stable_prefix(tmp_path, tiny_tar
     assert again.train_ids == full.train_ids
     assert full.train.tokens.max() < 49152 and len(full.train.tokens) == len(full.train.mask)
     assert all(len(full.train.record(i)[0]) <= 96 for i in range(full.train.n_records))
+
+    path.unlink()  # a prepared folder travels without the ShareGPT file or the benchmarks
+    kept = load_prepared(tmp_path / "all", cfg, 49152, limit=20)
+    assert kept.train_ids == full.train_ids and np.array_equal(kept.train.mask, full.train.mask)
+    assert load_prepared(tmp_path / "part", cfg, 49152, limit=6) is None  # holds only 5
+    assert load_prepared(tmp_path / "all", FilterConfig(max_tokens=64), 49152) is None  # other filters
 
 
 def test_missing_package_is_one_clear_error(monkeypatch):

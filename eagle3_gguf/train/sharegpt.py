@@ -288,21 +288,40 @@ def _load(path: Path) -> tuple[TokenRecords, list[str]]:
         return TokenRecords(z["tokens"].astype(np.int32), z["starts"], z["mask"]), [str(x) for x in z["ids"]]
 
 
+def load_prepared(out: str | Path, cfg: FilterConfig, n_vocab: int, limit: int | None = None,
+                  key: dict | None = None) -> Prepared | None:
+    """The folder `prepare` wrote, if it was made with these filters for a vocab of this size and holds at
+    least `limit` (or all) training conversations; None otherwise. Needs neither the ShareGPT file nor
+    the benchmarks: a prepared folder can travel to a machine that has neither. `key`: the whole of
+    prepare's key must match (source file and benchmark texts too)."""
+    out = Path(out)
+    meta = out / PREPARED
+    if not meta.is_file():
+        return None
+    saved = json.loads(meta.read_text())
+    st = PrepareStats(**saved["stats"])
+    same = saved["key"] == key if key is not None else (
+        saved["key"]["filters"] == asdict(cfg) and saved["key"]["vocab"] == n_vocab)
+    if not same or not (st.complete or (limit is not None and st.n_train >= limit)):
+        return None
+    (train, tids), (val, vids) = _load(out / "train.npz"), _load(out / "val.npz")
+    return Prepared(train, val, tids, vids, st)
+
+
 def prepare(model: Model, json_path: str | Path, out: str | Path, cfg: FilterConfig, exclude: list[str],
             limit: int | None = None) -> Prepared:
     """Read, clean, check against `exclude` (benchmark texts), split and tokenize ShareGPT into `out`
     (train.npz, val.npz, prepare.json). Stops once `limit` training conversations are kept. A folder
-    already prepared from the same file and filters with at least `limit` (or all) conversations is
-    reused as it is; its first `limit` conversations are the same whatever the limit."""
+    already prepared from the same file (by name and size), filters and benchmark texts with at least
+    `limit` (or all) conversations is reused as it is; its first `limit` conversations are the same
+    whatever the limit."""
     out = Path(out)
-    key = {"source": str(json_path), "filters": asdict(cfg), "n_exclude": len(exclude), "vocab": model.n_vocab}
+    key = {"source": [Path(json_path).name, Path(json_path).stat().st_size], "filters": asdict(cfg),
+           "exclude": hashlib.sha256("\0".join(exclude).encode()).hexdigest()[:16], "vocab": model.n_vocab}
+    done = load_prepared(out, cfg, model.n_vocab, limit, key)
+    if done is not None:
+        return done
     meta = out / PREPARED
-    if meta.is_file():
-        saved = json.loads(meta.read_text())
-        st = PrepareStats(**saved["stats"])
-        if saved["key"] == key and (st.complete or (limit is not None and st.n_train >= limit)):
-            (train, tids), (val, vids) = _load(out / "train.npz"), _load(out / "val.npz")
-            return Prepared(train, val, tids, vids, st)
     bench = BenchmarkFilter(exclude, cfg.ngram)
     read = ReadStats()
     st = PrepareStats(str(json_path))
