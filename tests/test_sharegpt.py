@@ -354,3 +354,12 @@ def test_run_training_on_sharegpt_end_to_end(tmp_path, tiny_target):
     assert json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())["n_prompts_done"] == 9
     with pytest.raises(Eagle3Error, match="--data-source tweets: one of self, sharegpt"):
         run_training(tiny_target, tmp_path / "other", PipelineConfig(**{**base, "data_source": "tweets"}))
+
+
+def test_train_cli_refuses_a_non_positive_disk_budget(tmp_path, tiny_target):
+    pytest.importorskip("torch")
+    r = subprocess.run([sys.executable, "-m", "eagle3_gguf.cli.main", "train", "-m", str(tiny_target), "-o",
+                        str(tmp_path / "o"), "--data-source", "sharegpt", "--max-data-gb", "0"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: --max-data-gb 0.0: must be positive"]
+    assert not (tmp_path / "o").exists()
