@@ -244,6 +244,8 @@ def test_teacher_forced_data_stops_at_the_disk_budget_and_resumes(tmp_path, tiny
     first = teacher_forced_data(tiny_target, recs, tmp_path, cfg, source="synthetic")
     assert first.capped and 0 < first.n_prompts_done < recs.n_records
     assert first.n_bytes < 60_000 + 130 * (3 * 64 * 2 + 4 * 6 + 5)  # at most one record over
+    again = teacher_forced_data(tiny_target, recs, tmp_path, cfg, source="synthetic")  # the budget is spent
+    assert again.capped and again.n_prompts_done == first.n_prompts_done and again.shards == first.shards
     with pytest.raises(Eagle3Error, match="top 4 tokens, not 8"):
         teacher_forced_data(tiny_target, recs, tmp_path, DataConfig(layers=LAYERS, topk=8), source="synthetic")
     done = teacher_forced_data(tiny_target, recs, tmp_path, DataConfig(layers=LAYERS, max_tokens=128, n_batch=64,
@@ -363,3 +365,17 @@ def test_train_cli_refuses_a_non_positive_disk_budget(tmp_path, tiny_target):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: --max-data-gb 0.0: must be positive"]
     assert not (tmp_path / "o").exists()
+
+
+def test_self_distillation_data_keeps_the_disk_budget_too(tmp_path, tiny_target):
+    from eagle3_gguf.train.data import generate_data
+    from eagle3_gguf.train.prompts import build_prompts
+
+    prompts = build_prompts(6)
+    cfg = DataConfig(layers=LAYERS, n_seq=2, max_new=8, n_threads=2, max_bytes=20_000)
+    first = generate_data(tiny_target, prompts, tmp_path, cfg)
+    assert first.capped and 0 < load_dataset(tmp_path).n_records < 6
+    again = generate_data(tiny_target, prompts, tmp_path, cfg)
+    assert again.capped and again.shards == first.shards
+    done = generate_data(tiny_target, prompts, tmp_path, DataConfig(layers=LAYERS, n_seq=2, max_new=8, n_threads=2))
+    assert done.n_prompts_done == 6 and not done.capped and load_dataset(tmp_path).n_records == 6

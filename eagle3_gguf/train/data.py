@@ -280,9 +280,9 @@ def generate_data(target_path: str | Path, prompts: list[Prompt], out: str | Pat
     skip = set(manifest.done_after)
     t0 = time.perf_counter()
     run_tokens = run_answer = 0
-    stop = False
+    stop = writer.over_budget(config, t0)  # a rerun at a spent disk budget adds nothing
     try:
-        while True:
+        while not stop:
             for slot in slots:  # refill idle slots
                 while slot.index < 0 and next_index < len(prompts):
                     if next_index in skip:
@@ -367,7 +367,7 @@ def teacher_forced_data(target_path: str | Path, records: TokenRecords, out: str
     index = manifest.n_prompts_done
     t0 = time.perf_counter()
     run_tokens = run_labels = 0
-    stop = False
+    stop = writer.over_budget(config, t0)  # a rerun at a spent disk budget adds nothing
     try:
         while index < records.n_records and not stop:
             tokens, mask = records.record(index)
