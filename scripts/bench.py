@@ -6,9 +6,12 @@
 
 For each target quantization (as shipped Q4_1, and Q4_0 made with upstream llama-quantize), every
 prompt runs every contender back to back (interleaved, so drift hits all alike; same GGUFs, threads
-and K): target-only (ours), our loop at K = 1..6, upstream `llama-speculative-simple --spec-type
-draft-eagle3` at the same K, upstream n-gram drafting. Speedups are medians of per-prompt ratios
-against the target-only run of the same prompt. The ceiling for a K is what a draft with the measured
+and K): target-only (ours), our adaptive policy (`--adaptive`, K = the largest of --ks as its cap),
+our fixed policy at every K of --ks and p_min of --p-mins, upstream `llama-speculative-simple
+--spec-type draft-eagle3` at the same K, upstream n-gram drafting. Target-only and adaptive run twice
+per prompt, first and last, so the drift over a prompt's runs cancels between them. Speedups are
+medians of per-prompt ratios against the target-only runs of the same prompt; `worst` is the
+smallest per-prompt ratio. The ceiling for a K is what a draft with the measured
 tau could give at the measured cost of verifying K+1 tokens (llama-bench pp1..8) and of a draft step:
 tau / (c(K+1) + K·d). Writes results.md, results.json and speedup.png under --out.
 """
@@ -33,6 +36,7 @@ from build_upstream import bin_dir, requantized  # noqa: E402
 
 from eagle3_gguf.assets import default_head_path, smollm2_path  # noqa: E402
 from eagle3_gguf.decode import Decoder, GenerateConfig  # noqa: E402
+from eagle3_gguf.native import install_log_callback  # noqa: E402
 from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
 from eagle3_gguf.session import Eagle3Session  # noqa: E402
 from eagle3_gguf.tokens import Message, apply_chat_template, tokenize  # noqa: E402
@@ -45,10 +49,11 @@ class Run:
     quant: str
     workload: str
     prompt_id: str
-    contender: str  # "target", "ours", "upstream", "ngram"
+    contender: str  # "target", "ours" (fixed policy), "adaptive", "upstream", "ngram"
     k: int
     tokens: int
     seconds: float
+    p_min: float = 0.0
     tau: float = 1.0
     acceptance: float = 0.0
     python_ms_per_cycle: float = 0.0
@@ -56,6 +61,8 @@ class Run:
     identical: bool | None = None
     drafted_by_pos: list[int] = field(default_factory=list)  # [K] (ours only)
     accepted_by_pos: list[int] = field(default_factory=list)  # [K]
+    chosen: list[int] = field(default_factory=list)  # [K + 1]: cycles that verified 0..K drafts (ours only)
+    probes: int = 0
 
     @property
     def tok_s(self) -> float:
@@ -79,8 +86,10 @@ class Row:
     workload: str
     contender: str
     k: int
+    p_min: float
     tok_s: float
     speedup: float
+    worst: float
     tau: float
     acceptance: float
     python_ms: float
@@ -139,37 +148,53 @@ def bench_target(quant: str, target: Path, head: Path, args, tools: Path | None)
     with load_pair(target, head, PairConfig(n_ctx=4096, n_threads=args.threads)) as pair:
         model = pair.target_model
         with Eagle3Session(pair.target, pair.head) as session, Decoder(pair.target, session) as dec:
+            def ours(contender: str, config: GenerateConfig, base_tokens: list[int]) -> Run:
+                r = dec.generate(prompt, config)
+                st, pol = r.stats, r.stats.policy
+                return Run(quant, workload, p.id, contender, config.draft_max, st.n_generated, st.t_total,
+                           config.draft_p_min, st.tau, st.acceptance_rate, st.python_per_cycle_ms,
+                           1e3 * st.t_draft / max(st.n_drafted, 1), r.tokens == base_tokens, st.drafted_by_pos,
+                           st.accepted_by_pos, pol.chosen, pol.probes)
+
+            def target_only() -> tuple[Run, list[int]]:
+                st = dec.generate(prompt, GenerateConfig(n_predict=args.n_predict), speculative=False)
+                return Run(quant, workload, p.id, "target", 0, st.stats.n_generated, st.stats.t_total), st.tokens
+
+            adaptive = GenerateConfig(n_predict=args.n_predict, draft_max=max(args.ks), draft_policy="adaptive")
             for workload in args.workloads:
                 for p in bench_data.load(workload, args.limit):
                     text = apply_chat_template(model, [Message("user", p.text)])
                     prompt = tokenize(model, text, add_special=False)
-                    base = dec.generate(prompt, GenerateConfig(n_predict=args.n_predict), speculative=False)
-                    bs = base.stats
-                    runs.append(Run(quant, workload, p.id, "target", 0, bs.n_generated, bs.t_total))
+                    first, base_tokens = target_only()
+                    runs.append(first)
+                    if args.adaptive:
+                        runs.append(ours("adaptive", adaptive, base_tokens))
                     for k in args.ks:
-                        r = dec.generate(prompt, GenerateConfig(n_predict=args.n_predict, draft_max=k,
-                                                                draft_p_min=args.draft_p_min))
-                        st = r.stats
-                        runs.append(Run(quant, workload, p.id, "ours", k, st.n_generated, st.t_total, st.tau,
-                                        st.acceptance_rate, st.python_per_cycle_ms,
-                                        1e3 * st.t_draft / max(st.n_drafted, 1), r.tokens == base.tokens,
-                                        st.drafted_by_pos, st.accepted_by_pos))
-                        if tools is not None and not args.no_upstream:
-                            prompt_file.write_text(text)
-                            n, sec, drafted, acc, _ = upstream_run(tools, target, head, "draft-eagle3", k,
-                                                                   prompt_file, args.n_predict, args.threads,
-                                                                   args.draft_p_min)
-                            cycles = max(n - acc, 1)
-                            runs.append(Run(quant, workload, p.id, "upstream", k, n, sec, n / cycles,
-                                            acc / drafted if drafted else 0.0))
+                        for p_min in args.p_mins:
+                            runs.append(ours("ours", GenerateConfig(n_predict=args.n_predict, draft_max=k,
+                                                                    draft_p_min=p_min, draft_policy="fixed"),
+                                             base_tokens))
+                            if tools is not None and not args.no_upstream:
+                                prompt_file.write_text(text)
+                                n, sec, drafted, acc, _ = upstream_run(tools, target, head, "draft-eagle3", k,
+                                                                       prompt_file, args.n_predict, args.threads,
+                                                                       p_min)
+                                cycles = max(n - acc, 1)
+                                runs.append(Run(quant, workload, p.id, "upstream", k, n, sec, p_min, n / cycles,
+                                                acc / drafted if drafted else 0.0))
                     if tools is not None and not args.no_upstream:
                         prompt_file.write_text(text)
                         for ngram in args.ngram:
                             n, sec, drafted, acc, _ = upstream_run(tools, target, None, ngram, max(args.ks),
                                                                    prompt_file, args.n_predict, args.threads)
-                            runs.append(Run(quant, workload, p.id, ngram, max(args.ks), n, sec,
+                            runs.append(Run(quant, workload, p.id, ngram, max(args.ks), n, sec, 0.0,
                                             n / max(n - acc, 1), acc / drafted if drafted else 0.0))
-                    print(f"[{quant}] {workload} {p.id}: target {bs.tokens_per_second:.1f} tok/s", file=sys.stderr)
+                    if args.adaptive:
+                        runs.append(ours("adaptive", adaptive, base_tokens))
+                    last, _ = target_only()
+                    runs.append(last)
+                    print(f"[{quant}] {workload} {p.id}: target {first.tok_s:.1f} / {last.tok_s:.1f} tok/s",
+                          file=sys.stderr)
     return runs, physics
 
 
@@ -177,56 +202,82 @@ def bench_target(quant: str, target: Path, head: Path, args, tools: Path | None)
 # summary
 # ------------------------------------------------------------------------------------------------
 
+def per_prompt_speed(rs: list[Run]) -> dict[str, float]:
+    """tok/s of each prompt, over all of its runs in `rs` (tokens over seconds).  # prompt id -> tok/s"""
+    tokens: dict[str, int] = {}
+    seconds: dict[str, float] = {}
+    for r in rs:
+        tokens[r.prompt_id] = tokens.get(r.prompt_id, 0) + r.tokens
+        seconds[r.prompt_id] = seconds.get(r.prompt_id, 0.0) + r.seconds
+    return {pid: tokens[pid] / seconds[pid] for pid in tokens}
+
+
 def summarize(runs: list[Run], physics: dict[str, Physics]) -> list[Row]:
-    base = {(r.quant, r.workload, r.prompt_id): r for r in runs if r.contender == "target"}
     groups: dict[tuple, list[Run]] = {}
     for r in runs:
-        groups.setdefault((r.quant, r.workload, r.contender, r.k), []).append(r)
+        groups.setdefault((r.quant, r.workload, r.contender, r.k, r.p_min), []).append(r)
+    base = {(q, w): per_prompt_speed(rs) for (q, w, c, _, _), rs in groups.items() if c == "target"}
     rows: list[Row] = []
-    for (quant, workload, contender, k), rs in sorted(groups.items()):
-        ratios = [r.tok_s / base[(r.quant, r.workload, r.prompt_id)].tok_s for r in rs]
+    for (quant, workload, contender, k, p_min), rs in sorted(groups.items()):
+        speed = per_prompt_speed(rs)
+        ratios = [v / base[(quant, workload)][pid] for pid, v in speed.items()]
         ident = [r.identical for r in rs if r.identical is not None]
-        row = Row(quant, workload, contender, k, statistics.median(r.tok_s for r in rs), statistics.median(ratios),
-                  statistics.mean(r.tau for r in rs), statistics.mean(r.acceptance for r in rs),
+        row = Row(quant, workload, contender, k, p_min, statistics.median(speed.values()), statistics.median(ratios),
+                  min(ratios), statistics.mean(r.tau for r in rs), statistics.mean(r.acceptance for r in rs),
                   statistics.median(r.python_ms_per_cycle for r in rs),
                   identical=f"{sum(ident)}/{len(ident)}" if ident else "")
         if rs[0].drafted_by_pos:
             drafted = [sum(r.drafted_by_pos[i] for r in rs) for i in range(k)]
             accepted = [sum(r.accepted_by_pos[i] for r in rs) for i in range(k)]
             row.accept_by_pos = [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
+        if rs[0].chosen:
+            chosen = [sum(r.chosen[i] for r in rs) for i in range(k + 1)]
+            row.extra["chosen"] = [c / max(sum(chosen), 1) for c in chosen]
+            row.extra["probes"] = sum(r.probes for r in rs)
         ph = physics.get(quant)
         if contender == "ours" and ph is not None and k + 1 in ph.pp_tok_s:
-            target_step_ms = 1e3 / statistics.median(base[(r.quant, r.workload, r.prompt_id)].tok_s for r in rs)
+            target_step_ms = 1e3 / statistics.median(base[(quant, workload)].values())
             d = statistics.median(r.draft_step_ms for r in rs) / target_step_ms
             row.ceiling = row.tau / (ph.cost(k + 1) + k * d)
-            row.extra = {"draft_step_cost": d, "verify_cost": ph.cost(k + 1)}
+            row.extra.update(draft_step_cost=d, verify_cost=ph.cost(k + 1))
         rows.append(row)
-    up = {(r.quant, r.workload, r.k): r for r in rows if r.contender == "upstream"}
+    up = {(r.quant, r.workload, r.k, r.p_min): r for r in rows if r.contender == "upstream"}
     for r in rows:
-        if r.contender == "ours" and (r.quant, r.workload, r.k) in up:
-            r.vs_upstream = r.tok_s / up[(r.quant, r.workload, r.k)].tok_s
+        if r.contender == "ours" and (r.quant, r.workload, r.k, r.p_min) in up:
+            r.vs_upstream = r.tok_s / up[(r.quant, r.workload, r.k, r.p_min)].tok_s
     return rows
 
 
 def markdown(rows: list[Row], physics: dict[str, Physics], machine: str, args) -> str:
     out = [f"# Benchmark: EAGLE-3 on llama.cpp ({machine})", "",
            f"SmolLM2-135M-Instruct + our head; greedy, chat template, {args.n_predict} new tokens; "
-           f"prompts per workload: {args.limit or 'all'}; {args.threads} threads; draft p_min {args.draft_p_min} "
+           f"prompts per workload: {args.limit or 'all'}; {args.threads} threads; fixed policy p_min {args.p_mins} "
            "(ours and upstream). Medians over prompts; "
            "speedup = median of per-prompt ratios against target-only (ours) on the same prompt.", ""]
     for q, ph in physics.items():
         costs = " ".join(f"{n}:{ph.cost(n):.2f}x" for n in sorted(ph.pp_tok_s))
         out.append(f"- {q}: llama-bench tg {ph.tg_tok_s:.1f} tok/s; verify cost by batch size {costs}")
-    out += ["", "| target | workload | contender | K | tok/s | speedup | tau | accept | py ms/cycle | ceiling | "
-            "achieved/ceiling | ours/upstream | identical | accepted by draft position |", "|" + "---|" * 14]
+    out += ["", "| target | workload | contender | K | p_min | tok/s | speedup | worst | tau | accept | py ms/cycle | "
+            "ceiling | achieved/ceiling | ours/upstream | identical | accepted by draft position | "
+            "cycles verifying 0..K drafts |", "|" + "---|" * 17]
     for r in rows:
         ceil = f"{r.ceiling:.2f}x" if r.ceiling else ""
         ach = f"{r.speedup / r.ceiling:.0%}" if r.ceiling else ""
         vs = f"{r.vs_upstream:.2f}" if r.vs_upstream else ""
         by_pos = " ".join(f"{a:.2f}" for a in r.accept_by_pos)
-        out.append(f"| {r.quant} | {r.workload} | {r.contender} | {r.k or ''} | {r.tok_s:.1f} | {r.speedup:.2f}x | "
-                   f"{r.tau:.2f} | {r.acceptance:.0%} | {r.python_ms:.2f} | {ceil} | {ach} | {vs} | {r.identical} | "
-                   f"{by_pos} |")
+        chosen = " ".join(f"{c:.0%}" for c in r.extra.get("chosen", []))
+        p_min = f"{r.p_min:g}" if r.contender in ("ours", "upstream") else ""
+        out.append(f"| {r.quant} | {r.workload} | {r.contender} | {r.k or ''} | {p_min} | {r.tok_s:.1f} | "
+                   f"{r.speedup:.2f}x | {r.worst:.2f}x | {r.tau:.2f} | {r.acceptance:.0%} | {r.python_ms:.2f} | {ceil} | "
+                   f"{ach} | {vs} | {r.identical} | {by_pos} | {chosen} |")
+    for q, w in sorted({(r.quant, r.workload) for r in rows}):
+        ad = [r for r in rows if (r.quant, r.workload, r.contender) == (q, w, "adaptive")]
+        fixed = [r for r in rows if (r.quant, r.workload, r.contender) == (q, w, "ours")]
+        if ad and fixed:
+            best = max(fixed, key=lambda r: r.speedup)
+            out.append(f"\n{q} {w}: adaptive {ad[0].speedup:.2f}x (worst prompt {ad[0].worst:.2f}x) against the best "
+                       f"fixed K={best.k} p_min {best.p_min:g} at {best.speedup:.2f}x: "
+                       f"{ad[0].speedup / best.speedup:.1%} of it")
     return "\n".join(out) + "\n"
 
 
@@ -240,11 +291,17 @@ def plot(rows: list[Row], path: Path) -> None:
     fig, axes = plt.subplots(2, len(panels), figsize=(4.5 * len(panels), 7), squeeze=False)
     for j, (q, w) in enumerate(panels):
         for contender, style in (("ours", "o-"), ("upstream", "s--")):
-            rs = sorted((r for r in rows if (r.quant, r.workload, r.contender) == (q, w, contender)),
-                        key=lambda r: r.k)
-            if rs:
-                axes[0][j].plot([r.k for r in rs], [r.speedup for r in rs], style, label=contender)
-                axes[1][j].plot([r.k for r in rs], [r.tau for r in rs], style, label=contender)
+            for p_min in sorted({r.p_min for r in rows if r.contender == contender}):
+                rs = sorted((r for r in rows if (r.quant, r.workload, r.contender, r.p_min) == (q, w, contender, p_min)),
+                            key=lambda r: r.k)
+                if rs:
+                    label = f"{contender} fixed, p_min {p_min:g}"
+                    axes[0][j].plot([r.k for r in rs], [r.speedup for r in rs], style, label=label)
+                    axes[1][j].plot([r.k for r in rs], [r.tau for r in rs], style, label=label)
+        for r in rows:
+            if (r.quant, r.workload, r.contender) == (q, w, "adaptive"):
+                axes[0][j].axhline(r.speedup, color="green", ls="-.", label=f"adaptive (K <= {r.k})")
+                axes[1][j].axhline(r.tau, color="green", ls="-.", label=f"adaptive (K <= {r.k})")
         rs = sorted((r for r in rows if (r.quant, r.workload, r.contender) == (q, w, "ours") and r.ceiling),
                     key=lambda r: r.k)
         if rs:
@@ -267,16 +324,19 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="prompts per workload (default: all)")
     ap.add_argument("-n", "--n-predict", type=int, default=128)
     ap.add_argument("--ks", default="1,2,3,4,5,6")
-    ap.add_argument("--draft-p-min", type=float, default=0.0,
-                    help="stop drafting below this top probability (ours and upstream alike)")
+    ap.add_argument("--p-mins", default="0",
+                    help="fixed policy: stop drafting below these top probabilities (ours and upstream alike)")
+    ap.add_argument("--adaptive", action="store_true", help="also run the adaptive policy (K cap: max of --ks)")
     ap.add_argument("--quants", default="q4_1,q4_0", help="as-shipped q4_1 and/or q4_0 made by llama-quantize")
     ap.add_argument("--ngram", default="ngram-simple", help="upstream n-gram spec types to run ('' for none)")
     ap.add_argument("--no-upstream", action="store_true")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--out", default="bench")
     args = ap.parse_args()
+    install_log_callback()  # llama.cpp's log goes to the (silent) eagle3_gguf.llama_cpp logger
     args.workloads = [w for w in args.workloads.split(",") if w]
     args.ks = [int(k) for k in args.ks.split(",")]
+    args.p_mins = [float(x) for x in args.p_mins.split(",")]
     args.ngram = [t for t in args.ngram.split(",") if t]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
