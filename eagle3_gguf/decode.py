@@ -146,10 +146,12 @@ class Speculator:
             return t
 
         def run_draft(steps: int) -> float:
+            """A draft as a cycle runs it: the head first catches up on two kept rows."""
             session.reset()
-            session.process([tok, tok], 0, feats)
-            session.draft(tok, 1, lambda confs, n_max: len(confs))  # the catch-up rides with this step
+            session.process([tok] * 3, 0, np.zeros((3, session.extract.width), np.float32))
+            session.draft(tok, 1, lambda confs, n_max: len(confs))
             session.accept(0)
+            session.keep([tok, tok], 3, feats)
             t = time.perf_counter()
             session.draft(tok, steps, lambda confs, n_max: len(confs) if len(confs) >= n_max else -1)
             return time.perf_counter() - t
@@ -211,7 +213,10 @@ class Speculator:
             t = time.perf_counter()
             if n_steps:
                 session.accept(n_acc)
-            session.keep(rows[:n_acc + 1], pos)
+            if policy.wants_rows(session.window):
+                session.keep(rows[:n_acc + 1], pos)
+            else:
+                session.skip(rows[:n_acc + 1], pos)
             st.t_process += time.perf_counter() - t
             policy.observe(session.confs if n_steps else [], len(drafts), n_acc, n_steps, t_verify, t_draft,
                            len(out))

@@ -12,6 +12,7 @@ Owner classes, one per C handle, free in `close()` (idempotent) and work as cont
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import time
@@ -228,15 +229,15 @@ class Model(_Owner):
     def _free(self, ptr) -> None:
         C.llama_model_free(ptr)
 
-    @property
+    @functools.cached_property
     def n_embd(self) -> int:
         return C.llama_model_n_embd(self._live())
 
-    @property
+    @functools.cached_property
     def n_layer(self) -> int:
         return C.llama_model_n_layer(self._live())
 
-    @property
+    @functools.cached_property
     def n_vocab(self) -> int:
         return C.llama_vocab_n_tokens(self.vocab)
 
@@ -299,6 +300,7 @@ class Context(_Owner):
         self.ptr = ptr
         self._owned = True
         self.t_native = 0.0  # seconds spent inside llama_decode / llama_process (for overhead figures)
+        self._views: dict[tuple, np.ndarray] = {}
         self._layer_inp: set[int] = set()
         self._nextn = False
         self._decoded = False
@@ -309,6 +311,7 @@ class Context(_Owner):
         self = cls.__new__(cls)
         self.model, self.ctx_other, self.ptr, self._owned = model, None, ptr, False
         self._layer_inp, self._nextn, self._decoded, self.t_native = set(), False, False, 0.0
+        self._views = {}
         return self
 
     def _free(self, ptr) -> None:
@@ -376,13 +379,25 @@ class Context(_Owner):
         ptr = C.llama_get_logits(self._live())
         if not ptr:
             raise Eagle3Error("no logits: the last batch requested none")
-        return np.ctypeslib.as_array(ptr, shape=(n_rows, self.model.n_vocab))
+        return self._view(ptr, (n_rows, self.model.n_vocab))
 
     def logits_ith(self, i: int) -> np.ndarray:
         ptr = C.llama_get_logits_ith(self._live(), i)
         if not ptr:
             raise Eagle3Error(f"no logits for batch row {i}")
-        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))  # [n_vocab] (view)
+        return self._view(ptr, (self.model.n_vocab,))  # [n_vocab] (view)
+
+    def _view(self, ptr, shape: tuple[int, ...]) -> np.ndarray:
+        """A numpy view of llama.cpp's buffer at `ptr`. Making one costs microseconds and the buffers
+        rarely move, so views are kept by address and shape: valid whenever llama.cpp hands out that
+        address again, as it does now."""
+        key = (ctypes.cast(ptr, ctypes.c_void_p).value, shape)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) > 64:
+                self._views.clear()
+            view = self._views[key] = np.ctypeslib.as_array(ptr, shape=shape)
+        return view
 
     # -- hidden-state extraction (staging API) ----------------------------------------------------
     def set_layer_inp(self, lid: int, enabled: bool = True) -> None:
@@ -399,7 +414,7 @@ class Context(_Owner):
         if lid not in self._layer_inp or not self._decoded:
             raise Eagle3Error(f"layer {lid} input was not extracted: call set_layer_inp({lid}) and decode first")
         ptr = llama_get_embeddings_layer_inp(self._live(), lid)
-        return np.ctypeslib.as_array(ptr, shape=(n_tokens, self.model.n_embd))
+        return self._view(ptr, (n_tokens, self.model.n_embd))
 
     def set_nextn(self, enabled: bool = True, masked: bool = True) -> None:
         """Ask for the pre-norm hidden state (EAGLE-3: g from the encoder, h from the decoder)."""
@@ -415,7 +430,7 @@ class Context(_Owner):
         ptr = llama_get_embeddings_nextn(self._live())
         if not ptr:
             raise Eagle3Error("llama.cpp returned no pre-norm hidden states")
-        return np.ctypeslib.as_array(ptr, shape=(n_rows, self.model.n_embd))
+        return self._view(ptr, (n_rows, self.model.n_embd))
 
     def nextn_ith(self, i: int) -> np.ndarray:
         """The pre-norm row of batch row i.  # [n_embd] (view)"""
@@ -424,7 +439,7 @@ class Context(_Owner):
         ptr = llama_get_embeddings_nextn_ith(self._live(), i)
         if not ptr:
             raise Eagle3Error(f"no pre-norm hidden state for batch row {i}")
-        return np.ctypeslib.as_array(ptr, shape=(self.model.n_embd,))
+        return self._view(ptr, (self.model.n_embd,))
 
 
 class Batch(_Owner):

@@ -1,7 +1,8 @@
 """Cost-aware drafting: how many tokens to draft, decided before and during every cycle.
 
-A cycle that verifies j drafts costs the target c(j+1) (one batch of j+1 rows) plus j draft steps of
-d each, and emits 1 + P_1 + ... + P_j tokens on average, where P_m is the chance that the first m
+A cycle that verifies j drafts costs the target c(j+1) (one batch of j+1 rows), plus, when it drafts,
+e (the head catching up on the rows kept last cycle, and the graph calls' fixed cost) and j draft
+steps of d each, and emits 1 + P_1 + ... + P_j tokens on average, where P_m is the chance that the first m
 drafts are all accepted. Decoding maximises tokens per second, a ratio; the policy maximises the
 equivalent difference E - R·T per cycle, where R is the rate to beat (Dinkelbach's rule for ratio
 objectives): the best of target-only speed 1/c(1) and the rate the run has realised so far. So a draft
@@ -50,29 +51,38 @@ PROBE_MIN, PROBE_MAX = 4, 64  # plain cycles between probes: reset on success, d
 class CostCurve:
     verify_s: list[float]  # [K_max + 1]: seconds to verify n = 1..K_max+1 rows (index n - 1)
     draft_step_s: float  # seconds per draft step (head decode of one row, plus reading it)
+    draft_fixed_s: float = 0.0  # seconds a drafting cycle costs besides its steps (the head's catch-up)
     source: str = "measured"  # "measured", "cache" or "given"
+    # Online refinement: real seconds per calibrated second, from every verify. The curve's shape (what
+    # n rows cost against one) stays as calibrated; a machine that slows down or speeds up as a whole
+    # (load, clocks, a longer context) moves the scale.
+    scale: float = 1.0
 
     @property
     def k_max(self) -> int:
         return len(self.verify_s) - 1
 
     def verify(self, n: int) -> float:
-        return self.verify_s[n - 1]
+        """Real seconds to verify n rows, now."""
+        return self.scale * self.verify_s[n - 1]
 
     def relative(self) -> list[float]:
         """The verify costs in single-row units.  # [K_max + 1]"""
         return [t / self.verify_s[0] for t in self.verify_s]
 
     def observe_verify(self, n: int, seconds: float) -> None:
-        self.verify_s[n - 1] += EMA * (seconds - self.verify_s[n - 1])
+        self.scale += EMA * (seconds / self.verify_s[n - 1] - self.scale)
 
     def observe_draft(self, steps: int, seconds: float) -> None:
+        """A draft of `steps` took `seconds`: the steps at the measured step cost, the rest is fixed cost."""
         if steps > 0:
-            self.draft_step_s += EMA * (seconds / steps - self.draft_step_s)
+            fixed = max(seconds / self.scale - steps * self.draft_step_s, 0.0)
+            self.draft_fixed_s += EMA * (fixed - self.draft_fixed_s)
 
     def valid(self, k_max: int) -> bool:
-        ok = lambda x: isinstance(x, float) and math.isfinite(x) and 0.0 < x < 10.0  # noqa: E731
-        return len(self.verify_s) >= k_max + 1 and all(ok(t) for t in self.verify_s) and ok(self.draft_step_s)
+        ok = lambda x: isinstance(x, float) and math.isfinite(x) and 0.0 <= x < 10.0  # noqa: E731
+        return (len(self.verify_s) >= k_max + 1 and all(ok(t) and t > 0 for t in self.verify_s)
+                and ok(self.draft_step_s) and self.draft_step_s > 0 and ok(self.draft_fixed_s))
 
 
 @dataclass(frozen=True)
@@ -106,7 +116,8 @@ def load_costs(key: CostKey, k_max: int) -> CostCurve | None:
         data = json.loads(key.path().read_text())
         if data.get("version") != CACHE_VERSION or data.get("key") != asdict(key):
             return None
-        curve = CostCurve([float(t) for t in data["verify_s"]], float(data["draft_step_s"]), "cache")
+        curve = CostCurve([float(t) for t in data["verify_s"]], float(data["draft_step_s"]),
+                          float(data["draft_fixed_s"]), "cache")
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if not curve.valid(k_max):
@@ -122,16 +133,18 @@ def save_costs(key: CostKey, curve: CostCurve) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"version": CACHE_VERSION, "key": asdict(key), "verify_s": curve.verify_s,
-                                   "draft_step_s": curve.draft_step_s}))
+                                   "draft_step_s": curve.draft_step_s, "draft_fixed_s": curve.draft_fixed_s}))
         os.replace(tmp, path)
     except OSError:
         pass
 
 
 def measure(run_verify: Callable[[int], float], run_draft: Callable[[int], float], k_max: int,
-            reps: int = 3) -> CostCurve:
-    """Minima of run_verify(n) (seconds to verify n = 1..k_max+1 rows) and run_draft(steps) / steps, after
-    one warm-up each (graph allocation), the sizes interleaved so that drift hits all alike."""
+            reps: int = 5) -> CostCurve:
+    """Minima of run_verify(n) (seconds to verify n = 1..k_max+1 rows) and of run_draft(steps) (seconds of
+    a draft of that many steps, the head's catch-up included) for 1 and max(k_max, 2) steps, after one
+    warm-up each (graph allocation), the sizes interleaved so that drift hits all alike. The step cost
+    is the slope of the draft time, the fixed cost its intercept."""
     times: list[list[float]] = [[] for _ in range(k_max + 1)]
     for n in range(1, k_max + 2):
         run_verify(n)
@@ -139,12 +152,14 @@ def measure(run_verify: Callable[[int], float], run_draft: Callable[[int], float
         for n in range(1, k_max + 2):
             times[n - 1].append(run_verify(n))
     steps = max(k_max, 2)
-    run_draft(steps)
-    draft = sorted(run_draft(steps) / steps for _ in range(reps))
+    run_draft(1), run_draft(steps)
+    one = min(run_draft(1) for _ in range(reps))
+    many = min(run_draft(steps) for _ in range(reps))
+    step = max((many - one) / (steps - 1), 1e-6)
     verify = [min(ts) for ts in times]  # the least-disturbed run: interference only adds time
-    for n in range(1, len(verify)):  # more rows never cost less: timing noise must not invert the curve
-        verify[n] = max(verify[n], verify[n - 1])
-    return CostCurve(verify, draft[0], "measured")
+    for n in range(1, len(verify)):  # n + 1 rows cost no less than n, and no more than n + 1 single rows
+        verify[n] = min(max(verify[n], verify[n - 1]), (n + 1) * verify[0])
+    return CostCurve(verify, step, max(one - step, 0.0), "measured")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -205,6 +220,7 @@ class PolicyStats:
     predicted_s: float = 0.0  # ... and of the cycles' time
     cost_curve: list[float] = field(default_factory=list)  # [K_max + 1] verify cost in single-row units
     draft_step_cost: float = 0.0  # a draft step in single-row units
+    draft_fixed_cost: float = 0.0  # a drafting cycle's fixed cost (the head's catch-up), likewise
     cost_source: str = ""
 
     @property
@@ -230,6 +246,9 @@ class FixedPolicy:
 
     def plan(self, k_cap: int) -> int:
         return min(self.k, k_cap)
+
+    def wants_rows(self, window: int) -> bool:
+        return True
 
     def judge(self, confs: list[float], n_max: int) -> int:
         """-1: draft another step; j >= 0: stop and verify the first j drafts."""
@@ -260,7 +279,8 @@ class AdaptivePolicy:
         self.probe_wait = PROBE_MIN  # plain cycles until the next probe
         self.probe_gap = PROBE_MIN
         self.probing = False
-        self._pred: tuple[float, float] = (1.0, costs.verify(1))
+        self.drafting = False
+        self._pred: tuple[float, float] = (1.0, costs.verify_s[0])  # expected tokens, calibrated seconds
         self.stats = PolicyStats("adaptive", [0] * (k_max + 1), cost_source=costs.source)
 
     def begin(self) -> None:
@@ -270,7 +290,8 @@ class AdaptivePolicy:
 
     # -- the rate to beat -----------------------------------------------------------------------------
     def _r(self) -> float:
-        return max(self.rate, 1.0 / self.costs.verify(1))
+        """Tokens per calibrated second that a cycle must beat (costs are in calibrated seconds)."""
+        return max(self.rate * self.costs.scale, 1.0 / self.costs.verify_s[0])
 
     # -- before the cycle ------------------------------------------------------------------------------
     def plan(self, k_cap: int) -> int:
@@ -280,24 +301,31 @@ class AdaptivePolicy:
         self.probing = False
         if k_cap <= 0:
             return 0
-        r, c, d = self._r(), self.costs.verify_s, self.costs.draft_step_s
+        r, c, d, e = self._r(), self.costs.verify_s, self.costs.draft_step_s, self.costs.draft_fixed_s
         best_j, best_v = 0, 1.0 - r * c[0]
         reach = v_tokens = 1.0
         for j in range(1, k_cap + 1):
             reach *= self.acc.lookahead[j - 1]
             v_tokens += reach
-            v = v_tokens - r * (c[j] + j * d)
+            v = v_tokens - r * (c[j] + e + j * d)
             if v > best_v:
                 best_j, best_v = j, v
         if best_j > 0:
             self.probe_wait = self.probe_gap = PROBE_MIN
+            self.drafting = True
             return k_cap
+        self.drafting = False
         self.probe_wait -= 1
         if self.probe_wait > 0:
             return 0
         self.probing = True
         self.stats.probes += 1
         return k_cap
+
+    def wants_rows(self, window: int) -> bool:
+        """Whether the head should keep this cycle's rows: it drafts, or a probe comes before they would
+        fall out of its catch-up window anyway (copying them costs a plain cycle ~1%)."""
+        return self.drafting or self.probe_wait <= window
 
     # -- during the draft ------------------------------------------------------------------------------
     def judge(self, confs: list[float], n_max: int) -> int:
@@ -325,7 +353,7 @@ class AdaptivePolicy:
             gain += reach
             if gain - r * (c[j] + (j - i) * d) > best_v:
                 return -1
-        self._pred = (1.0 + sum(self._reach_prefix(confs, best_j)), c[best_j] + i * d)
+        self._pred = (1.0 + sum(self._reach_prefix(confs, best_j)), c[best_j] + self.costs.draft_fixed_s + i * d)
         return best_j
 
     def _reach_prefix(self, confs: list[float], j: int) -> list[float]:
@@ -343,9 +371,9 @@ class AdaptivePolicy:
         st.chosen[n_verified] += 1
         if n_drafted == 0:
             st.plain_cycles += 1
-            self._pred = (1.0, self.costs.verify(1))
+            self._pred = (1.0, self.costs.verify_s[0])
         st.predicted_tokens += self._pred[0]
-        st.predicted_s += self._pred[1]
+        st.predicted_s += self._pred[1] * self.costs.scale
         if n_verified:
             self.acc.observe(confs, n_verified, n_accepted)
         self.costs.observe_verify(n_verified + 1, t_verify)
@@ -359,12 +387,13 @@ class AdaptivePolicy:
             else:
                 self.probe_gap = min(2 * self.probe_gap, PROBE_MAX)
             self.probe_wait = self.probe_gap
-        self._pred = (1.0, self.costs.verify(1))
+        self._pred = (1.0, self.costs.verify_s[0])
 
     def finish_stats(self) -> PolicyStats:
         st = self.stats
         st.cost_curve = self.costs.relative()
-        st.draft_step_cost = self.costs.draft_step_s / self.costs.verify(1)
+        st.draft_step_cost = self.costs.draft_step_s / self.costs.verify_s[0]
+        st.draft_fixed_cost = self.costs.draft_fixed_s / self.costs.verify_s[0]
         return st
 
 

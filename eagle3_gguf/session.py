@@ -160,16 +160,38 @@ class Eagle3Session:
         self.keep(tokens, pos0, feats, trim=False)
         self.catch_up()
 
+    def skip(self, tokens, pos0: int) -> None:
+        """The target kept `tokens` at positions pos0.., but the head will not see them, nor the rows
+        aside before them (the policy will not draft for a while): they become a gap."""
+        n = len(tokens)
+        if n == 0:
+            return
+        have = len(self._rows_tok)
+        if have and self._rows_pos0 + have != pos0 - self.shift:
+            raise Eagle3Error(f"rows skipped at {pos0} do not follow the rows set aside up to "
+                              f"{self._rows_pos0 + have + self.shift}")
+        start = self._rows_pos0 if have else pos0 - self.shift
+        self._gap(start, int(self._rows_tok[0]) if have else int(tokens[0]), have + n)
+        self._drop_rows()
+
     def _trim(self, e: int) -> None:
-        """Drop the oldest e rows aside: the deferred pair takes the first one's token, and the rest
-        leave a gap in the head's positions."""
-        if self._open and self.pending_pos + 1 == self._rows_pos0:
-            self._queue_pair(int(self._rows_tok[0]), self.pending_pos, self.pending_g)
-            self._open = False
-        self.gaps.append((self._rows_pos0 + self.shift, e))
-        self.shift += e
+        """Drop the oldest e rows aside: they become a gap."""
+        self._gap(self._rows_pos0, int(self._rows_tok[0]), e)
         self._rows_tok = self._rows_tok[e:]
         self._rows_feat = self._rows_feat[e:]
+
+    def _gap(self, start: int, first_token: int, e: int) -> None:
+        """Rows from head position `start` on (e of them, the first holding first_token) leave the head
+        for good: the deferred pair takes first_token, and later rows move up by e."""
+        if self._open and self.pending_pos + 1 == start:
+            self._queue_pair(first_token, self.pending_pos, self.pending_g)
+            self._open = False
+        t0 = start + self.shift
+        if self.gaps and sum(self.gaps[-1]) == t0:
+            self.gaps[-1] = (self.gaps[-1][0], self.gaps[-1][1] + e)
+        else:
+            self.gaps.append((t0, e))
+        self.shift += e
 
     def _queue_pair(self, token: int, pos: int, g: np.ndarray) -> None:
         self._set_queue(np.append(self._q_tok, np.int32(token)), np.append(self._q_pos, np.int32(pos)),

@@ -58,7 +58,7 @@ KNEE = [1.0, 1.05, 1.1, 3.0, 3.1]  # cheap up to 3 rows, then a cliff
 
 
 def adaptive(costs: list[float], d: float, k: int = 4) -> AdaptivePolicy:
-    policy = AdaptivePolicy(CostCurve(list(costs), d, "given"), k)
+    policy = AdaptivePolicy(CostCurve(list(costs), d, source="given"), k)
     policy.begin()
     return policy
 
@@ -178,4 +178,16 @@ def test_measure_takes_the_least_disturbed_run_and_keeps_the_curve_monotone():
 
     curve = measure(verify, lambda steps: 0.1 * steps, 2)
     assert curve.verify_s == [1.0, 1.5, 1.5] and curve.draft_step_s == pytest.approx(0.1)
-    assert calls[:3] == [1, 2, 3] and len(calls) == 12  # a warm-up, then the sizes interleaved
+    assert curve.draft_fixed_s == pytest.approx(0.0, abs=1e-12)
+    assert calls[:3] == [1, 2, 3] and len(calls) == 18  # a warm-up, then the sizes interleaved, 5 times
+
+
+def test_a_drafting_cycle_pays_its_fixed_cost():
+    """Verifying is nearly free (GPU), but catching the head up costs as much as a target step: a head that
+    is right 60% of the time does not pay for one draft, and does for four."""
+    costs = CostCurve(list(GPU), 0.01, 1.0)
+    one, four = AdaptivePolicy(costs, 1), AdaptivePolicy(CostCurve(list(GPU), 0.01, 1.0), 4)
+    for policy in (one, four):
+        policy.begin()
+        policy.acc.lookahead = [0.6] * policy.k_max
+    assert one.plan(1) == 0 and four.plan(4) == 4
