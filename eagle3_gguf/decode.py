@@ -165,7 +165,7 @@ class Speculator:
         save_costs(key, curve)
         return curve
 
-    def prefill(self, tokens: list[int], pos0: int, st: SpecStats, feed_head: bool, logits: str = "last") -> int:
+    def prefill(self, tokens: list[int], pos0: int, feed_head: bool) -> int:
         """Decode tokens at pos0.. in n_batch chunks (each chunk's rows go to the head when feed_head).
         Returns the size of the last chunk (its last row holds the next token's logits)."""
         n_batch = self.batch.capacity
@@ -173,11 +173,10 @@ class Speculator:
         for i in range(0, len(tokens), n_batch):
             chunk = tokens[i:i + n_batch]
             m = len(chunk)
-            self.batch.set(chunk, pos0 + i, logits=logits)
+            self.batch.set(chunk, pos0 + i, logits="last")
             self.target.decode(self.batch)
             if feed_head:
-                with timed(st, "t_process"):
-                    self.session.process(chunk, pos0 + i)
+                self.session.process(chunk, pos0 + i)
         return m
 
     def cycle(self, policy: "DraftPolicy | None", id_last: int, pos: int, k_cap: int,
@@ -224,19 +223,6 @@ class Speculator:
         return Cycle(rows, out, n_acc)
 
 
-class timed:
-    """Adds the wall time of a `with` block to a SpecStats field."""
-
-    def __init__(self, st: SpecStats, name: str):
-        self.st, self.name = st, name
-
-    def __enter__(self) -> None:
-        self.t = time.perf_counter()
-
-    def __exit__(self, *exc) -> None:
-        setattr(self.st, self.name, getattr(self.st, self.name) + time.perf_counter() - self.t)
-
-
 class Decoder:
     """Runs generations on a target context, with an Eagle3Session (speculative) or without (baseline)."""
 
@@ -279,10 +265,9 @@ class Decoder:
         self.target.clear()
         if spec:
             self.session.reset()
-        m = self.spec.prefill(prompt, 0, st, feed_head=spec)
+        m = self.spec.prefill(prompt, 0, feed_head=spec)
         logits = self.target.logits_ith(m - 1)  # [n_vocab]
-        st.t_prefill = time.perf_counter() - t0
-        st.t_process = 0.0  # the prompt's head work counts as prompt time
+        st.t_prefill = time.perf_counter() - t0  # the head's work on the prompt included
         t_start = time.perf_counter()
         native0 = self._native_time()
         n_ctx = self.target.n_ctx

@@ -254,7 +254,6 @@ class Eagle3Llama(Llama):
         self._rewind(prompt)
         self._prefill(prompt[self.n_tokens:])
         st.t_prefill = time.perf_counter() - t0
-        st.t_process = 0.0  # the prompt's head work counts as prompt time
         t_start = time.perf_counter()
         pos = self.n_tokens  # where id_last goes
         last = -1

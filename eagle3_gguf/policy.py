@@ -39,7 +39,8 @@ CACHE_VERSION = 1
 N_BINS = 10  # confidence bins over [0, 1]
 PRIOR_COUNT = 4.0  # pseudo-counts of each prior
 EMA = 0.05  # weight of one new timing in the online cost refinement
-LOOKAHEAD_EMA = 0.1  # weight of one draft step in a position's expected acceptance
+LOOKAHEAD_EMA = 0.5  # weight of one draft step in a position's expected acceptance (stretches are short)
+RATE_EMA = 0.1  # weight of one cycle in the realised rate
 PROBE_MIN, PROBE_MAX = 4, 64  # plain cycles between probes: reset on success, doubled on failure
 
 
@@ -214,6 +215,7 @@ class PolicyStats:
 
     name: str = "fixed"
     chosen: list[int] = field(default_factory=list)  # [K_max + 1]: cycles that verified 0..K_max drafts
+    trace: list[int] = field(default_factory=list)  # [n_cycles]: drafts verified, cycle by cycle
     probes: int = 0
     plain_cycles: int = 0  # cycles that ran no draft step at all
     predicted_tokens: float = 0.0  # the policy's expectation of the emitted tokens, summed over cycles
@@ -260,6 +262,7 @@ class FixedPolicy:
     def observe(self, confs: list[float], n_verified: int, n_accepted: int, n_drafted: int,
                 t_verify: float, t_draft: float, n_emitted: int) -> None:
         self.stats.chosen[n_verified] += 1
+        self.stats.trace.append(n_verified)
         if n_drafted == 0:
             self.stats.plain_cycles += 1
 
@@ -286,7 +289,8 @@ class AdaptivePolicy:
     def begin(self) -> None:
         """A new generation: fresh statistics; what was learnt (costs, acceptance) stays."""
         self.stats = PolicyStats("adaptive", [0] * (self.k_max + 1), cost_source=self.costs.source)
-        self.probe_wait = self.probe_gap = PROBE_MIN
+        self.probe_gap = PROBE_MIN
+        self.probe_wait = 1  # a new text: look at the head's confidence on the first cycle
 
     # -- the rate to beat -----------------------------------------------------------------------------
     def _r(self) -> float:
@@ -369,6 +373,7 @@ class AdaptivePolicy:
         """The cycle's outcome: drafts verified and accepted, and its timings (seconds)."""
         st = self.stats
         st.chosen[n_verified] += 1
+        st.trace.append(n_verified)
         if n_drafted == 0:
             st.plain_cycles += 1
             self._pred = (1.0, self.costs.verify_s[0])
@@ -380,7 +385,7 @@ class AdaptivePolicy:
         self.costs.observe_draft(n_drafted, t_draft)
         t = t_verify + t_draft
         if t > 0:
-            self.rate += LOOKAHEAD_EMA * (n_emitted / t - self.rate)
+            self.rate += RATE_EMA * (n_emitted / t - self.rate)
         if self.probing:  # a probe that got a draft accepted resumes drafting; one that did not backs off
             if n_accepted > 0:
                 self.probe_gap = PROBE_MIN

@@ -65,7 +65,8 @@ def run_grid(quants: list[str], ks: list[int], p_mins: list[float], head: Path, 
                 prompt = chat_tokens(pair.target_model, text)
                 base = dec.generate(prompt, GenerateConfig(n_predict=n_predict), speculative=False)
                 for (k, p), s in grid.items():
-                    r = dec.generate(prompt, GenerateConfig(n_predict=n_predict, draft_max=k, draft_p_min=p))
+                    r = dec.generate(prompt, GenerateConfig(n_predict=n_predict, draft_max=k, draft_p_min=p,
+                                                            draft_policy="fixed"))
                     s.speedups.append(base.stats.t_total / r.stats.t_total)
                     s.taus.append(r.stats.tau)
                     s.identical += r.tokens == base.tokens

@@ -12,14 +12,22 @@ class OracleSession(Eagle3Session):
     first `good` of each cycle right and the rest wrong, `good` cycling through a schedule, so that
     every acceptance length gets exercised."""
 
-    def __init__(self, *args, truth: list[int], schedule: list[int], **kw):
+    def __init__(self, *args, truth: list[int], schedule: list[int], confident: bool = False, **kw):
+        """confident: the drafting policy sees a top probability of 0.99 at every step (a head that is
+        sure of itself, as one that agrees with the target would be)."""
         super().__init__(*args, **kw)
         self.truth = truth
         self.schedule = itertools.cycle(schedule)
+        self.confident = confident
 
     def draft(self, id_last: int, n_max: int, judge=None, p_min: float = 0.0) -> list[int]:
+        if self.confident and judge is not None:
+            policy_judge = judge
+            judge = lambda confs, n: policy_judge([0.99] * len(confs), n)  # noqa: E731
         real = super().draft(id_last, n_max, judge, p_min)
-        start = self.pending_pos + 2  # id_last sits at pending_pos + 1
+        if self.confident:
+            self.confs = [0.99] * len(self.confs)
+        start = self.pending_pos + self.shift + 2  # id_last sits at target position pending_pos + shift + 1
         good = next(self.schedule)
         future = self.truth[start:start + len(real)]
         return [t if i < good else (t + 1) % 49152 for i, t in enumerate(future)]

@@ -72,6 +72,13 @@ def test_nothing_pays_on_cpu_with_a_weak_head():
     assert all(world.expected_rate(k) < world.expected_rate(0) for k in range(1, 5))  # the world is as claimed
 
 
+def test_a_new_text_starts_with_a_probe():
+    policy = adaptive(CPU, 0.05)
+    assert policy.plan(4) == 4 and policy.probing  # it looks at the head's confidence first
+    policy.observe([0.1], 0, 0, 1, CPU[0], 0.05, 1)
+    assert policy.plan(4) == 0
+
+
 def test_random_head_settles_on_plain_decoding_within_20_cycles():
     world = World(GPU, 0.02, accept=0.0, conf=0.01)  # even where verifying is free, a random head never pays
     policy = adaptive(GPU, 0.02)
@@ -190,4 +197,5 @@ def test_a_drafting_cycle_pays_its_fixed_cost():
     for policy in (one, four):
         policy.begin()
         policy.acc.lookahead = [0.6] * policy.k_max
-    assert one.plan(1) == 0 and four.plan(4) == 4
+        policy.probe_wait = PROBE_MAX  # past the first cycle's probe
+    assert one.plan(1) == 0 and not one.probing and four.plan(4) == 4

@@ -116,13 +116,9 @@ def test_torch_head_matches_llama_cpp(tmp_path, tiny_target, tiny_data):
         np.testing.assert_allclose(g_cpp, g_t.numpy(), rtol=1e-4, atol=1e-4)
 
         # decoder on the real pairs (t[i+1], g_i) at positions i
-        from eagle3_gguf.native import LLAMA_PROCESS_TYPE_DECODE
-
         sess.reset()
-        sess.batch.clear()
-        for i in range(n - 1):
-            sess.batch.add_token(int(tokens[i + 1]), i, g_cpp[i], output=True)
-        pair.head.process(LLAMA_PROCESS_TYPE_DECODE, sess.batch)
+        sess.dec_batch.set_embd(g_cpp[:n - 1], np.arange(n - 1, dtype=np.int32), tokens[1:n])
+        pair.head.decode(sess.dec_batch)
         cpp_logits = np.stack([pair.head.logits_ith(i)[vocab.ids] for i in range(n - 1)])  # [n-1, V']
         cpp_h = np.stack([pair.head.nextn_ith(i) for i in range(n - 1)])
         with torch.no_grad():

@@ -1,0 +1,63 @@
+"""The adaptive drafting policy on SmolLM2, end to end: it drafts K_max for a head that agrees with the
+target, settles on plain decoding with a random one, and the text is the target's either way."""
+
+from __future__ import annotations
+
+import pytest
+
+from eagle3_gguf.assets import default_head_path
+from eagle3_gguf.decode import Decoder, GenerateConfig
+from eagle3_gguf.pair import PairConfig, load_pair
+from eagle3_gguf.session import Eagle3Session
+from eagle3_gguf.tokens import chat_tokens
+from model_factory import HeadSpec, write_random_head
+from oracle import OracleSession
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "List the first twenty prime numbers, one per line, with a short note on each."
+K = 4
+
+
+@pytest.fixture(scope="module")
+def random_head(tmp_path_factory, smollm2_path):
+    spec = HeadSpec(576, (2, 15, 27), n_embd=576, n_head=9, n_head_kv=3, n_ff=1536, draft_vocab=2048)
+    return write_random_head(tmp_path_factory.mktemp("smol") / "random-head.gguf", spec, tokenizer_from=smollm2_path)
+
+
+@pytest.fixture(autouse=True)
+def own_cost_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE3_GGUF_CACHE", str(tmp_path / "cache"))  # calibrate afresh, as a new user does
+
+
+def test_agreeing_head_drafts_k_max(smollm2_path):
+    with load_pair(smollm2_path, default_head_path(), PairConfig(n_ctx=1024, n_threads=2)) as pair:
+        prompt = chat_tokens(pair.target_model, PROMPT)
+        config = GenerateConfig(n_predict=200, draft_max=K, draft_policy="adaptive")
+        with Decoder(pair.target) as plain:
+            base = plain.generate(prompt, config, speculative=False)
+        assert len(base.tokens) == 200  # the answer is long enough for the figures below
+        with OracleSession(pair.target, pair.head, truth=prompt + base.tokens, schedule=[K], confident=True) as s, \
+                Decoder(pair.target, s) as d:
+            spec = d.generate(prompt, config)
+    assert spec.tokens == base.tokens
+    pol = spec.stats.policy
+    assert pol.name == "adaptive" and d.spec.costs.source == "measured"
+    full = [n for n in pol.trace if n == K]
+    assert len(full) >= 0.9 * len(pol.trace), pol.trace
+    assert spec.stats.n_accepted >= 0.9 * spec.stats.n_drafted and spec.stats.tau > 3.5
+
+
+def test_random_head_settles_on_plain_decoding(smollm2_path, random_head):
+    with load_pair(smollm2_path, random_head, PairConfig(n_ctx=1024, n_threads=2)) as pair, \
+            Eagle3Session(pair.target, pair.head) as s, Decoder(pair.target, s) as d:
+        prompt = chat_tokens(pair.target_model, PROMPT)
+        config = GenerateConfig(n_predict=160, draft_max=K, draft_policy="adaptive")
+        base = d.generate(prompt, config, speculative=False)
+        spec = d.generate(prompt, config)
+    assert spec.tokens == base.tokens
+    pol = spec.stats.policy
+    assert len(pol.trace) >= 150
+    assert max(pol.trace[20:]) == 0, pol.trace  # nothing verified after 20 cycles
+    assert pol.plain_cycles >= len(pol.trace) - pol.probes  # no draft step but the probes
+    assert pol.probes <= 6  # probes back off: cycles 1, 9, 25, 57, 121 within 160
