@@ -340,13 +340,13 @@ class AdaptivePolicy:
         acc, r, c, d = self.acc, self._r(), self.costs.verify_s, self.costs.draft_step_s
         # stopping now: the best prefix j <= i of what was drafted (the draft steps are spent either way)
         reach, gain = 1.0, 0.0
-        best_j, best_v = 0, -r * c[0]
+        best_j, best_v, best_gain = 0, -r * c[0], 0.0
         for j in range(1, i + 1):
             reach *= acc.prob(j - 1, confs[j - 1])
             gain += reach
             v = gain - r * c[j]
             if v > best_v:
-                best_j, best_v = j, v
+                best_j, best_v, best_gain = j, v, gain
         acc.saw_step(i - 1, acc.prob(i - 1, confs[-1]))
         ahead = [acc.prob(j, confs[-1]) for j in range(i, self.k_max)]  # [K_max - i]
         for j, p in enumerate(ahead):
@@ -357,15 +357,8 @@ class AdaptivePolicy:
             gain += reach
             if gain - r * (c[j] + (j - i) * d) > best_v:
                 return -1
-        self._pred = (1.0 + sum(self._reach_prefix(confs, best_j)), c[best_j] + self.costs.draft_fixed_s + i * d)
+        self._pred = (1.0 + best_gain, c[best_j] + self.costs.draft_fixed_s + i * d)
         return best_j
-
-    def _reach_prefix(self, confs: list[float], j: int) -> list[float]:
-        out, reach = [], 1.0
-        for m in range(j):
-            reach *= self.acc.prob(m, confs[m])
-            out.append(reach)
-        return out
 
     # -- after the cycle ------------------------------------------------------------------------------
     def observe(self, confs: list[float], n_verified: int, n_accepted: int, n_drafted: int,
