@@ -52,9 +52,23 @@ def write_gguf(out: Path, arch: str, kvs: list[KeyValue], tensors: list[PlannedT
         raise Eagle3Error(f"{out}: output directory {out.parent} does not exist")
     if out.is_dir():
         raise Eagle3Error(f"{out}: is a directory; name an output file (-o head.gguf)")
-    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    os.close(fd)
+    try:
+        fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    except OSError as e:
+        raise Eagle3Error(f"{out}: cannot create a file in {out.parent} ({e.strerror}): choose another -o") from None
     tmp = Path(tmp_name)
+    try:
+        os.close(fd)
+        return _write(out, tmp, arch, kvs, tensors, on_tensor)
+    except OSError as e:  # a full disk (ENOSPC), a quota, an I/O error: the temp file is already gone
+        tmp.unlink(missing_ok=True)
+        raise Eagle3Error(f"{out}: writing failed ({e.strerror or e}); nothing was written: free some disk space "
+                          "or choose another -o") from None
+
+
+def _write(out: Path, tmp: Path, arch: str, kvs: list[KeyValue], tensors: list[PlannedTensor],
+           on_tensor: Callable[[WrittenTensor], None] | None) -> list[WrittenTensor]:
+    """Stream everything into `tmp`, then rename it to `out`; on any failure `tmp` is removed."""
     writer = GGUFWriter(tmp, arch)
     try:
         for kv in kvs:
@@ -67,7 +81,10 @@ def write_gguf(out: Path, arch: str, kvs: list[KeyValue], tensors: list[PlannedT
         writer.write_ti_data_to_file()
         rows = []
         for t in tensors:
-            enc = t.produce()
+            try:
+                enc = t.produce()
+            except OSError as e:  # reading the checkpoint, not writing the output
+                raise Eagle3Error(f"{t.name}: reading the checkpoint failed ({e.strerror or e})") from None
             expected = n_bytes(t.shape, t.ggml_type)
             if enc.ggml_type != t.ggml_type or enc.data.nbytes != expected:  # a planning bug, not a user error
                 raise RuntimeError(f"{t.name}: produced {enc.ggml_type.name} {enc.data.nbytes} bytes, "
@@ -85,6 +102,8 @@ def write_gguf(out: Path, arch: str, kvs: list[KeyValue], tensors: list[PlannedT
     except BaseException:
         try:
             writer.close()
+        except OSError:
+            pass  # closing flushes, and may fail the same way; the first error is the one to report
         finally:
             tmp.unlink(missing_ok=True)
         raise

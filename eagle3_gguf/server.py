@@ -6,11 +6,26 @@ head through `attach_eagle3`. Like llama-cpp-python's server, a request naming a
 not serve is answered by its model; `strict_model` answers it 404 instead. A request check in front
 answers malformed JSON and schema errors with 400 (llama-cpp-python answers them 500). max_tokens past
 the context is llama-cpp-python's rule: clamped, the answer stops with "length".
+
+Concurrent requests queue (first come, first served) instead of interrupting one another: llama-cpp-python's
+server, by default (`interrupt_requests`), ends a running stream with an early `[DONE]` as soon as another
+request arrives, so that client silently gets a short or empty answer; `interrupt_requests=True` restores
+that. A stream whose client disconnects stops at its next token, and its generator is closed while the
+request still holds the model, so the model is free for the next request and nothing of that stream
+runs later (an abandoned generator closed by the garbage collector would cut the KV cache under another
+request). Queueing is logged on the `eagle3_gguf.server` logger. llama-cpp-python's server keeps its
+model, locks and settings in module globals, so one process serves one app; `build_app` installs its
+request gate and stream publisher into `llama_cpp.server.app` for good.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import itertools
+import json
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -19,6 +34,8 @@ from .errors import Eagle3Error
 
 SERVER_EXTRA_HINT = "pip install 'eagle3-gguf[server]'"
 SERVER_MODULES = ("fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -34,6 +51,7 @@ class ServeConfig:
     n_threads: int | None = None
     alias: str | None = None  # the model name clients send; default: the target's file name without .gguf
     strict_model: bool = False  # 404 for other model names (llama-cpp-python answers them with its model)
+    interrupt_requests: bool = False  # llama-cpp-python's default (True) ends a running stream for a new request
 
     @property
     def model_alias(self) -> str:
@@ -89,15 +107,108 @@ def build_app(config: ServeConfig):
     threads = {} if config.n_threads is None else {"n_threads": config.n_threads, "n_threads_batch": config.n_threads}
     model_settings = ModelSettings(model=str(config.model), model_alias=config.model_alias, n_ctx=config.n_ctx,
                                    flash_attn=True, type_v=CACHE_TYPES["bf16"], verbose=False, **threads)  # EXACTNESS
-    server_settings = ServerSettings(host=config.host, port=config.port)
+    server_settings = ServerSettings(host=config.host, port=config.port, interrupt_requests=config.interrupt_requests)
     plain_proxy = server_app.LlamaProxy
     server_app.LlamaProxy = Eagle3LlamaProxy  # create_app builds its proxy from this module name
     try:
         app = server_app.create_app(server_settings=server_settings, model_settings=[model_settings])
     finally:
         server_app.LlamaProxy = plain_proxy
+    # the completion routes look both up in their module at request time
+    server_app.get_llama_proxy = queued_llama_proxy
+    server_app.get_event_publisher = event_publisher
     app.add_middleware(RequestCheck)
     return app
+
+
+# ------------------------------------------------------------------------------------------------
+# The model gate: one request at a time, first come first served, queueing logged
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class QueueState:
+    """Requests that want the model: waiting for it, or holding it (at most one)."""
+
+    waiting: int = 0
+    running: int = 0
+    served: int = 0
+
+
+QUEUE = QueueState()
+_request_ids = itertools.count(1)
+
+
+async def queued_llama_proxy():
+    """llama-cpp-python's `get_llama_proxy` (the same two locks, so its other routes share the gate), with
+    the queue counted and logged. The outer lock lets a running stream see that another request waits (for
+    `interrupt_requests`); both locks are FIFO, so requests get the model in arrival order."""
+    from llama_cpp.server import app as server_app
+
+    rid = next(_request_ids)
+    ahead = QUEUE.waiting + QUEUE.running
+    if ahead:
+        log.info("request %d queued: %d ahead (%d running, %d waiting)", rid, ahead, QUEUE.running, QUEUE.waiting)
+    QUEUE.waiting += 1
+    t0 = time.monotonic()
+    outer, inner = server_app.llama_outer_lock, server_app.llama_inner_lock
+    try:
+        await outer.acquire()
+        try:
+            await inner.acquire()
+        finally:
+            outer.release()
+    finally:
+        QUEUE.waiting -= 1
+    QUEUE.running += 1
+    if ahead:
+        log.info("request %d started after %.2f s in the queue", rid, time.monotonic() - t0)
+    try:
+        yield server_app._llama_proxy
+    finally:
+        QUEUE.running -= 1
+        QUEUE.served += 1
+        inner.release()
+
+
+async def event_publisher(request, inner_send_chan, body, body_model, llama_call, kwargs):
+    """llama-cpp-python's streaming publisher, made safe to drop: the chunk generator is always closed, in
+    a worker thread and while this request still holds the model, whether the stream ends, its client
+    disconnects, it is interrupted (`interrupt_requests`) or it fails."""
+    import anyio
+    from llama_cpp.server import app as server_app
+
+    settings = next(server_app.get_server_settings())
+    interrupt = bool(settings.interrupt_requests) if settings else False
+    done = object()
+    async with contextlib.asynccontextmanager(queued_llama_proxy)() as proxy:
+        llama = server_app.prepare_request_resources(body, proxy, body_model, kwargs)
+        iterator, sent = None, 0
+        async with inner_send_chan:
+            try:
+                iterator = await anyio.to_thread.run_sync(lambda: llama_call(llama, **kwargs))
+                while True:
+                    chunk = await anyio.to_thread.run_sync(next, iterator, done)
+                    if chunk is done:
+                        break
+                    await inner_send_chan.send(dict(data=json.dumps(chunk)))
+                    sent += 1
+                    if await request.is_disconnected():
+                        raise anyio.get_cancelled_exc_class()()
+                    if interrupt and server_app.llama_outer_lock.locked():
+                        log.info("stream interrupted after %d chunks: another request arrived (interrupt_requests)",
+                                 sent)
+                        await inner_send_chan.send(dict(data="[DONE]"))
+                        raise anyio.get_cancelled_exc_class()()
+                await inner_send_chan.send(dict(data="[DONE]"))
+            except anyio.get_cancelled_exc_class():
+                if not interrupt or not server_app.llama_outer_lock.locked():
+                    log.info("stream stopped after %d chunks: the client disconnected", sent)
+                raise
+            finally:
+                if iterator is not None and hasattr(iterator, "close"):
+                    with anyio.CancelScope(shield=True):
+                        await anyio.to_thread.run_sync(iterator.close)
 
 
 class RequestCheck:

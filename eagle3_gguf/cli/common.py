@@ -7,6 +7,7 @@ and the commands import no circle.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 import typer
@@ -29,3 +30,31 @@ def fail(message: str) -> None:
     """Print one error line on stderr and exit 2."""
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
+
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+
+
+class Termination:
+    """SIGTERM handled as Ctrl-C is: it raises KeyboardInterrupt in the main thread, so every command's
+    interrupt path runs (generate keeps its partial output and prints its statistics, convert removes its
+    temporary file, train stops at a checkpoint it can resume from). A second SIGTERM while that runs is
+    ignored, so cleaning up is not cut short. `received` says whether it happened (exit code 143)."""
+
+    def __init__(self) -> None:
+        self.received = False
+
+    def install(self) -> None:
+        if hasattr(signal, "SIGTERM"):
+            signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.received:
+            return
+        self.received = True
+        raise KeyboardInterrupt
+
+    def exit_code(self, code: int) -> int:
+        """The process's exit code: an interrupt caused by SIGTERM is reported as 143, not 130."""
+        return EXIT_TERMINATED if self.received and code == EXIT_INTERRUPTED else code

@@ -8,7 +8,7 @@ import typer
 
 from ..errors import Eagle3Error
 from . import convert, generate, info, serve, train
-from .common import fail, setup_logging  # noqa: F401  (re-exported: commands that still import them from here)
+from .common import EXIT_INTERRUPTED, Termination, fail, setup_logging  # noqa: F401  (re-exported: commands that still import them from here)
 
 app = typer.Typer(
     name="eagle3-gguf",
@@ -24,14 +24,23 @@ for _command in (info, convert, generate, train, serve):
 
 
 def main() -> None:
+    termination = Termination()
+    termination.install()
     try:
-        app(standalone_mode=True)
-    except Eagle3Error as e:  # commands normally catch these themselves; this is the last net
-        typer.echo(f"error: {e}", err=True)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
-        sys.exit(130)
+        try:
+            app(standalone_mode=True)
+        except Eagle3Error as e:  # commands normally catch these themselves; this is the last net
+            typer.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:  # outside a command (typer turns one inside into exit 130)
+            sys.exit(EXIT_INTERRUPTED)
+    except SystemExit as e:
+        if e.code is not None and not isinstance(e.code, int):
+            raise  # sys.exit("message"): Python prints it
+        code = e.code or 0
+        if code == EXIT_INTERRUPTED:
+            typer.echo("terminated" if termination.received else "interrupted", err=True)
+        sys.exit(termination.exit_code(code))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Optional
 
@@ -27,13 +28,15 @@ def register(app: typer.Typer) -> None:
         alias: Optional[str] = typer.Option(None, "--alias", help="Model name clients send (default: the target file name without .gguf)."),
         draft_policy: str = typer.Option(DEFAULT_DRAFT_POLICY, "--draft-policy", help="adaptive: draft 0..K tokens per cycle, whatever is expected to pay; fixed: always K, cut at --draft-p-min."),
         strict_model: bool = typer.Option(False, "--strict-model", help="Answer 404 to requests naming another model (default: llama-cpp-python's rule, the served model answers)."),
+        interrupt_requests: bool = typer.Option(False, "--interrupt-requests", help="llama-cpp-python's default: a new request ends the running stream early (its client gets a short answer). Default here: requests queue."),
         verbose: bool = typer.Option(False, "-v", "--verbose", help="Show llama.cpp's log and every request."),
     ) -> None:
         """Serve the target with the head through llama-cpp-python's OpenAI-compatible server (/v1/...)."""
         setup_logging(verbose)
+        logging.getLogger("eagle3_gguf.server").setLevel(logging.INFO)  # queueing and dropped streams
         config = ServeConfig(model=model, draft=draft, host=host, port=port, draft_max=draft_max,
                              draft_p_min=draft_p_min, draft_policy=draft_policy, n_ctx=n_ctx, n_threads=threads,
-                             alias=alias, strict_model=strict_model)
+                             alias=alias, strict_model=strict_model, interrupt_requests=interrupt_requests)
         try:
             check_decoding_flags(n_ctx, threads, draft_max, draft_p_min, draft_policy)
             if not 0 < port < 65536:
@@ -44,5 +47,6 @@ def register(app: typer.Typer) -> None:
         import uvicorn
 
         typer.echo(f"serving {config.model_alias} (+ {draft.name}, {draft_policy}, K={draft_max}, p_min {draft_p_min})"
-                   f" on http://{host}:{port}/v1", err=True)
+                   f" on http://{host}:{port}/v1; concurrent requests "
+                   f"{'interrupt the running stream' if interrupt_requests else 'queue'}", err=True)
         uvicorn.run(server, host=host, port=port, log_level="info" if verbose else "warning")
