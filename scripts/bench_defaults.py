@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eagle3_gguf.assets import default_head_path, smollm2_path  # noqa: E402
 from eagle3_gguf.decode import Decoder, GenerateConfig  # noqa: E402
+from eagle3_gguf.native import install_log_callback  # noqa: E402
 from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
 from eagle3_gguf.session import Eagle3Session  # noqa: E402
 from eagle3_gguf.tokens import chat_tokens  # noqa: E402
@@ -95,6 +96,7 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--draft", type=Path, default=None, help="head GGUF (default: the embedded head)")
     args = ap.parse_args()
+    install_log_callback()  # llama.cpp's log goes to the (silent) eagle3_gguf.llama_cpp logger
     results = run_grid(args.quants.split(","), [int(k) for k in args.ks.split(",")],
                        [float(p) for p in args.p_mins.split(",")], args.draft or default_head_path(),
                        args.n_predict, args.threads)

@@ -60,6 +60,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_defaults import EVAL_PROMPTS, run_grid, table  # noqa: E402
 from build_upstream import main as build_upstream, requantized  # noqa: E402
 
+from eagle3_gguf.native import install_log_callback  # noqa: E402
+
 RUN = ROOT / "runs" / "smollm2"
 PROSE_RUN = ROOT / "runs" / "smollm2-prose"  # stage 2: prose data, then the fine-tune of stage 1's head
 LAYERS = [2, 15, 27]
@@ -403,6 +405,7 @@ def main() -> int | None:
     ab.add_argument("--hard-labels", action="store_true", help="the target's greedy token, not its top-8")
     ab.add_argument("--eagle31", action="store_true", help="an EAGLE 3.1 head (fc_norm + norm_output)")
     args = ap.parse_args()
+    install_log_callback()  # llama.cpp's log goes to the (silent) eagle3_gguf.llama_cpp logger
     if args.v2 or args.smoke:
         return v2(args)
     build_upstream()  # returns at once when the tools are built
