@@ -165,8 +165,9 @@ class Speculator:
         save_costs(key, curve)
         return curve
 
-    def prefill(self, tokens: list[int], pos0: int, feed_head: bool) -> int:
-        """Decode tokens at pos0.. in n_batch chunks (each chunk's rows go to the head when feed_head).
+    def prefill(self, tokens: list[int], pos0: int, feed_head: bool, whole: bool = True) -> int:
+        """Decode tokens at pos0.. in n_batch chunks (each chunk's rows go to the head when feed_head:
+        all of them when `whole`, else only the last `window` rows, set aside for the first draft).
         Returns the size of the last chunk (its last row holds the next token's logits)."""
         n_batch = self.batch.capacity
         m = 0
@@ -175,8 +176,10 @@ class Speculator:
             m = len(chunk)
             self.batch.set(chunk, pos0 + i, logits="last")
             self.target.decode(self.batch)
-            if feed_head:
+            if feed_head and whole:
                 self.session.process(chunk, pos0 + i)
+            elif feed_head:
+                self.session.keep(chunk, pos0 + i)
         return m
 
     def cycle(self, policy: "DraftPolicy | None", id_last: int, pos: int, k_cap: int,
@@ -265,7 +268,7 @@ class Decoder:
         self.target.clear()
         if spec:
             self.session.reset()
-        m = self.spec.prefill(prompt, 0, feed_head=spec)
+        m = self.spec.prefill(prompt, 0, feed_head=spec, whole=spec and policy.wants_prompt())
         logits = self.target.logits_ith(m - 1)  # [n_vocab]
         st.t_prefill = time.perf_counter() - t0  # the head's work on the prompt included
         t_start = time.perf_counter()

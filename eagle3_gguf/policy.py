@@ -252,6 +252,9 @@ class FixedPolicy:
     def wants_rows(self, window: int) -> bool:
         return True
 
+    def wants_prompt(self) -> bool:
+        return True
+
     def judge(self, confs: list[float], n_max: int) -> int:
         """-1: draft another step; j >= 0: stop and verify the first j drafts."""
         i = len(confs)
@@ -287,10 +290,10 @@ class AdaptivePolicy:
         self.stats = PolicyStats("adaptive", [0] * (k_max + 1), cost_source=costs.source)
 
     def begin(self) -> None:
-        """A new generation: fresh statistics; what was learnt (costs, acceptance) stays."""
+        """A new generation: fresh statistics; what was learnt (costs, acceptance, how long probes have
+        been finding nothing) stays. A new text may read differently: its first cycle probes."""
         self.stats = PolicyStats("adaptive", [0] * (self.k_max + 1), cost_source=self.costs.source)
-        self.probe_gap = PROBE_MIN
-        self.probe_wait = 1  # a new text: look at the head's confidence on the first cycle
+        self.probe_wait = 1
 
     # -- the rate to beat -----------------------------------------------------------------------------
     def _r(self) -> float:
@@ -305,16 +308,7 @@ class AdaptivePolicy:
         self.probing = False
         if k_cap <= 0:
             return 0
-        r, c, d, e = self._r(), self.costs.verify_s, self.costs.draft_step_s, self.costs.draft_fixed_s
-        best_j, best_v = 0, 1.0 - r * c[0]
-        reach = v_tokens = 1.0
-        for j in range(1, k_cap + 1):
-            reach *= self.acc.lookahead[j - 1]
-            v_tokens += reach
-            v = v_tokens - r * (c[j] + e + j * d)
-            if v > best_v:
-                best_j, best_v = j, v
-        if best_j > 0:
+        if self._best_length(k_cap) > 0:
             self.probe_wait = self.probe_gap = PROBE_MIN
             self.drafting = True
             return k_cap
@@ -325,6 +319,25 @@ class AdaptivePolicy:
         self.probing = True
         self.stats.probes += 1
         return k_cap
+
+    def _best_length(self, k_cap: int) -> int:
+        """The draft length with the best expected E - R·T from the expected acceptances (0: none pays)."""
+        r, c, d, e = self._r(), self.costs.verify_s, self.costs.draft_step_s, self.costs.draft_fixed_s
+        best_j, best_v = 0, 1.0 - r * c[0]
+        reach = v_tokens = 1.0
+        for j in range(1, k_cap + 1):
+            reach *= self.acc.lookahead[j - 1]
+            v_tokens += reach
+            v = v_tokens - r * (c[j] + e + j * d)
+            if v > best_v:
+                best_j, best_v = j, v
+        return best_j
+
+    def wants_prompt(self) -> bool:
+        """Whether the head should read the whole prompt: only when drafting is expected to pay. Otherwise
+        it takes the prompt's last `window` rows, enough for a probe (reading a prompt of a few hundred
+        rows costs the head one or two target steps)."""
+        return self._best_length(self.k_max) > 0
 
     def wants_rows(self, window: int) -> bool:
         """Whether the head should keep this cycle's rows: it drafts, or a probe comes before they would
