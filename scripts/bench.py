@@ -9,9 +9,9 @@ prompt runs every contender back to back (interleaved, so drift hits all alike; 
 and K): target-only (ours), our adaptive policy (`--adaptive`, K = the largest of --ks as its cap),
 our fixed policy at every K of --ks and p_min of --p-mins, upstream `llama-speculative-simple
 --spec-type draft-eagle3` at the same K, upstream n-gram drafting. Target-only and adaptive run twice
-per prompt, first and last, so the drift over a prompt's runs cancels between them. Speedups are
-medians of per-prompt ratios against the target-only runs of the same prompt; `worst` is the
-smallest per-prompt ratio. The ceiling for a K is what a draft with the measured
+per prompt, first and last, so the drift over a prompt's runs cancels between them; a prompt's speed is
+its fastest run. Speedups are medians of per-prompt ratios against target-only on the same prompt;
+`worst` is the smallest per-prompt ratio. The ceiling for a K is what a draft with the measured
 tau could give at the measured cost of verifying K+1 tokens (llama-bench pp1..8) and of a draft step:
 tau / (c(K+1) + K·d). Writes results.md, results.json and speedup.png under --out.
 """
@@ -203,13 +203,12 @@ def bench_target(quant: str, target: Path, head: Path, args, tools: Path | None)
 # ------------------------------------------------------------------------------------------------
 
 def per_prompt_speed(rs: list[Run]) -> dict[str, float]:
-    """tok/s of each prompt, over all of its runs in `rs` (tokens over seconds).  # prompt id -> tok/s"""
-    tokens: dict[str, int] = {}
-    seconds: dict[str, float] = {}
+    """tok/s of each prompt: its fastest run in `rs` (another process or a clock dip only ever slows a
+    run down, as timeit takes the best of its repeats).  # prompt id -> tok/s"""
+    speed: dict[str, float] = {}
     for r in rs:
-        tokens[r.prompt_id] = tokens.get(r.prompt_id, 0) + r.tokens
-        seconds[r.prompt_id] = seconds.get(r.prompt_id, 0.0) + r.seconds
-    return {pid: tokens[pid] / seconds[pid] for pid in tokens}
+        speed[r.prompt_id] = max(speed.get(r.prompt_id, 0.0), r.tok_s)
+    return speed
 
 
 def summarize(runs: list[Run], physics: dict[str, Physics]) -> list[Row]:
@@ -252,8 +251,9 @@ def markdown(rows: list[Row], physics: dict[str, Physics], machine: str, args) -
     out = [f"# Benchmark: EAGLE-3 on llama.cpp ({machine})", "",
            f"SmolLM2-135M-Instruct + our head; greedy, chat template, {args.n_predict} new tokens; "
            f"prompts per workload: {args.limit or 'all'}; {args.threads} threads; fixed policy p_min {args.p_mins} "
-           "(ours and upstream). Medians over prompts; "
-           "speedup = median of per-prompt ratios against target-only (ours) on the same prompt.", ""]
+           "(ours and upstream). Medians over prompts; a prompt's speed is its fastest run (target-only and "
+           "adaptive run twice, first and last); speedup = median of per-prompt ratios against target-only (ours) "
+           "on the same prompt.", ""]
     for q, ph in physics.items():
         costs = " ".join(f"{n}:{ph.cost(n):.2f}x" for n in sorted(ph.pp_tok_s))
         out.append(f"- {q}: llama-bench tg {ph.tg_tok_s:.1f} tok/s; verify cost by batch size {costs}")
