@@ -130,6 +130,28 @@ def test_probing_backs_off_to_the_cap():
     assert policy.probe_gap == PROBE_MAX
 
 
+
+def test_back_off_carries_over_to_the_next_text():
+    """Probes that found nothing in one text keep their back-off in the next; its first cycle still probes."""
+    world = World(CPU, 0.05, accept=0.0, conf=0.9)
+    policy = adaptive(CPU, 0.05)
+    world.run(policy, 4, 600)
+    policy.begin()
+    assert policy.plan(4) == 4 and policy.probing
+    policy.observe([0.9], 0, 0, 1, CPU[0], 0.05, 1)  # the probe found nothing
+    _, trace = world.run(policy, 4, PROBE_MAX - 1)
+    assert max(trace) == 0 and policy.stats.probes == 1
+
+
+def test_the_head_reads_the_whole_prompt_only_where_drafting_pays():
+    weak = adaptive(CPU, 0.05)
+    World(CPU, 0.05, accept=0.0, conf=0.01).run(weak, 4, 100)
+    assert not weak.wants_prompt()
+    good = adaptive(GPU, 0.02)
+    World(GPU, 0.02, accept=0.85, conf=0.9).run(good, 4, 100)
+    assert good.wants_prompt()
+    assert FixedPolicy(4, 0.5).wants_prompt()
+
 # -- the cost cache ---------------------------------------------------------------------------------
 
 @pytest.fixture
