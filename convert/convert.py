@@ -20,7 +20,7 @@ from gguf import LlamaFileType
 from .. import keys
 from ..errors import Eagle3Error
 from ..gguf_file import GGUF_MAGIC, KeyValue, TargetInfo, read_gguf
-from .layouts import KIND_D2T, KIND_K, KIND_NORM, KIND_Q, HeadSpec, LayerIds, TensorSource, detect_layout, \
+from .layouts import MAX_INT, KIND_D2T, KIND_K, KIND_NORM, KIND_Q, HeadSpec, LayerIds, TensorSource, detect_layout, \
     resolve_layer_ids
 from .quantize import Encoded, can_quantize, encode, ggml_type, n_bytes
 from .readers import Checkpoint, open_checkpoint, read_json
@@ -114,9 +114,13 @@ def describe_target(target: str | Path) -> TargetDesc:
         raise Eagle3Error(f"{target}: expected a JSON object")
     if isinstance(cfg.get("text_config"), dict):
         cfg = {**cfg, **cfg["text_config"]}
-    missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if not isinstance(cfg.get(k), int)]
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if cfg.get(k) is None]
     if missing:
         raise Eagle3Error(f"{target}: target config lacks '{missing[0]}'")
+    for k in ("num_hidden_layers", "hidden_size", "vocab_size"):
+        v = cfg[k]
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_INT:
+            raise Eagle3Error(f"{target}: target config '{k}' must be an integer in 1..{MAX_INT}, got {v!r}")
     arch = str(cfg.get("model_type", "unknown"))
     return TargetDesc(target, "config.json", arch, cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"],
                       arch in keys.HOOKED_TARGET_ARCHS)

@@ -177,7 +177,7 @@ def detect_layout(ckpt: Checkpoint) -> HeadSpec:
     names = list(ckpt.tensors)
     fc_norm = _fc_norm_names(ckpt, names, config)
 
-    archs = config.get("architectures") or []
+    archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
     has_mid = any(n.startswith("midlayer.") for n in names)
     has_layers = any(n.startswith("layers.") for n in names)
     eagle_config = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else None
@@ -185,7 +185,8 @@ def detect_layout(ckpt: Checkpoint) -> HeadSpec:
     if ("Eagle3Speculator" in archs or config.get("speculators_model_type") == "eagle3"
             or isinstance(config.get("transformer_layer_config"), dict)):
         layout, reason, prefix = LAYOUT_SPECULATORS, "Eagle3Speculator config", "layers."
-        hp_config = {**config, **(config.get("transformer_layer_config") or {})}
+        nested = config.get("transformer_layer_config")
+        hp_config = {**config, **(nested if isinstance(nested, dict) else {})}
     elif has_layers and ("LlamaForCausalLMEagle3" in archs or eagle_config is not None):
         layout, reason, prefix = LAYOUT_MODELOPT, "LlamaForCausalLMEagle3/eagle_config + layers.0.*", "layers."
         hp_config = config
@@ -263,28 +264,58 @@ def _need(cfg: dict[str, Any], key: str, path: Path | None) -> Any:
     return value
 
 
+MAX_INT = 2**31 - 1  # hparams are stored as u32/i32 in the GGUF
+
+
+def _int(cfg: dict[str, Any], key: str, path: Path | None, default: int | None = None, minimum: int = 1) -> int | None:
+    """An integer hparam (JSON number with no fraction, not a bool) in [minimum, 2^31), or `default` when the
+    config has none (None, 0 or absent, as the publishers write "unset")."""
+    value = cfg.get(key)
+    if value is None or (value == 0 and default is not None and not isinstance(value, bool)):
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not minimum <= value <= MAX_INT \
+            or value != int(value):
+        raise Eagle3Error(f"{path}: config '{key}' must be an integer in {minimum}..{MAX_INT}, got {value!r}: "
+                          "fix config.json")
+    return int(value)
+
+
+def _float(cfg: dict[str, Any], key: str, path: Path | None, default: float) -> float:
+    """A positive finite float hparam, or `default` when unset."""
+    value = cfg.get(key)
+    if value is None or (value == 0 and not isinstance(value, bool)):
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise Eagle3Error(f"{path}: config '{key}' must be a positive number, got {value!r}: fix config.json")
+    return float(value)
+
+
 def _read_hparams(cfg: dict[str, Any], path: Path | None) -> HeadHParams:
-    n_embd = int(_need(cfg, "hidden_size", path))
-    n_head = int(_need(cfg, "num_attention_heads", path))
-    n_head_kv = int(cfg.get("num_key_value_heads") or n_head)
-    head_dim = cfg.get("head_dim")
+    _need(cfg, "hidden_size", path)
+    _need(cfg, "num_attention_heads", path)
+    _need(cfg, "intermediate_size", path)
+    n_embd = _int(cfg, "hidden_size", path)
+    n_head = _int(cfg, "num_attention_heads", path)
+    n_head_kv = _int(cfg, "num_key_value_heads", path, default=n_head)
+    head_dim = _int(cfg, "head_dim", path, default=0)
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    rope_theta = cfg.get("rope_theta") or (rope.get("rope_theta") if isinstance(rope, dict) else None) or 10000.0
-    draft_vocab = cfg.get("draft_vocab_size")
-    target_hidden = cfg.get("target_hidden_size")
+    rope = rope if isinstance(rope, dict) else {}
+    rope_theta = _float(cfg, "rope_theta", path, 0.0) or _float(rope, "rope_theta", path, 10000.0)
+    draft_vocab = _int(cfg, "draft_vocab_size", path, default=0)
+    target_hidden = _int(cfg, "target_hidden_size", path, default=0)
     return HeadHParams(
         n_embd=n_embd,
-        n_ff=int(_need(cfg, "intermediate_size", path)),
+        n_ff=_int(cfg, "intermediate_size", path),
         n_head=n_head,
         n_head_kv=n_head_kv,
-        head_dim=int(head_dim) if head_dim else n_embd // n_head,
+        head_dim=head_dim or n_embd // n_head,
         head_dim_in_config=bool(head_dim),
-        rms_eps=float(cfg.get("rms_norm_eps") or 1e-6),
-        rope_theta=float(rope_theta),
-        n_ctx=int(cfg.get("max_position_embeddings") or 2048),
-        draft_vocab=int(draft_vocab) if draft_vocab else None,
-        target_hidden_size=int(target_hidden) if target_hidden else None,
-        rope_scaling=_rope_scaling(rope if isinstance(rope, dict) else {}, path),
+        rms_eps=_float(cfg, "rms_norm_eps", path, 1e-6),
+        rope_theta=rope_theta,
+        n_ctx=_int(cfg, "max_position_embeddings", path, default=2048),
+        draft_vocab=draft_vocab or None,
+        target_hidden_size=target_hidden or None,
+        rope_scaling=_rope_scaling(rope, path),
     )
 
 
@@ -292,16 +323,17 @@ def _rope_scaling(rope: dict[str, Any], path: Path | None) -> RopeScaling | None
     kind = rope.get("rope_type") or rope.get("type")
     if kind in (None, "default"):
         return None
-    factor = float(rope.get("factor") or 1.0)
+    factor = _float(rope, "factor", path, 1.0)
     if kind == "linear":
         return RopeScaling("linear", factor)
     if kind == "yarn":
-        return RopeScaling("yarn", factor, int(_need(rope, "original_max_position_embeddings", path)))
+        _need(rope, "original_max_position_embeddings", path)
+        return RopeScaling("yarn", factor, _int(rope, "original_max_position_embeddings", path))
     if kind == "llama3":
-        return RopeScaling("llama3", float(rope.get("factor") or 8.0),
-                           int(rope.get("original_max_position_embeddings") or 8192),
-                           float(rope.get("low_freq_factor") or 1.0), float(rope.get("high_freq_factor") or 4.0))
-    raise Eagle3Error(f"{path}: rope_scaling type '{kind}' is not supported (linear, yarn and llama3 are)")
+        return RopeScaling("llama3", _float(rope, "factor", path, 8.0),
+                           _int(rope, "original_max_position_embeddings", path, default=8192),
+                           _float(rope, "low_freq_factor", path, 1.0), _float(rope, "high_freq_factor", path, 4.0))
+    raise Eagle3Error(f"{path}: rope_scaling type {kind!r} is not supported (linear, yarn and llama3 are)")
 
 
 def _named_layer_ids(config: dict[str, Any], path: Path | None) -> tuple[list[int] | None, str | None]:

@@ -108,6 +108,11 @@ class _StEntry:
     end: int
 
 
+def _is_count(x: Any) -> bool:
+    """A non-negative JSON integer (not a bool) that fits an int64."""
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**63
+
+
 def _parse_safetensors(path: Path) -> dict[str, _StEntry]:
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -131,13 +136,18 @@ def _parse_safetensors(path: Path) -> dict[str, _StEntry]:
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(int(x) for x in info["shape"]), info["data_offsets"]
+            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise Eagle3Error(f"{path}: corrupt safetensors header entry for '{name}'") from None
-        if dtype not in _ST_DTYPES:
+        if not all(_is_count(x) for x in (*shape, begin, end)) or begin > end:
+            raise Eagle3Error(f"{path}: corrupt safetensors header entry for '{name}' (shape {info['shape']!r}, "
+                              f"data_offsets {info['data_offsets']!r})")
+        if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
             raise Eagle3Error(f"{path}: tensor '{name}' has dtype {dtype}; only f32/f16/bf16 float checkpoints "
                               f"are supported (convert from the unquantized release)")
-        n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        n = 1
+        for x in shape:  # Python ints: a corrupt shape cannot wrap around
+            n *= x
         if end - begin != n * _ST_DTYPES[dtype].itemsize:
             raise Eagle3Error(f"{path}: corrupt safetensors header: '{name}' {list(shape)} {dtype} "
                               f"does not fit its {end - begin} bytes")

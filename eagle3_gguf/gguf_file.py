@@ -36,7 +36,9 @@ class KeyValue:
 def tensor_bytes(shape: list[int], t: GT) -> int:
     """Stored bytes of a tensor of GGUF shape `shape` (ne[0] = row length first) and type `t`."""
     block, size = GGML_QUANT_SIZES[t]
-    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    n = 1
+    for d in shape:  # Python ints: a corrupt shape cannot wrap around
+        n *= int(d)
     return n // block * size
 
 
@@ -129,6 +131,63 @@ class _Cursor:
         raise ValueError(f"unknown value type {vtype}")
 
 
+GGML_MAX_DIMS = 4
+GGML_MAX_NAME = 64
+INT64_MAX = 2**63 - 1
+
+
+def _corrupt(path: Path, detail: str) -> Eagle3Error:
+    return Eagle3Error(f"{path}: corrupt GGUF ({detail}): download or convert it again")
+
+
+def _check_table(path: Path, kvs: list[KeyValue], infos: list[tuple[str, list[int], GT, int]]) -> int:
+    """The checks llama.cpp's gguf loader makes, so that every file it would refuse is refused here first,
+    with one line: unique non-empty keys, a u32 power-of-2 alignment, unique tensor names shorter than
+    GGML_MAX_NAME, at most 4 dims, none negative, no overflow, rows a whole number of blocks, offsets laid
+    out one after the other. Returns the alignment."""
+    seen: set[str] = set()
+    for kv in kvs:
+        if not kv.key:
+            raise _corrupt(path, "a metadata key is empty")
+        if kv.key in seen:
+            raise _corrupt(path, f"duplicate metadata key '{kv.key}'")
+        seen.add(kv.key)
+    align_kv = next((kv for kv in kvs if kv.key == keys.KEY_ALIGNMENT), None)
+    align = 32
+    if align_kv is not None:
+        if align_kv.vtype != VT.UINT32:
+            raise _corrupt(path, f"{keys.KEY_ALIGNMENT} must be a UINT32, not {align_kv.vtype.name}")
+        align = int(align_kv.value)
+        if align <= 0 or align & (align - 1):
+            raise _corrupt(path, f"{keys.KEY_ALIGNMENT} {align} is not a power of 2")
+    names: set[str] = set()
+    expected = 0
+    for name, shape, t, off in infos:
+        if len(name.encode("utf-8", "surrogateescape")) >= GGML_MAX_NAME:
+            raise _corrupt(path, f"tensor name '{name[:80]}' is too long")
+        if name in names:
+            raise _corrupt(path, f"duplicate tensor '{name}'")
+        names.add(name)
+        if len(shape) > GGML_MAX_DIMS:
+            raise _corrupt(path, f"tensor '{name}' has {len(shape)} dimensions (at most {GGML_MAX_DIMS})")
+        if any(d > INT64_MAX for d in shape):
+            raise _corrupt(path, f"tensor '{name}' has a negative dimension")
+        n = 1
+        for d in shape:
+            n *= d
+        if n > INT64_MAX:
+            raise _corrupt(path, f"tensor '{name}' shape {shape} overflows")
+        if t not in GGML_QUANT_SIZES:
+            raise _corrupt(path, f"tensor '{name}' has ggml type {t.name}, which this reader does not know")
+        block, size = GGML_QUANT_SIZES[t]
+        if shape and shape[0] % block:
+            raise _corrupt(path, f"tensor '{name}' rows of {shape[0]} are not a multiple of {t.name}'s block of {block}")
+        if off != expected:
+            raise _corrupt(path, f"tensor '{name}' data at offset {off}, expected {expected}")
+        expected += -(-(n // block * size) // align) * align
+    return align
+
+
 def read_gguf_metadata(path: str | Path) -> GGUFMetadata:
     """Header + key/values of a GGUF (tensor data untouched); Eagle3Error if it is not a valid GGUF."""
     path = Path(path)
@@ -153,7 +212,7 @@ def read_gguf_metadata(path: str | Path) -> GGUFMetadata:
                 n_dims = cur.unpack("<I")
                 shape = [cur.unpack("<Q") for _ in range(n_dims)]
                 infos.append((name, shape, GT(cur.unpack("<I")), cur.unpack("<Q")))
-            align = next((int(kv.value) for kv in kvs if kv.key == "general.alignment"), 32)
+            align = _check_table(path, kvs, infos)
             data_start = -(-cur.pos // align) * align
     except Eagle3Error:
         raise
@@ -220,7 +279,51 @@ def read_gguf(path: str | Path) -> GGUFFile:
     arch = metadata.get(keys.KEY_ARCHITECTURE)
     if not isinstance(arch, str):
         raise Eagle3Error(f"{path}: GGUF has no {keys.KEY_ARCHITECTURE}")
+    _check_types(path, meta.kvs, arch)
     return GGUFFile(path, arch, metadata, tensors, size, meta)
+
+
+_INTS = frozenset({VT.UINT8, VT.INT8, VT.UINT16, VT.INT16, VT.UINT32, VT.INT32, VT.UINT64, VT.INT64})
+_FLOATS = frozenset({VT.FLOAT32, VT.FLOAT64})
+# What the keys this package reads must hold: "int" a non-negative integer, "ints" an array of them,
+# "int|ints" either (per-layer values), "bool", "floats" an array of floats, "strings" an array of strings.
+_KEY_KINDS = {
+    keys.KEY_CONTEXT_LENGTH: "int", keys.KEY_EMBEDDING_LENGTH: "int", keys.KEY_BLOCK_COUNT: "int",
+    keys.KEY_FEED_FORWARD_LENGTH: "int|ints", keys.KEY_VOCAB_SIZE: "int", keys.KEY_HEAD_COUNT: "int|ints",
+    keys.KEY_HEAD_COUNT_KV: "int|ints", keys.KEY_TARGET_LAYERS: "ints", keys.KEY_TARGET_HIDDEN_SIZE: "int",
+    keys.KEY_NORM_BEFORE_RESIDUAL: "bool", keys.KEY_NORM_BEFORE_FC: "bool", keys.KEY_FC_NORM: "bool",
+    keys.KEY_NORM_OUTPUT: "bool", keys.KEY_FC_NORM_WEIGHT: "floats", keys.KEY_TOKENIZER_TOKENS: "strings",
+    keys.KEY_NAME: "string", keys.KEY_CHAT_TEMPLATE: "string",
+}
+
+
+def _kind_ok(kv: KeyValue, kind: str) -> bool:
+    if kind == "int":
+        return kv.vtype in _INTS and kv.value >= 0
+    if kind == "ints":
+        return kv.vtype == VT.ARRAY and kv.sub_type in _INTS
+    if kind == "int|ints":
+        return _kind_ok(kv, "int") or (_kind_ok(kv, "ints") and len(kv.value) > 0 and all(v >= 0 for v in kv.value))
+    if kind == "bool":
+        return kv.vtype == VT.BOOL
+    if kind == "floats":
+        return kv.vtype == VT.ARRAY and kv.sub_type in _FLOATS
+    if kind == "strings":
+        return kv.vtype == VT.ARRAY and kv.sub_type == VT.STRING
+    return kv.vtype == VT.STRING and isinstance(kv.value, str)
+
+
+def _check_types(path: Path, kvs: list[KeyValue], arch: str) -> None:
+    """Every key this package reads holds the kind of value it must (a corrupt type byte is caught here,
+    not as a TypeError further on)."""
+    kinds = {keys.arch_key(k, arch): kind for k, kind in _KEY_KINDS.items()}
+    for kv in kvs:
+        kind = kinds.get(kv.key)
+        if kind is not None and not _kind_ok(kv, kind):
+            if kv.vtype == VT.STRING and kind == "string":
+                raise _corrupt(path, f"metadata {kv.key} is not UTF-8 text")
+            stored = kv.vtype.name + (f" of {kv.sub_type.name}" if kv.sub_type is not None else "")
+            raise _corrupt(path, f"metadata {kv.key} holds {stored}, expected {kind.replace('|', ' or ')}")
 
 
 @dataclass
