@@ -345,34 +345,32 @@ class Context(_Owner):
         C.llama_memory_clear(C.llama_get_memory(self._live()), True)
 
     # -- running graphs ----------------------------------------------------------------------------
-    def decode(self, batch: "Batch") -> None:
+    def _run(self, graph, *args) -> int:
+        """Run one of llama.cpp's graph calls on this context, timed into t_native up to llama_synchronize
+        (the backend may still be copying outputs: that is llama.cpp's time too). Returns its rc."""
         t = time.perf_counter()
-        rc = C.llama_decode(self._live(), batch.struct)
-        C.llama_synchronize(self.ptr)  # the backend may still be copying outputs: that is llama.cpp's time too
-        self.t_native += time.perf_counter() - t
-        if rc != 0:
-            raise Eagle3Error(f"llama_decode failed (rc={rc}): the context may be full (raise -c)")
-        self._decoded = True
-
-    def process(self, kind: int, batch: "BatchExt") -> None:
-        t = time.perf_counter()
-        rc = C.llama_process(self._live(), kind, batch._live())
+        rc = graph(self._live(), *args)
         C.llama_synchronize(self.ptr)
         self.t_native += time.perf_counter() - t
+        self._decoded = self._decoded or rc == 0
+        return rc
+
+    def decode(self, batch: "Batch") -> None:
+        rc = self._run(C.llama_decode, batch.struct)
+        if rc != 0:
+            raise Eagle3Error(f"llama_decode failed (rc={rc}): the context may be full (raise -c)")
+
+    def process(self, kind: int, batch: "BatchExt") -> None:
+        rc = self._run(C.llama_process, kind, batch._live())
         if rc != 0:
             what = "ENCODE" if kind == LLAMA_PROCESS_TYPE_ENCODE else "DECODE"
             raise Eagle3Error(f"llama_process({what}) failed (rc={rc}): the draft context may be full (raise -c)")
-        self._decoded = True
 
     def encode(self, batch: "Batch") -> None:
         """llama_encode: for an EAGLE-3 head, its encoder (fc) on a batch of feature rows."""
-        t = time.perf_counter()
-        rc = C.llama_encode(self._live(), batch.struct)
-        C.llama_synchronize(self.ptr)
-        self.t_native += time.perf_counter() - t
+        rc = self._run(C.llama_encode, batch.struct)
         if rc != 0:
             raise Eagle3Error(f"llama_encode failed (rc={rc})")
-        self._decoded = True
 
     def logits(self, n_rows: int) -> np.ndarray:
         """The output rows of the last decode, in batch order.  # [n_rows, n_vocab] (view)"""
