@@ -40,21 +40,35 @@ class Termination:
     """SIGTERM handled as Ctrl-C is: it raises KeyboardInterrupt in the main thread, so every command's
     interrupt path runs (generate keeps its partial output and prints its statistics, convert removes its
     temporary file, train stops at a checkpoint it can resume from). A second SIGTERM while that runs is
-    ignored, so cleaning up is not cut short. `received` says whether it happened (exit code 143)."""
+    ignored, so cleaning up is not cut short. `signum` records which signal ended the run, for the exit code
+    (130 for SIGINT, 143 for SIGTERM) and for commands whose framework swallows the interrupt (serve)."""
 
     def __init__(self) -> None:
-        self.received = False
+        self.signum: int | None = None
+
+    @property
+    def received(self) -> bool:
+        return self.signum is not None
 
     def install(self) -> None:
+        signal.signal(signal.SIGINT, self._handle)
         if hasattr(signal, "SIGTERM"):
             signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        if self.received:
+        if signum != signal.SIGINT and self.signum == signum:
             return
-        self.received = True
+        self.signum = signum
         raise KeyboardInterrupt
+
+    @property
+    def code(self) -> int:
+        """The exit code for the signal received (128 + its number)."""
+        return 128 + int(self.signum) if self.signum is not None else EXIT_INTERRUPTED
 
     def exit_code(self, code: int) -> int:
         """The process's exit code: an interrupt caused by SIGTERM is reported as 143, not 130."""
-        return EXIT_TERMINATED if self.received and code == EXIT_INTERRUPTED else code
+        return self.code if self.received and code == EXIT_INTERRUPTED else code
+
+
+TERMINATION = Termination()  # installed by main(); commands read it

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import typer
 
 from ..errors import Eagle3Error
 from . import convert, generate, info, serve, train
-from .common import EXIT_INTERRUPTED, Termination, fail, setup_logging  # noqa: F401  (re-exported: commands that still import them from here)
+from .common import EXIT_INTERRUPTED, EXIT_TERMINATED, TERMINATION, fail, setup_logging  # noqa: F401  (re-exported: commands that still import them from here)
 
 app = typer.Typer(
     name="eagle3-gguf",
@@ -24,7 +25,7 @@ for _command in (info, convert, generate, train, serve):
 
 
 def main() -> None:
-    termination = Termination()
+    termination = TERMINATION
     termination.install()
     try:
         try:
@@ -37,10 +38,10 @@ def main() -> None:
     except SystemExit as e:
         if e.code is not None and not isinstance(e.code, int):
             raise  # sys.exit("message"): Python prints it
-        code = e.code or 0
-        if code == EXIT_INTERRUPTED:
-            typer.echo("terminated" if termination.received else "interrupted", err=True)
-        sys.exit(termination.exit_code(code))
+        code = termination.exit_code(e.code or 0)
+        if code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
+            typer.echo("terminated" if termination.signum == signal.SIGTERM else "interrupted", err=True)
+        sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import typer
 
 from ..errors import Eagle3Error
 from ..server import ServeConfig, build_app
-from .common import fail, setup_logging
+from .common import TERMINATION, fail, setup_logging
 from .generate import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_POLICY, check_decoding_flags
 
 
@@ -50,3 +50,5 @@ def register(app: typer.Typer) -> None:
                    f" on http://{host}:{port}/v1; concurrent requests "
                    f"{'interrupt the running stream' if interrupt_requests else 'queue'}", err=True)
         uvicorn.run(server, host=host, port=port, log_level="info" if verbose else "warning")
+        if TERMINATION.received:  # uvicorn shut down gracefully on SIGTERM/SIGINT (running requests finished)
+            raise typer.Exit(TERMINATION.code)
