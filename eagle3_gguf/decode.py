@@ -21,13 +21,16 @@ from .native import Batch, Context
 from .policy import (POLICIES, AdaptivePolicy, CostCurve, CostKey, DraftPolicy, FixedPolicy, load_costs,
                      measure, save_costs)
 from .session import Eagle3Session
+from .spec_sampling import (DEFAULT_DRAFT_TEMP_SCALE, SPEC_SAMPLING, RejectionSampler, Transform,
+                            verify_match)
 from .stats import RunResult, SpecStats
 from .tokens import detokenize, is_eog
 
 
 @dataclass
 class Sampler:
-    """temperature 0 = greedy; otherwise llama.cpp's usual chain: top-k → top-p → min-p → temperature."""
+    """temperature 0 = greedy; otherwise llama.cpp's usual chain: top-k → top-p → min-p → temperature
+    (spec_sampling.Transform), one seeded random stream."""
 
     temperature: float = 0.0
     seed: int = 0
@@ -41,24 +44,19 @@ class Sampler:
     def reset(self) -> None:
         self.rng = np.random.default_rng(self.seed)
 
+    @property
+    def transform(self) -> Transform:
+        return Transform(self.temperature, self.top_k, self.top_p, self.min_p)
+
     def pick(self, logits: np.ndarray) -> int:
         """One token from a row of logits.  # logits: [n_vocab]"""
         if self.temperature <= 0.0:
             return int(np.argmax(logits))
-        k = min(self.top_k, logits.size) if self.top_k > 0 else logits.size
-        cand = np.argpartition(-logits, k - 1)[:k] if k < logits.size else np.arange(logits.size)  # [k]
-        cand = cand[np.argsort(-logits[cand], kind="stable")]
-        z = logits[cand].astype(np.float64)
-        p = np.exp(z - z[0])
-        p /= p.sum()
-        keep = int(np.searchsorted(np.cumsum(p), self.top_p) + 1) if self.top_p < 1.0 else k
-        keep = max(1, min(keep, k))
-        keep = max(1, int(np.sum(p[:keep] >= self.min_p * p[0])))
-        z = z[:keep] / self.temperature
-        q = np.exp(z - z[0])
-        q /= q.sum()
-        u = self.rng.random()
-        return int(cand[min(int(np.searchsorted(np.cumsum(q), u, side="right")), keep - 1)])
+        return self.transform.dist(logits).sample(self.rng.random())
+
+    def rejection(self, draft_scale: float) -> RejectionSampler:
+        """Rejection sampling on this sampler's transform and random stream (temperature > 0)."""
+        return RejectionSampler(self.transform, draft_scale, self.rng)
 
 
 @dataclass
@@ -67,6 +65,18 @@ class GenerateConfig:
     draft_max: int = 4  # K: the most tokens one cycle drafts
     draft_p_min: float = 0.0  # the fixed policy's stop rule
     draft_policy: str = "adaptive"  # "adaptive" (policy.AdaptivePolicy) or "fixed" (always K, p_min)
+    # at temperature > 0: "match" (greedy drafts kept where the target's own sample equals them: the same
+    # seed gives target-only's text) or "rejection" (drafts from the head's q, kept with probability
+    # min(1, p/q): the target's distribution, more drafts kept; spec_sampling.py)
+    spec_sampling: str = "match"
+    draft_temp_scale: float = DEFAULT_DRAFT_TEMP_SCALE  # rejection: q's temperature = the target's x this
+
+    def __post_init__(self) -> None:
+        if self.spec_sampling not in SPEC_SAMPLING:
+            raise Eagle3Error(f"unknown speculative sampling {self.spec_sampling!r}: choose one of "
+                              f"{', '.join(SPEC_SAMPLING)}")
+        if self.draft_temp_scale < 0.0:
+            raise Eagle3Error(f"the draft temperature scale cannot be negative (got {self.draft_temp_scale})")
 
 
 @dataclass
@@ -184,27 +194,31 @@ class Speculator:
 
     def cycle(self, policy: "DraftPolicy | None", id_last: int, pos: int, k_cap: int,
               pick: Callable[[list[int], int], int], st: SpecStats,
-              stop: Callable[[int], bool] | None = None) -> Cycle:
+              stop: Callable[[int], bool] | None = None, rejection: RejectionSampler | None = None) -> Cycle:
+        """With `rejection`, the head draws its drafts from q and the rows are verified by rejection
+        sampling (`pick` is not called); otherwise the drafts are the head's argmax and kept while
+        `pick(rows, i)` equals them."""
         session = self.session if policy is not None else None
         drafts: list[int] = []
         n_steps, t_draft = 0, 0.0
         k = policy.plan(min(k_cap, self.k_limit)) if session is not None else 0
         if k > 0:
             t = time.perf_counter()
-            drafts = session.draft(id_last, k, policy.judge)
+            if rejection is None:
+                drafts = session.draft(id_last, k, policy.judge)
+            else:
+                drafts = session.draft(id_last, k, policy.judge, sampler=rejection)
             t_draft = time.perf_counter() - t
             n_steps = len(session.confs)
             st.t_draft += t_draft
         t = time.perf_counter()
         rows = [id_last] + drafts
-        n = self.batch.set(rows, pos, logits="all")
+        self.batch.set(rows, pos, logits="all")
         self.target.decode(self.batch)
-        out: list[int] = []
-        for i in range(n):
-            choice = pick(rows, i)
-            out.append(choice)
-            if i >= len(drafts) or drafts[i] != choice or (stop is not None and stop(choice)):
-                break
+        if rejection is not None:
+            out = rejection.verify(drafts, session.qs if drafts else [], self.target.logits_ith, stop)
+        else:
+            out = verify_match(drafts, lambda i: pick(rows, i), stop)
         n_acc = len(out) - 1
         if n_acc < len(drafts):
             self.target.seq_rm(0, pos + n_acc + 1, -1)
@@ -224,6 +238,16 @@ class Speculator:
                            len(out))
             st.record_cycle(len(drafts), n_acc)
         return Cycle(rows, out, n_acc)
+
+
+def spec_sampling_label(temperature: float, spec_sampling: str, draft_temp_scale: float,
+                        fallback: str = "") -> str:
+    """How a run verifies drafts, for the statistics."""
+    if temperature == 0.0:
+        return "greedy"
+    if spec_sampling == "rejection" and not fallback:
+        return f"rejection (draft q at {draft_temp_scale:g}x the temperature)"
+    return f"match (rejection needs a closed-form sampler; this one has {fallback})" if fallback else "match"
 
 
 class Decoder:
@@ -264,6 +288,12 @@ class Decoder:
         policy = self.spec.policy_for(config) if spec else None
         st = self.stats = SpecStats(draft_max=policy.k_max if policy is not None else 0, n_prompt=len(prompt))
         sampler.reset()
+        rejection = None
+        if spec and sampler.temperature > 0.0 and config.spec_sampling == "rejection":
+            rejection = sampler.rejection(config.draft_temp_scale)
+        if spec:
+            st.spec_sampling = spec_sampling_label(max(sampler.temperature, 0.0), config.spec_sampling,
+                                                   config.draft_temp_scale)
         t0 = time.perf_counter()
         self.target.clear()
         if spec:
@@ -295,7 +325,7 @@ class Decoder:
                     return
                 k = min(config.n_predict - st.n_generated - 1, room)
                 # an EOG token ends the cycle as its own token: drafts after it are not accepted
-                cyc = self.spec.cycle(policy, id_last, pos, k, pick, st, stop=is_end)
+                cyc = self.spec.cycle(policy, id_last, pos, k, pick, st, stop=is_end, rejection=rejection)
                 out, n_acc = cyc.out, cyc.n_acc
                 pos += n_acc + 1
                 id_last = out[-1]

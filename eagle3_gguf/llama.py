@@ -27,6 +27,15 @@ which tokens it has processed and rewinds with the target, so prefix reuse keeps
 Exactness needs batch-invariant kernels: flash attention on and a bf16 V cache (the defaults here;
 see EXACTNESS).
 
+Rejection sampling (`spec_sampling="rejection"`, spec_sampling.py): at temperature != 0 the head draws
+its drafts from its own distribution q and the rows are verified by rejection sampling, so more drafts
+are kept and every token is still distributed as the sampler chain's; but the draws are numpy's, from
+a stream seeded with Llama's seed, over the closed form of the chain (top-k → top-p → min-p →
+temperature, llama.cpp's order, in float64): the same seed gives the same text run after run, not
+plain Llama's text. A chain that is not a closed per-position distribution (a grammar, logits
+processors, logit_bias, repetition penalties, mirostat, typical_p) falls back to exact match, and
+`spec_stats.spec_sampling` says so. The default, "match", keeps plain Llama's text for every seed.
+
 Fallback to plain decoding (Llama.generate itself), reported in `.spec_fallback`: `draft_max == 0`,
 an empty prompt, and `generate(reset=False)` (continuing a raw stream, whose rows the head never saw).
 `.spec_stats` (a SpecStats) describes the last call.
@@ -41,14 +50,16 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import llama_cpp
+import numpy as np
 from llama_cpp import Llama
 
-from .decode import GenerateConfig, Speculator
+from .decode import GenerateConfig, Speculator, spec_sampling_label
 from .errors import Eagle3Error
 from .native import CACHE_TYPES, Context, Model, batch_invariant_cache
 from .pair import Pair, PairConfig, load_pair
 from .policy import POLICIES
 from .session import Eagle3Session
+from .spec_sampling import DEFAULT_DRAFT_TEMP_SCALE, SPEC_SAMPLING, RejectionSampler, Transform
 from .stats import SpecStats
 
 DEFAULT_DRAFT_MAX = 4
@@ -82,6 +93,7 @@ class Eagle3Llama(Llama):
 
     def __init__(self, model_path: str, draft_model_path: str | Path | None = None, *,
                  draft_max: int = DEFAULT_DRAFT_MAX, draft_p_min: float = 0.0, draft_policy: str = "adaptive",
+                 spec_sampling: str = "match", draft_temp_scale: float = DEFAULT_DRAFT_TEMP_SCALE,
                  **kwargs: Any):
         if draft_model_path is None:
             raise Eagle3Error("Eagle3Llama needs the EAGLE-3 head: Eagle3Llama(model_path=..., draft_model_path=HEAD.gguf)")
@@ -91,13 +103,16 @@ class Eagle3Llama(Llama):
         kwargs.setdefault("type_v", CACHE_TYPES["bf16"])
         super().__init__(model_path=model_path, **kwargs)
         try:
-            self._eagle3_setup(draft_model_path, draft_max, draft_p_min, draft_policy)
+            self._eagle3_setup(draft_model_path, draft_max, draft_p_min, draft_policy, spec_sampling,
+                               draft_temp_scale)
         except BaseException:
             self.close()
             raise
 
     # -- setup / teardown ---------------------------------------------------------------------------
-    def _eagle3_setup(self, head_path: str | Path, draft_max: int, draft_p_min: float, draft_policy: str) -> None:
+    def _eagle3_setup(self, head_path: str | Path, draft_max: int, draft_p_min: float, draft_policy: str,
+                      spec_sampling: str = "match",
+                      draft_temp_scale: float = DEFAULT_DRAFT_TEMP_SCALE) -> None:
         if self.draft_model is not None:
             raise Eagle3Error("this Llama already has a draft_model (prompt lookup); create it without one")
         if self.context_params.embeddings:
@@ -113,6 +128,8 @@ class Eagle3Llama(Llama):
         self.draft_max = draft_max
         self.draft_p_min = draft_p_min
         self.draft_policy = draft_policy
+        self.spec_sampling = spec_sampling
+        self.draft_temp_scale = draft_temp_scale
         self.spec_stats = SpecStats()
         self.spec_fallback: str | None = None
         self._e3_head_path = Path(head_path)
@@ -158,7 +175,8 @@ class Eagle3Llama(Llama):
 
     def __getstate__(self):
         return {**super().__getstate__(), "draft_model_path": str(self._e3_head_path),
-                "draft_max": self.draft_max, "draft_p_min": self.draft_p_min, "draft_policy": self.draft_policy}
+                "draft_max": self.draft_max, "draft_p_min": self.draft_p_min, "draft_policy": self.draft_policy,
+                "spec_sampling": self.spec_sampling, "draft_temp_scale": self.draft_temp_scale}
 
     @property
     def draft_max(self) -> int:
@@ -189,6 +207,26 @@ class Eagle3Llama(Llama):
         if name not in POLICIES:
             raise Eagle3Error(f"draft_policy must be one of {', '.join(POLICIES)} (got {name!r})")
         self._draft_policy = name
+
+    @property
+    def spec_sampling(self) -> str:
+        return self._spec_sampling
+
+    @spec_sampling.setter
+    def spec_sampling(self, name: str) -> None:
+        if name not in SPEC_SAMPLING:
+            raise Eagle3Error(f"spec_sampling must be one of {', '.join(SPEC_SAMPLING)} (got {name!r})")
+        self._spec_sampling = name
+
+    @property
+    def draft_temp_scale(self) -> float:
+        return self._draft_temp_scale
+
+    @draft_temp_scale.setter
+    def draft_temp_scale(self, scale: float) -> None:
+        if not scale >= 0.0:
+            raise Eagle3Error(f"draft_temp_scale must be >= 0 (got {scale})")
+        self._draft_temp_scale = float(scale)
 
     def _config(self) -> GenerateConfig:
         return GenerateConfig(draft_max=self.draft_max, draft_p_min=self.draft_p_min, draft_policy=self.draft_policy)
@@ -242,11 +280,43 @@ class Eagle3Llama(Llama):
             return "generate(reset=False) continues rows the head has not seen"
         return None
 
+    @staticmethod
+    def _not_closed_form(sampling: dict) -> str:
+        """The parts of a sampler chain that are not a closed per-position distribution ('' if none)."""
+        parts = []
+        if sampling["grammar"] is not None:
+            parts.append("a grammar")
+        if sampling["logits_processor"]:
+            parts.append("logits processors (logit_bias is one)")
+        if (sampling["repeat_penalty"] != 1.0 or sampling["frequency_penalty"] != 0.0
+                or sampling["presence_penalty"] != 0.0):
+            parts.append("repetition penalties")
+        if sampling["mirostat_mode"] != 0:
+            parts.append("mirostat")
+        if sampling["typical_p"] < 1.0:
+            parts.append("typical_p")
+        return ", ".join(parts)
+
+    def _rejection_sampler(self, sampling: dict, not_closed: str) -> RejectionSampler | None:
+        """Rejection sampling for this call, or None: greedy, the "match" rule, or a chain that is not
+        a closed per-position distribution (`not_closed` names its parts)."""
+        temp = sampling["temp"]
+        if temp == 0.0 or self.spec_sampling != "rejection" or not_closed:
+            return None
+        # llama-cpp-python's chain: top-k, typical, top-p, min-p, temperature, dist; temp < 0: dist alone
+        transform = (Transform(temp, sampling["top_k"], sampling["top_p"], sampling["min_p"]) if temp > 0.0
+                     else Transform(1.0, 0, 1.0, 0.0))
+        return RejectionSampler(transform, self.draft_temp_scale, np.random.default_rng(self._seed))
+
     def _speculate(self, prompt: list[int], sampling: dict, stopping_criteria) -> Iterator[int]:
         spec, target = self._e3_spec, self._e3_pair.target
         self._calibrate_if_needed()
         policy = spec.policy_for(self._config())
         st = self.spec_stats = SpecStats(draft_max=policy.k_max, n_prompt=len(prompt))
+        not_closed = self._not_closed_form(sampling) if self.spec_sampling == "rejection" else ""
+        rejection = self._rejection_sampler(sampling, not_closed)
+        st.spec_sampling = spec_sampling_label(sampling["temp"], self.spec_sampling, self.draft_temp_scale,
+                                               not_closed)
         self._mirostat_mu = ctypes.c_float(2.0 * sampling["mirostat_tau"])
         self._sampler = self._init_sampler(**sampling)
         n_ctx = self._n_ctx
@@ -258,7 +328,10 @@ class Eagle3Llama(Llama):
         pos = self.n_tokens  # where id_last goes
         last = -1
         try:
-            id_last = self._sampler.sample(self._ctx, -1)
+            if rejection is None:
+                id_last = self._sampler.sample(self._ctx, -1)
+            else:
+                id_last = rejection.target(target.logits_ith(-1)).sample(rejection.rng.random())
             st.n_target_forwards = 1
             if self._stop_requested(stopping_criteria, pos):
                 st.stop_reason = "stopping_criteria"
@@ -270,8 +343,10 @@ class Eagle3Llama(Llama):
                 if self._e3_budget is not None:
                     k = min(k, self._e3_budget - st.n_generated - 1)
                 cyc = spec.cycle(policy, id_last, pos, k, lambda rows, i: self._sample_row(rows, pos, i), st,
-                                 stop=self._is_eog)
+                                 stop=self._is_eog, rejection=rejection)
                 out, n_acc, rows = cyc.out, cyc.n_acc, cyc.rows
+                if rejection is not None:  # Llama's chain sampled no row: the kept rows, as plain decoding has them
+                    self.input_ids[pos:pos + n_acc + 1] = rows[:n_acc + 1]
                 if self._logits_all:
                     self.scores[pos:pos + n_acc + 1, :] = target.logits(len(rows))[:n_acc + 1]
                 self._e3_head_tokens[pos:] = rows[:n_acc + 1]
@@ -366,7 +441,8 @@ class Eagle3Llama(Llama):
 
 
 def attach_eagle3(llm: Llama, head_path: str | Path, *, draft_max: int = DEFAULT_DRAFT_MAX,
-                  draft_p_min: float = 0.0, draft_policy: str = "adaptive") -> Eagle3Llama:
+                  draft_p_min: float = 0.0, draft_policy: str = "adaptive", spec_sampling: str = "match",
+                  draft_temp_scale: float = DEFAULT_DRAFT_TEMP_SCALE) -> Eagle3Llama:
     """Give an existing `llama_cpp.Llama` an EAGLE-3 head, in place: the same object becomes an
     Eagle3Llama (its class changes; everything it was configured with stays). Returns it."""
     if isinstance(llm, Eagle3Llama):
@@ -377,7 +453,7 @@ def attach_eagle3(llm: Llama, head_path: str | Path, *, draft_max: int = DEFAULT
     new_cls = Eagle3Llama if cls is Llama else type(f"Eagle3{cls.__name__}", (Eagle3Llama, cls), {})
     llm.__class__ = new_cls
     try:
-        llm._eagle3_setup(head_path, draft_max, draft_p_min, draft_policy)
+        llm._eagle3_setup(head_path, draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale)
     except BaseException:
         llm.__class__ = cls
         raise

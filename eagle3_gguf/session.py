@@ -40,6 +40,7 @@ from .extract import TargetFeatures
 from .head_norms import HeadNorms
 from .native import Batch, Context
 from .policy import FixedPolicy
+from .spec_sampling import Dist, RejectionSampler
 
 CATCH_UP_WINDOW = 8  # rows kept aside while the policy does not draft (scripts/bench.py measured the cost)
 
@@ -76,6 +77,7 @@ class Eagle3Session:
         self._q_g = np.zeros((0, self.n_embd), np.float32)  # [n_q, n_embd]
         self._vocab: np.ndarray | None = None  # draft-vocab ids inside the full logits row, once known
         self.confs: list[float] = []  # the last draft's top probabilities, one per step
+        self.qs: list[Dist] = []  # the last sampled draft's q, one per step (drafts drawn from q)
 
     def close(self) -> None:
         self.enc_batch.close()
@@ -236,27 +238,44 @@ class Eagle3Session:
             self.draft_ctx.decode(self.dec_batch)
         self._set_queue(self._q_tok[:0], self._q_pos[:0], self._q_g[:0])
 
-    def _top(self, logits: np.ndarray) -> tuple[int, float]:
-        """The draft's top token and its probability.  # logits: [n_vocab], -inf outside the draft vocab"""
+    def _draft_logits(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """The head's logits over its draft vocab and their target ids (None: the whole vocab).
+        # logits: [n_vocab], -inf outside the draft vocab -> [n_draft_vocab], [n_draft_vocab]"""
         if self._vocab is None:
             finite = np.flatnonzero(np.isfinite(logits))
             self._vocab = finite if finite.size < logits.size else np.arange(0)
         if self._vocab.size:
-            z = logits[self._vocab]  # [n_draft_vocab]
-            j = int(np.argmax(z))
-            token = int(self._vocab[j])
-        else:
-            z = logits
-            j = token = int(np.argmax(z))
+            return logits[self._vocab], self._vocab
+        return logits, None
+
+    def _top(self, logits: np.ndarray) -> tuple[int, float]:
+        """The draft's top token and its probability.  # logits: [n_vocab], -inf outside the draft vocab"""
+        z, ids = self._draft_logits(logits)  # [n_draft_vocab]
+        j = int(np.argmax(z))
+        token = int(ids[j]) if ids is not None else j
         return token, float(1.0 / np.exp(z - z[j]).sum())
 
+    def _choose(self, logits: np.ndarray, sampler: RejectionSampler | None) -> tuple[int, float]:
+        """One draft step's token and the head's top probability: the argmax, or a draw from q (kept in
+        self.qs).  # logits: [n_vocab], -inf outside the draft vocab"""
+        token, conf = self._top(logits)
+        if sampler is not None:
+            token, q = sampler.draft(*self._draft_logits(logits))
+            self.qs.append(q)
+        return token, conf
+
     def draft(self, id_last: int, n_max: int, judge: Callable[[list[float], int], int] | None = None,
-              p_min: float = 0.0) -> list[int]:
+              p_min: float = 0.0, sampler: RejectionSampler | None = None) -> list[int]:
         """Draft up to n_max tokens that follow id_last (the target's newest token). After each step,
         `judge(confs, n_max)` (confs: the top probabilities so far) returns -1 to go on or j >= 0 to stop
         and return the first j drafts; without a judge, drafting stops where the top probability falls
-        under p_min. `self.confs` keeps every step's top probability."""
+        under p_min. `self.confs` keeps every step's top probability.
+
+        Greedy drafts are the head's argmax. With a `sampler` (rejection sampling) each draft is drawn
+        from the head's distribution q over the target vocab (its draft vocab mapped through d2t, zero
+        elsewhere; the sampler's transform), and `self.qs` keeps each step's q."""
         self.confs = []
+        self.qs = []
         if n_max <= 0:
             return []
         self.catch_up()
@@ -282,7 +301,7 @@ class Eagle3Session:
         while True:
             self.dec_batch.set_embd(g, pos, tok)
             ctx.decode(self.dec_batch)
-            token, conf = self._top(ctx.logits_ith(row))
+            token, conf = self._choose(ctx.logits_ith(row), sampler)
             out.append(token)
             self.confs.append(conf)
             keep = judge(self.confs, n_max)

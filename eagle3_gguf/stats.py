@@ -26,6 +26,7 @@ class SpecStats:
     t_total: float = 0.0  # generation after the prompt, everything included
     t_native: float = 0.0  # of t_total: inside llama.cpp (target + draft decodes and encodes)
     stop_reason: str = ""
+    spec_sampling: str = ""  # how drafts were verified: greedy, match, or rejection (decode.spec_sampling_label)
     policy: PolicyStats | None = None  # what the drafting policy chose (speculative runs)
 
     def __post_init__(self) -> None:
@@ -117,6 +118,8 @@ class SpecStats:
                 (f"accepted 0..{self.draft_max} (cycles)", " ".join(str(x) for x in self.accept_hist)),
                 ("acceptance by position", " ".join(f"{x:.2f}" for x in self.acceptance_by_pos())),
             ]
+            if self.spec_sampling:
+                rows.append(("verification", self.spec_sampling))
         if self.policy is not None:
             rows += self.policy_rows()
         t = self.t_total or 1e-9

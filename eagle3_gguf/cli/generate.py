@@ -11,6 +11,7 @@ import typer
 
 from ..errors import Eagle3Error
 from ..policy import POLICIES
+from ..spec_sampling import DEFAULT_DRAFT_TEMP_SCALE, SPEC_SAMPLING
 
 # The default policy is adaptive (eagle3_gguf.policy): it chooses 0..K drafts per cycle from the measured
 # cost curve and the head's online acceptance, so K is only a cap. For `--draft-policy fixed`, p_min 0.5
@@ -20,6 +21,9 @@ from ..policy import POLICIES
 DEFAULT_DRAFT_MAX = 4
 DEFAULT_DRAFT_P_MIN = 0.5
 DEFAULT_DRAFT_POLICY = "adaptive"
+# At --temp > 0 the CLI verifies by rejection sampling (the target's distribution, more drafts kept);
+# "match" keeps target-only's text for the same seed (what --baseline's identity check compares).
+DEFAULT_SPEC_SAMPLING = "rejection"
 
 
 def register(app: typer.Typer) -> None:
@@ -39,6 +43,8 @@ def register(app: typer.Typer) -> None:
         draft_max: int = typer.Option(DEFAULT_DRAFT_MAX, "--draft-max", help="Tokens drafted per cycle (K); 0 = target only."),
         draft_p_min: float = typer.Option(DEFAULT_DRAFT_P_MIN, "--draft-p-min", help="With --draft-policy fixed: stop drafting when the draft's top probability falls below this."),
         draft_policy: str = typer.Option(DEFAULT_DRAFT_POLICY, "--draft-policy", help="adaptive: draft 0..K tokens per cycle, whatever is expected to pay (measured costs, online acceptance); fixed: always K, cut at --draft-p-min."),
+        spec_sampling: str = typer.Option(DEFAULT_SPEC_SAMPLING, "--spec-sampling", help="With --temp > 0: rejection: drafts drawn from the head's distribution q, kept with probability min(1, p/q) (the target's distribution, more drafts kept); match: greedy drafts kept where the target's own sample equals them (the same seed gives target-only's text)."),
+        draft_temp_scale: Optional[float] = typer.Option(None, "--draft-temp-scale", help=f"With --spec-sampling rejection: q's temperature is --temp times this (< 1 sharpens, 0 drafts the head's argmax; default {DEFAULT_DRAFT_TEMP_SCALE:g})."),
         chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the target's chat template (from its GGUF)."),
         baseline: bool = typer.Option(False, "--baseline", help="Also run target-only decoding and report speedup and identity."),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text + statistics) instead of streaming."),
@@ -51,11 +57,14 @@ def register(app: typer.Typer) -> None:
         setup_logging(verbose)
         try:
             _check_flags(prompt, file, n_predict, n_ctx, threads, temp, draft_max, draft_p_min, draft_policy)
+            check_spec_sampling(spec_sampling, draft_temp_scale, temp)
             pair_config = _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max)
             from ..decode import GenerateConfig
 
             config = GenerateConfig(n_predict=n_predict, draft_max=draft_max, draft_p_min=draft_p_min,
-                                    draft_policy=draft_policy)
+                                    draft_policy=draft_policy, spec_sampling=spec_sampling,
+                                    draft_temp_scale=DEFAULT_DRAFT_TEMP_SCALE if draft_temp_scale is None
+                                    else draft_temp_scale)
             _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, baseline, as_json)
         except Eagle3Error as e:
             fail(str(e))
@@ -84,6 +93,22 @@ def check_decoding_flags(n_ctx: int, threads: int | None, draft_max: int, draft_
         raise Eagle3Error(f"--draft-p-min must be in [0, 1) (got {draft_p_min})")
     if draft_policy not in POLICIES:
         raise Eagle3Error(f"--draft-policy must be {' or '.join(POLICIES)} (got {draft_policy})")
+
+
+def check_spec_sampling(spec_sampling: str, draft_temp_scale: float | None, temp: float | None = None) -> None:
+    """--spec-sampling and --draft-temp-scale (None: not given), for `generate` and `serve` (temp None:
+    the temperature comes with each request)."""
+    if spec_sampling not in SPEC_SAMPLING:
+        raise Eagle3Error(f"--spec-sampling must be {' or '.join(SPEC_SAMPLING)} (got {spec_sampling})")
+    if draft_temp_scale is None:
+        return
+    if not draft_temp_scale >= 0.0:
+        raise Eagle3Error(f"--draft-temp-scale cannot be negative (got {draft_temp_scale})")
+    if spec_sampling != "rejection":
+        raise Eagle3Error("--draft-temp-scale shapes the rejection rule's draft distribution: it has no effect "
+                          "with --spec-sampling match")
+    if temp is not None and temp == 0.0:
+        raise Eagle3Error("--draft-temp-scale needs --temp > 0 (at --temp 0 drafts and tokens are greedy)")
 
 
 INEXACT_NOTE = ("note: with a {k}/{v} KV cache, llama.cpp computes a lone row differently from a verify-batch row "
@@ -135,11 +160,14 @@ def _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, base
             if stream:
                 _emit(detok.flush() + "\n")
             base = decoder.generate(tokens, config, Sampler(temp, seed), speculative=False) if baseline else None
+    # rejection sampling draws the target's distribution, not target-only's draws: no identity to check
+    same_draws = not (temp > 0.0 and config.spec_sampling == "rejection" and config.draft_max > 0)
     if as_json:
         out = {"text": spec.text, "stats": spec.stats.to_dict()}
         if base is not None:
             cmp = Comparison(spec, base)
-            out.update(baseline=base.stats.to_dict(), identical=cmp.identical, speedup=cmp.speedup)
+            out.update(baseline=base.stats.to_dict(), identical=cmp.identical if same_draws else None,
+                       speedup=cmp.speedup)
         typer.echo(json.dumps(out, indent=2))
         return
     typer.echo("", err=True)
@@ -149,7 +177,11 @@ def _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, base
         typer.echo(f"\ntarget only        {base.stats.tokens_per_second:.1f} tok/s ({base.stats.n_generated} tokens)",
                    err=True)
         typer.echo(f"speedup            {cmp.speedup:.2f}x", err=True)
-        typer.echo(f"identical output   {'yes' if cmp.identical else 'NO'}", err=True)
+        if same_draws:
+            typer.echo(f"identical output   {'yes' if cmp.identical else 'NO'}", err=True)
+        else:
+            typer.echo("identical output   n/a (rejection sampling: the target's distribution, not its draws; "
+                       "--spec-sampling match compares)", err=True)
 
 
 def _emit(text: str) -> None:
