@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from ..errors import Eagle3Error
-from ..server import ServeConfig, build_app
+from ..server import ServeConfig, build_app, configure_heap
 from .common import TERMINATION, fail, setup_logging
 from .generate import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_POLICY, check_decoding_flags
 
@@ -45,6 +45,8 @@ def register(app: typer.Typer) -> None:
         except Eagle3Error as e:
             fail(str(e))
         import uvicorn
+
+        configure_heap()
 
         typer.echo(f"serving {config.model_alias} (+ {draft.name}, {draft_policy}, K={draft_max}, p_min {draft_p_min})"
                    f" on http://{host}:{port}/v1; concurrent requests "
