@@ -21,6 +21,7 @@ openai = pytest.importorskip("openai")
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colours are",
            "In 1969, the first", "A list of fruits:", "Water boils at", "The quick brown fox"]
 LENGTHS = [8, 40, 120, 24, 200, 16, 72, 300]
+LONG_CTX = 2048  # the server's context here: room for a long stream to drop (the alone-answers fit in N_CTX)
 
 
 @contextmanager
@@ -121,10 +122,17 @@ def test_sixteen_concurrent_clients_and_a_dropped_stream(tiny_target, tiny_head,
     reqs = [request_for(i) for i in range(16)]
     want = [alone_answer(plain, r) for r in reqs]
     log = tmp_path / "serve.log"
-    with serving_logged(tiny_target, tiny_head, log) as (proc, port):
-        conn, dropped = start_stream(port, max_tokens=N_CTX)  # holds the model while the 16 arrive
+    with serving_logged(tiny_target, tiny_head, log, "-c", str(LONG_CTX)) as (proc, port):
+        conn, dropped = start_stream(port, max_tokens=LONG_CTX)  # holds the model while the 16 arrive
         assert len(read_events(dropped, 2)) == 2
-        dropper = threading.Timer(0.5, conn.close)  # gone mid-stream, with the 16 queued behind it
+
+        def drop_once_queued() -> None:  # gone mid-stream, with the 16 queued behind it
+            deadline = time.monotonic() + 30
+            while log.read_text().count("queued:") < 8 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            conn.close()
+
+        dropper = threading.Thread(target=drop_once_queued)
         dropper.start()
         got = run_clients(port, reqs)
         dropper.join()
@@ -137,7 +145,7 @@ def test_sixteen_concurrent_clients_and_a_dropped_stream(tiny_target, tiny_head,
     stopped = [line for line in text.splitlines() if "the client disconnected" in line]
     assert len(stopped) == 1, text
     n_chunks = int(stopped[0].split("after ")[1].split()[0])
-    assert n_chunks < N_CTX - 10, stopped  # it really stopped mid-stream
+    assert n_chunks < LONG_CTX - 10, stopped  # it really stopped mid-stream
     assert "Traceback" not in text, text
 
 
