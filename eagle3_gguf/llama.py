@@ -110,6 +110,21 @@ class Eagle3Llama(Llama):
             raise
 
     # -- setup / teardown ---------------------------------------------------------------------------
+    def _fit_rows_to_context(self) -> None:
+        """llama.cpp pads n_ctx (160 becomes 256) and Llama generates up to the padded size, but sizes
+        input_ids (and scores with logits_all) by the n_ctx asked for. Plain decoding writes one row at a time
+        and numpy drops a row past the end without a word; a cycle writes several and numpy refuses. Size
+        them by the context's real n_ctx, so every row is kept."""
+        n = self._n_ctx
+        if len(self.input_ids) < n:
+            ids = np.zeros(n, dtype=np.intc)  # [n_ctx]
+            ids[:len(self.input_ids)] = self.input_ids
+            self.input_ids = ids
+        if self._logits_all and self.scores.shape[0] < n:
+            scores = np.zeros((n, self._n_vocab), dtype=np.single)  # [n_ctx, n_vocab]
+            scores[:self.scores.shape[0]] = self.scores
+            self.scores = scores
+
     def _eagle3_setup(self, head_path: str | Path, draft_max: int, draft_p_min: float, draft_policy: str,
                       spec_sampling: str = "match",
                       draft_temp_scale: float = DEFAULT_DRAFT_TEMP_SCALE) -> None:
@@ -125,6 +140,7 @@ class Eagle3Llama(Llama):
         elif not batch_invariant_cache(cp.type_k, cp.type_v):
             warnings.warn(INEXACT_WARNING.format(what=f"KV cache type_k={cp.type_k}, type_v={cp.type_v}"),
                           RuntimeWarning, stacklevel=3)
+        self._fit_rows_to_context()
         self.draft_max = draft_max
         self.draft_p_min = draft_p_min
         self.draft_policy = draft_policy

@@ -134,6 +134,23 @@ def test_max_tokens_beyond_context_is_clamped_alike(plain, ours):
     assert a["usage"]["total_tokens"] == KW["n_ctx"] and a["choices"][0]["finish_reason"] == "length"
 
 
+def test_drafts_past_the_n_ctx_asked_for(tiny_target, tiny_head):
+    """llama.cpp pads n_ctx=160 to 256 and Llama generates to 256 though its input_ids has 160 rows; a
+    cycle of kept drafts past row 160 answers as plain Llama does (the soak found a ValueError here)."""
+    kw = {**KW, "n_ctx": 160}
+    with closing(llama_cpp.Llama(model_path=str(tiny_target), **kw)) as p:
+        prompt = p.tokenize(PROMPTS[0].encode())
+        truth = prompt + list(itertools.islice(p.generate(prompt, temp=0.0), p.n_ctx() - len(prompt)))
+        base = p.create_completion(PROMPTS[0], max_tokens=5000, **GREEDY)
+        assert p.n_ctx() > 160 and base["usage"]["total_tokens"] == p.n_ctx()
+    with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_policy="fixed",
+                             draft_max=4, **kw)) as llm:
+        use_session(llm, OracleSession(llm._e3_pair.target, llm._e3_pair.head, truth=truth, schedule=[4, 3]))
+        same(base, llm.create_completion(PROMPTS[0], max_tokens=5000, **GREEDY))
+        assert llm.spec_stats.n_accepted > 100
+        assert llm.input_ids[:llm.n_tokens].tolist() == truth[:llm.n_tokens]
+
+
 def test_calls_in_a_row_reuse_the_prefix(plain, ours):
     """Second call extends the first's prompt (a chat turn), third shares only part of it."""
     first = PROMPTS[2]
