@@ -338,7 +338,7 @@ class Eagle3Llama(Llama):
         n_ctx = self._n_ctx
         t0 = time.perf_counter()
         self._rewind(prompt)
-        self._prefill(prompt[self.n_tokens:])
+        self._prefill(prompt[self.n_tokens:], whole=policy.wants_prompt())
         st.t_prefill = time.perf_counter() - t0
         t_start = time.perf_counter()
         pos = self.n_tokens  # where id_last goes
@@ -440,8 +440,10 @@ class Eagle3Llama(Llama):
         self.n_tokens = keep
         del self._e3_head_tokens[keep:]
 
-    def _prefill(self, tokens: list[int]) -> None:
-        """Decode tokens after n_tokens in n_batch chunks; each chunk's rows go to the head."""
+    def _prefill(self, tokens: list[int], whole: bool) -> None:
+        """Decode tokens after n_tokens in n_batch chunks; each chunk's rows go to the head: all of them
+        when `whole`, else the last `window` rows are set aside for the first draft (the policy does not
+        expect drafting to pay yet, and reading the whole prompt costs one or two target steps)."""
         target, batch, session = self._e3_pair.target, self._e3_spec.batch, self._e3_session
         for i in range(0, len(tokens), self.n_batch):
             chunk = tokens[i:i + self.n_batch]
@@ -452,7 +454,10 @@ class Eagle3Llama(Llama):
             if self._logits_all:
                 self.scores[pos0:pos0 + len(chunk), :] = target.logits(len(chunk))
             self.n_tokens = pos0 + len(chunk)
-            session.process(chunk, pos0)
+            if whole:
+                session.process(chunk, pos0)
+            else:
+                session.keep(chunk, pos0)
             self._e3_head_tokens[pos0:] = chunk
 
 

@@ -12,6 +12,7 @@ from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 from eagle3_gguf.errors import Eagle3Error
 from eagle3_gguf.llama import Eagle3Llama, attach_eagle3
 from eagle3_gguf.native import CACHE_TYPES
+from eagle3_gguf.policy import FixedPolicy
 from eagle3_gguf.session import Eagle3Session
 from oracle import OracleSession
 from model_factory import HeadSpec, write_random_head
@@ -149,6 +150,25 @@ def test_drafts_past_the_n_ctx_asked_for(tiny_target, tiny_head):
         same(base, llm.create_completion(PROMPTS[0], max_tokens=5000, **GREEDY))
         assert llm.spec_stats.n_accepted > 100
         assert llm.input_ids[:llm.n_tokens].tolist() == truth[:llm.n_tokens]
+
+
+def test_a_prompt_the_head_only_glimpses_answers_alike(tiny_target, tiny_head, plain, monkeypatch):
+    """Where the policy does not expect drafting to pay, the head keeps only the prompt's last rows (a
+    gap before them); drafting, prefix reuse and the answers go on as before."""
+    monkeypatch.setattr(FixedPolicy, "wants_prompt", lambda self: False)
+    prompt = " ".join([PROMPTS[2]] * 4)
+    plain(prompt, max_tokens=41, **GREEDY)
+    truth = plain.input_ids[:plain.n_tokens].tolist()
+    base = plain(prompt, max_tokens=40, **GREEDY)
+    again = plain(prompt + " And", max_tokens=20, **GREEDY)
+    with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_policy="fixed",
+                             draft_max=4, **KW)) as llm:
+        use_session(llm, OracleSession(llm._e3_pair.target, llm._e3_pair.head, truth=truth, schedule=[4, 2]))
+        same(base, llm(prompt, max_tokens=40, **GREEDY))
+        session = llm._e3_session
+        assert session.gaps and session.gaps[0][0] == 0 and session.shift >= len(truth) - 40 - session.window
+        assert llm.spec_stats.n_accepted > 10
+        same(again, llm(prompt + " And", max_tokens=20, **GREEDY))
 
 
 def test_calls_in_a_row_reuse_the_prefix(plain, ours):
