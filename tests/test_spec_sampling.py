@@ -470,6 +470,23 @@ def test_decoder_rejection_keeps_more_drafts_than_match(mirror_draws):
     assert rej.accepted / rej.drafted > match.accepted / match.drafted
 
 
+@pytest.mark.slow
+def test_smollm2_rejection_is_target_only_sampling(smollm2_path):
+    """The real pair (SmolLM2 + the shipped head), 400 seeds, K = 2: the first three generated tokens
+    follow target-only sampling (chi-square p > 0.01), with drafts kept."""
+    from eagle3_gguf.assets import default_head_path
+    from eagle3_gguf.tokens import chat_tokens
+
+    sampling = dict(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0)
+    with load_pair(smollm2_path, default_head_path(), PairConfig(n_ctx=512, n_threads=1)) as pair:
+        prompt = chat_tokens(pair.target_model, "Write a short poem about the sea.")
+        exact = exact_prefixes(pair.target, prompt, Sampler(**sampling).transform, 3, eog=pair.target_model)
+        with Eagle3Session(pair.target, pair.head) as s, Decoder(pair.target, s) as d:
+            rej = decode_many(s, d, prompt, 400, "rejection", sampling)
+    assert rej.accepted > 0.1 * rej.drafted
+    assert chi_square_cells(rej.counts, exact) > 0.01
+
+
 def test_greedy_is_unchanged_by_rejection(tiny_pair):
     prompt = tokenize(tiny_pair.target_model, "The capital of France is")
     with Eagle3Session(tiny_pair.target, tiny_pair.head) as s, Decoder(tiny_pair.target, s) as d:
