@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import Eagle3Error
+from .spec_sampling import DEFAULT_DRAFT_TEMP_SCALE
 
 SERVER_EXTRA_HINT = "pip install 'eagle3-gguf[server]'"
 SERVER_MODULES = ("fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings")
@@ -52,6 +53,8 @@ class ServeConfig:
     alias: str | None = None  # the model name clients send; default: the target's file name without .gguf
     strict_model: bool = False  # 404 for other model names (llama-cpp-python answers them with its model)
     interrupt_requests: bool = False  # llama-cpp-python's default (True) ends a running stream for a new request
+    spec_sampling: str = "rejection"  # at temperature > 0, as `generate` (--spec-sampling); "match" keeps plain text
+    draft_temp_scale: float = DEFAULT_DRAFT_TEMP_SCALE
 
     @property
     def model_alias(self) -> str:
@@ -92,7 +95,8 @@ def build_app(config: ServeConfig):
             llm = LlamaProxy.load_llama_from_model_settings(settings)
             try:
                 return attach_eagle3(llm, config.draft, draft_max=config.draft_max, draft_p_min=config.draft_p_min,
-                                     draft_policy=config.draft_policy)
+                                     draft_policy=config.draft_policy, spec_sampling=config.spec_sampling,
+                                     draft_temp_scale=config.draft_temp_scale)
             except BaseException:
                 llm.close()
                 raise

@@ -201,6 +201,10 @@ def test_bad_pair_is_one_line(tiny_head, smollm2_path):
     (["--draft-max", "33"], "--draft-max must be between 0 and 32 (got 33)"),
     (["--port", "0"], "--port must be in 1..65535 (got 0)"),
     (["--draft-policy", "greedy"], "--draft-policy must be adaptive or fixed (got greedy)"),
+    (["--spec-sampling", "bogus"], "--spec-sampling must be rejection or match (got bogus)"),
+    (["--draft-temp-scale", "-1"], "--draft-temp-scale cannot be negative (got -1.0)"),
+    (["--spec-sampling", "match", "--draft-temp-scale", "0.5"],
+     "--draft-temp-scale shapes the rejection rule's draft distribution: it has no effect with --spec-sampling match"),
 ])
 def test_bad_flags_one_line(tiny_target, tiny_head, flags, expected):
     r = subprocess.run([sys.executable, "-m", "eagle3_gguf.cli.main", "serve", "-m", str(tiny_target), "--draft",

@@ -10,8 +10,10 @@ import typer
 
 from ..errors import Eagle3Error
 from ..server import ServeConfig, build_app, configure_heap
+from ..spec_sampling import DEFAULT_DRAFT_TEMP_SCALE
 from .common import TERMINATION, fail, setup_logging
-from .generate import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_POLICY, check_decoding_flags
+from .generate import (DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_POLICY, DEFAULT_SPEC_SAMPLING,
+                       check_decoding_flags, check_spec_sampling)
 
 
 def register(app: typer.Typer) -> None:
@@ -27,6 +29,8 @@ def register(app: typer.Typer) -> None:
         threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads."),
         alias: Optional[str] = typer.Option(None, "--alias", help="Model name clients send (default: the target file name without .gguf)."),
         draft_policy: str = typer.Option(DEFAULT_DRAFT_POLICY, "--draft-policy", help="adaptive: draft 0..K tokens per cycle, whatever is expected to pay; fixed: always K, cut at --draft-p-min."),
+        spec_sampling: str = typer.Option(DEFAULT_SPEC_SAMPLING, "--spec-sampling", help="Requests at temperature > 0: rejection: drafts drawn from the head's distribution, kept with probability min(1, p/q) (the target's distribution, more drafts kept); match: kept where the target's own sample equals them (plain llama-cpp-python's text for the same seed)."),
+        draft_temp_scale: Optional[float] = typer.Option(None, "--draft-temp-scale", help=f"With --spec-sampling rejection: the head's temperature is the request's times this (default {DEFAULT_DRAFT_TEMP_SCALE:g})."),
         strict_model: bool = typer.Option(False, "--strict-model", help="Answer 404 to requests naming another model (default: llama-cpp-python's rule, the served model answers)."),
         interrupt_requests: bool = typer.Option(False, "--interrupt-requests", help="llama-cpp-python's default: a new request ends the running stream early (its client gets a short answer). Default here: requests queue."),
         verbose: bool = typer.Option(False, "-v", "--verbose", help="Show llama.cpp's log and every request."),
@@ -36,9 +40,12 @@ def register(app: typer.Typer) -> None:
         logging.getLogger("eagle3_gguf.server").setLevel(logging.INFO)  # queueing and dropped streams
         config = ServeConfig(model=model, draft=draft, host=host, port=port, draft_max=draft_max,
                              draft_p_min=draft_p_min, draft_policy=draft_policy, n_ctx=n_ctx, n_threads=threads,
-                             alias=alias, strict_model=strict_model, interrupt_requests=interrupt_requests)
+                             alias=alias, strict_model=strict_model, interrupt_requests=interrupt_requests,
+                             spec_sampling=spec_sampling, draft_temp_scale=DEFAULT_DRAFT_TEMP_SCALE
+                             if draft_temp_scale is None else draft_temp_scale)
         try:
             check_decoding_flags(n_ctx, threads, draft_max, draft_p_min, draft_policy)
+            check_spec_sampling(spec_sampling, draft_temp_scale)
             if not 0 < port < 65536:
                 raise Eagle3Error(f"--port must be in 1..65535 (got {port})")
             server = build_app(config)
@@ -48,7 +55,8 @@ def register(app: typer.Typer) -> None:
 
         configure_heap()
 
-        typer.echo(f"serving {config.model_alias} (+ {draft.name}, {draft_policy}, K={draft_max}, p_min {draft_p_min})"
+        typer.echo(f"serving {config.model_alias} (+ {draft.name}, {draft_policy}, K={draft_max}, p_min {draft_p_min}, "
+                   f"{spec_sampling} sampling at temperature > 0)"
                    f" on http://{host}:{port}/v1; concurrent requests "
                    f"{'interrupt the running stream' if interrupt_requests else 'queue'}", err=True)
         uvicorn.run(server, host=host, port=port, log_level="info" if verbose else "warning")
