@@ -16,6 +16,11 @@ runs later (an abandoned generator closed by the garbage collector would cut the
 request). Queueing is logged on the `eagle3_gguf.server` logger. llama-cpp-python's server keeps its
 model, locks and settings in module globals, so one process serves one app; `build_app` installs its
 request gate and stream publisher into `llama_cpp.server.app` for good.
+
+Speculation statistics (what `llm.spec_stats` says of a request, summed up by `speculation_summary`): a
+non-streamed completion's `usage` object carries them as `usage.speculation` (OpenAI clients keep unknown
+usage fields: `response.usage.speculation` in openai-python), and `GET /v1/eagle3/stats` answers the last
+request's, streamed or not, with totals since the server started.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import itertools
 import json
 import logging
 import time
-from dataclasses import dataclass
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -79,7 +85,7 @@ def build_app(config: ServeConfig):
     for path, what in ((config.model, "target (-m)"), (config.draft, "head (--draft)")):
         if not Path(path).is_file():
             raise Eagle3Error(f"{path}: no such file for the {what}")
-    from fastapi import HTTPException
+    from fastapi import Depends, HTTPException
     from llama_cpp.server import app as server_app
     from llama_cpp.server.model import LlamaProxy
     from llama_cpp.server.settings import ModelSettings, ServerSettings
@@ -122,6 +128,8 @@ def build_app(config: ServeConfig):
     server_app.get_llama_proxy = queued_llama_proxy
     server_app.get_event_publisher = event_publisher
     app.add_middleware(RequestCheck)
+    app.add_middleware(SpeculationReport)
+    app.get("/v1/eagle3/stats", dependencies=[Depends(server_app.authenticate)])(speculation_stats)
     return app
 
 
@@ -167,13 +175,18 @@ async def queued_llama_proxy():
     QUEUE.running += 1
     if ahead:
         log.info("request %d started after %.2f s in the queue", rid, time.monotonic() - t0)
+    proxy = server_app._llama_proxy
+    before = _spec_stats(proxy)
     try:
-        yield server_app._llama_proxy
+        yield proxy
     finally:
         QUEUE.running -= 1
         QUEUE.served += 1
-        trim_heap()
-        inner.release()
+        try:
+            record_speculation(proxy, before)
+            trim_heap()
+        finally:
+            inner.release()
 
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter
@@ -317,3 +330,125 @@ class RequestCheck:
         await send({"type": "http.response.start", "status": 400,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
         await send({"type": "http.response.body", "body": payload})
+
+
+# ------------------------------------------------------------------------------------------------
+# Speculation statistics: usage.speculation on non-streamed answers, GET /v1/eagle3/stats
+# ------------------------------------------------------------------------------------------------
+
+
+def speculation_summary(llm) -> dict:
+    """What an Eagle3Llama's last call did, as the server reports it. spec_sampling: greedy, match or
+    rejection; verification: the same with its detail (q's temperature scale, why a chain fell back to
+    match); fallback: why the call decoded plainly (None when it speculated)."""
+    st = llm.spec_stats
+    return {"drafted": st.n_drafted, "accepted": st.n_accepted, "acceptance_rate": st.acceptance_rate,
+            "target_forwards": st.n_target_forwards, "generated": st.n_generated, "tokens_per_forward": st.tau,
+            "draft_max": st.draft_max, "policy": st.policy.name if st.policy is not None else None,
+            "spec_sampling": st.spec_sampling.split(" ")[0] or None, "verification": st.spec_sampling or None,
+            "fallback": llm.spec_fallback}
+
+
+@dataclass
+class SpeculationBoard:
+    """The last generating request's summary, and totals over every request that generated."""
+
+    last: dict | None = None
+    requests: int = 0
+    totals: dict = field(default_factory=lambda: dict.fromkeys(("drafted", "accepted", "target_forwards",
+                                                                "generated"), 0))
+
+    def add(self, summary: dict) -> None:
+        self.last = summary
+        self.requests += 1
+        for key in self.totals:
+            self.totals[key] += summary[key]
+
+    def to_dict(self) -> dict:
+        t = self.totals
+        forwards = t["target_forwards"]
+        return {"requests": self.requests, "last": self.last,
+                "total": {**t, "tokens_per_forward": t["generated"] / forwards if forwards else 0.0}}
+
+
+SPECULATION = SpeculationBoard()
+# The running request's slot (SpeculationReport sets it; the model gate fills it): a dict shared with every
+# task and thread the request's context is copied into
+_REQUEST_SPECULATION: ContextVar[dict | None] = ContextVar("eagle3_request_speculation", default=None)
+
+
+def _spec_stats(proxy):
+    llm = getattr(proxy, "_current_model", None)
+    return getattr(llm, "spec_stats", None)
+
+
+def record_speculation(proxy, before) -> None:
+    """After a request held the model: if it generated (llm.spec_stats is a new object), its summary goes to
+    the board and to the request's slot."""
+    stats = _spec_stats(proxy)
+    if stats is None or stats is before:
+        return
+    summary = speculation_summary(proxy._current_model)
+    SPECULATION.add(summary)
+    slot = _REQUEST_SPECULATION.get()
+    if slot is not None:
+        slot["speculation"] = summary
+
+
+async def speculation_stats() -> dict:
+    """GET /v1/eagle3/stats: the last request's speculation (None before the first), and totals."""
+    return SPECULATION.to_dict()
+
+
+class SpeculationReport:
+    """ASGI middleware: a non-streamed completion's JSON answer gets `usage.speculation` (the request's
+    speculation_summary); streams and everything else pass through untouched."""
+
+    PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/engines/copilot-codex/completions")
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in self.PATHS:
+            await self.app(scope, receive, send)
+            return
+        slot: dict = {}
+        start, chunks = None, []
+
+        async def send_reported(message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start" and message["status"] == 200 and any(
+                    k.lower() == b"content-type" and v.startswith(b"application/json") for k, v in message["headers"]):
+                start = message  # held until the body is complete: its length changes
+                return
+            if start is None or message["type"] != "http.response.body":
+                await send(message)
+                return
+            chunks.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            body = self.report(b"".join(chunks), slot.get("speculation"))
+            headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
+            await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+
+        token = _REQUEST_SPECULATION.set(slot)
+        try:
+            await self.app(scope, receive, send_reported)
+        finally:
+            _REQUEST_SPECULATION.reset(token)
+
+    @staticmethod
+    def report(body: bytes, summary: dict | None) -> bytes:
+        if summary is None:
+            return body
+        try:
+            answer = json.loads(body)
+        except ValueError:
+            return body
+        if not isinstance(answer, dict) or not isinstance(answer.get("usage"), dict):
+            return body
+        answer["usage"]["speculation"] = summary
+        # as FastAPI's JSONResponse renders it
+        return json.dumps(answer, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()

@@ -1,8 +1,11 @@
-"""`eagle3-gguf serve`: llama-cpp-python's OpenAI-compatible server with the head, end to end over HTTP."""
+"""`eagle3-gguf serve`: llama-cpp-python's OpenAI-compatible server with the head, end to end over HTTP; its
+speculation statistics (`usage.speculation`, GET /v1/eagle3/stats) with SmolLM2 and the shipped head on a
+predictable text, where drafts are accepted."""
 
 from __future__ import annotations
 
 import http.client
+import json
 import socket
 import subprocess
 import sys
@@ -12,7 +15,9 @@ from contextlib import closing, contextmanager
 import llama_cpp
 import pytest
 
+from eagle3_gguf.assets import default_head_path
 from eagle3_gguf.native import CACHE_TYPES
+from test_speculation_surfaces import COUNT, N
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -45,6 +50,14 @@ def wait_ready(proc: subprocess.Popen, port: int, timeout: float = 120.0) -> Non
         except OSError:
             time.sleep(0.3)
     raise RuntimeError("the server did not come up in time")
+
+
+def get_json(port: int, path: str) -> dict:
+    with closing(http.client.HTTPConnection("127.0.0.1", port, timeout=60)) as c:
+        c.request("GET", path)
+        r = c.getresponse()
+        assert r.status == 200
+        return json.loads(r.read())
 
 
 def raw_post(port: int, path: str, body: bytes) -> tuple[int, bytes]:
@@ -88,13 +101,16 @@ def client(server):
     return openai_client(server)
 
 
+def plain_llama(model):
+    """A plain Llama with the server's exactness settings (server.py: flash attention, bf16 V cache)."""
+    return closing(llama_cpp.Llama(model_path=str(model), n_ctx=N_CTX, flash_attn=True, type_v=CACHE_TYPES["bf16"],
+                                   verbose=False))
+
+
 @pytest.fixture(scope="module")
 def plain(tiny_target):
-    # the server's exactness settings (serve.py: flash attention, bf16 V cache)
-    llm = llama_cpp.Llama(model_path=str(tiny_target), n_ctx=N_CTX, flash_attn=True, type_v=CACHE_TYPES["bf16"],
-                          verbose=False)
-    yield llm
-    llm.close()
+    with plain_llama(tiny_target) as llm:
+        yield llm
 
 
 def test_lists_the_model(client):
@@ -211,3 +227,71 @@ def test_bad_flags_one_line(tiny_target, tiny_head, flags, expected):
                         str(tiny_head), *flags], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [f"error: {expected}"]
+
+
+# -- speculation statistics: SmolLM2 + the shipped head, counting (the head predicts it) -----------------------
+def speculated(spec: dict, n_generated: int) -> None:
+    """A request's `speculation`: drafts accepted, more than one token per target forward, and counts that
+    tell one story (every token is a target forward's own or an accepted draft)."""
+    assert spec["drafted"] > 0 and spec["accepted"] > 0, spec
+    assert spec["tokens_per_forward"] > 1.0 and spec["fallback"] is None
+    assert spec["generated"] == n_generated == spec["target_forwards"] + spec["accepted"]
+    assert spec["tokens_per_forward"] == pytest.approx(n_generated / spec["target_forwards"])
+
+
+@pytest.fixture(scope="module")
+def smol_server(smollm2_path):
+    """serve with SmolLM2 + the shipped head, drafting every cycle (fixed policy, K=4, p_min 0); rejection
+    sampling (the default) with the head's temperature at half the request's."""
+    flags = ["--draft-policy", "fixed", "--draft-max", "4", "--draft-p-min", "0", "--draft-temp-scale", "0.5"]
+    with serving(smollm2_path, default_head_path(), *flags) as port:
+        yield port
+
+
+@pytest.fixture(scope="module")
+def smol_plain(smollm2_path):
+    with plain_llama(smollm2_path) as llm:
+        yield llm
+
+
+def test_usage_reports_speculation(smol_server, smol_plain):
+    """A non-streamed answer carries its request's statistics in `usage.speculation`, which the OpenAI client
+    keeps; the text is plain llama-cpp-python's; GET /v1/eagle3/stats reports the same request."""
+    got = openai_client(smol_server).completions.create(model=ALIAS, prompt=COUNT, max_tokens=N, temperature=0,
+                                                        extra_body=EXTRA)
+    want = smol_plain.create_completion(COUNT, max_tokens=N, **PLAIN)
+    assert got.choices[0].text == want["choices"][0]["text"]
+    assert got.usage.completion_tokens == want["usage"]["completion_tokens"] == N
+    spec = got.usage.speculation
+    speculated(spec, N)
+    assert (spec["spec_sampling"], spec["verification"], spec["policy"], spec["draft_max"]) == (
+        "greedy", "greedy", "fixed", 4)
+    board = get_json(smol_server, "/v1/eagle3/stats")
+    assert board["last"] == spec
+
+
+def test_stream_reported_by_stats_endpoint(smol_server, smol_plain):
+    """A stream's statistics: GET /v1/eagle3/stats after it, with totals over every request."""
+    before = get_json(smol_server, "/v1/eagle3/stats")
+    messages = [{"role": "user", "content": "Count from 1 to 30, separated by commas."}]
+    stream = openai_client(smol_server).chat.completions.create(model=ALIAS, messages=messages, max_tokens=N,
+                                                                temperature=0, stream=True, extra_body=EXTRA)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream)
+    want = smol_plain.create_chat_completion(messages, max_tokens=N, **PLAIN)
+    assert text == want["choices"][0]["message"]["content"]
+    board = get_json(smol_server, "/v1/eagle3/stats")
+    speculated(board["last"], N)
+    assert board["requests"] == before["requests"] + 1
+    for key in ("drafted", "accepted", "target_forwards", "generated"):
+        assert board["total"][key] == before["total"][key] + board["last"][key]
+
+
+def test_rejection_sampling_reported(smol_server):
+    """At temperature > 0, serve verifies by rejection sampling (its default, as generate's), with
+    --draft-temp-scale reaching the model."""
+    got = openai_client(smol_server).completions.create(model=ALIAS, prompt=COUNT, max_tokens=N, temperature=0.7,
+                                                        seed=1, extra_body=EXTRA)
+    spec = got.usage.speculation
+    assert spec["spec_sampling"] == "rejection"
+    assert spec["verification"] == "rejection (draft q at 0.5x the temperature)"
+    assert spec["drafted"] > 0 and spec["generated"] == spec["target_forwards"] + spec["accepted"]

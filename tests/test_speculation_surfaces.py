@@ -3,8 +3,9 @@ drop-in) and `serve`, each with SmolLM2 and the shipped head on a predictable te
 fixed policy (K=4, p_min 0, so that the head drafts every cycle). Each test asserts drafts were accepted (tokens
 per target forward > 1) and that the output is the target's alone, token for token.
 
-The server answers with no speculation statistics, so its test runs `serve`'s app (server.build_app, what the
-command hands to uvicorn) in this process and reads them from the Eagle3Llama it serves."""
+The server reports its statistics over HTTP (`usage.speculation` on non-streamed answers, GET /v1/eagle3/stats);
+its test runs `serve`'s app (server.build_app, what the command hands to uvicorn) in this process, so it also
+checks them against the Eagle3Llama it serves."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from eagle3_gguf.assets import default_head_path
 from eagle3_gguf.cli.main import app
 from eagle3_gguf.llama import Eagle3Llama, attach_eagle3
 from eagle3_gguf.native import CACHE_TYPES
+from eagle3_gguf.server import speculation_summary
 
 COUNT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # the target continues " 11, 12, ...", which the head predicts
 CHAT = [{"role": "user", "content": "Count from 1 to 30, separated by commas."}]
@@ -203,6 +205,15 @@ def post(port: int, path: str, body: dict) -> dict:
     return json.loads(data)
 
 
+def get(port: int, path: str) -> dict:
+    with closing(http.client.HTTPConnection("127.0.0.1", port, timeout=120)) as c:
+        c.request("GET", path)
+        r = c.getresponse()
+        data = r.read()
+    assert r.status == 200, data
+    return json.loads(data)
+
+
 def post_stream(port: int, path: str, body: dict) -> list[dict]:
     """The data events of a streamed answer, up to [DONE]."""
     with closing(http.client.HTTPConnection("127.0.0.1", port, timeout=120)) as c:
@@ -256,11 +267,21 @@ def served(smollm2_path, head):
             setattr(server_app, name, value)
 
 
+def reported(port: int, llm, got: dict | None = None) -> dict:
+    """The last request's statistics as serve reports them (`usage.speculation` of `got`, else GET
+    /v1/eagle3/stats): the served Eagle3Llama's own."""
+    spec = got["usage"]["speculation"] if got is not None else get(port, "/v1/eagle3/stats")["last"]
+    assert spec == speculation_summary(llm)
+    return spec
+
+
 def test_serve_completion(served, count_text):
     port, llm = served
     got = post(port, "/v1/completions", dict(model="smol", prompt=COUNT, max_tokens=N, **GREEDY))
     assert got["choices"][0]["text"] == count_text and got["usage"]["completion_tokens"] == N
     speculated(llm.spec_stats, N)
+    spec = reported(port, llm, got)
+    assert spec["accepted"] > 0 and spec["tokens_per_forward"] > 1.0 and spec["spec_sampling"] == "greedy"
 
 
 def test_serve_chat_and_stream(served, plain):
@@ -269,7 +290,21 @@ def test_serve_chat_and_stream(served, plain):
     got = post(port, "/v1/chat/completions", dict(model="smol", messages=CHAT, max_tokens=N, **GREEDY))
     assert got["choices"][0]["message"]["content"] == want
     speculated(llm.spec_stats, N)
+    reported(port, llm, got)
     events = post_stream(port, "/v1/chat/completions", dict(model="smol", messages=CHAT, max_tokens=N, **GREEDY))
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == want
     assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("speculation" not in (e.get("usage") or {}) for e in events)  # streams: GET /v1/eagle3/stats
     speculated(llm.spec_stats, N)
+    reported(port, llm)
+
+
+def test_serve_rejection_sampling(served):
+    """At temperature > 0 serve verifies by rejection sampling (ServeConfig's default, as the command's) and
+    says so in the statistics."""
+    port, llm = served
+    got = post(port, "/v1/completions", dict(model="smol", prompt=COUNT, max_tokens=N, temperature=0.8, seed=3,
+                                             repeat_penalty=1.0))
+    spec = reported(port, llm, got)
+    assert (spec["spec_sampling"], spec["verification"]) == ("rejection", "rejection (draft q at 1x the temperature)")
+    assert spec["drafted"] > 0 and spec["generated"] == N == spec["target_forwards"] + spec["accepted"]
