@@ -44,6 +44,7 @@ an empty prompt, and `generate(reset=False)` (continuing a raw stream, whose row
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -86,6 +87,57 @@ class _SharedModel(Model):
 
     def _free(self, ptr) -> None:
         pass
+
+
+BUSY = ("this Eagle3Llama is generating in another thread: use one Eagle3Llama per thread, or a lock around "
+        "its calls (llama_cpp.Llama is not thread-safe either)")
+SUPERSEDED = ("this generation was superseded by a newer call on the same Eagle3Llama (from another thread, or "
+              "after this stream was left unfinished): use one Eagle3Llama per thread")
+
+
+class _Turn:
+    """One generation's right to use an Eagle3Llama. The target's and the head's caches are one state, so
+    a generation runs only while it holds the object's lock: from its start to each token it yields, and
+    again from each resume. A newer generation supersedes an unfinished one (as a new call on a plain Llama
+    does); the older one then raises SUPERSEDED instead of touching the newer one's state. Another thread
+    arriving while a generation runs gets BUSY."""
+
+    def __init__(self, llm: "Eagle3Llama"):
+        self.llm = llm
+        self.held = False
+        self._take(BUSY)
+        llm._e3_generation += 1
+        self.n = llm._e3_generation
+
+    def _take(self, why: str) -> None:
+        if not self.llm._e3_running.acquire(blocking=False):
+            raise Eagle3Error(why)
+        self.held = True
+
+    @property
+    def current(self) -> bool:
+        return self.llm._e3_generation == self.n
+
+    def pause(self) -> None:
+        self.release()
+
+    def resume(self) -> None:
+        self._take(BUSY)
+        if not self.current:
+            self.release()
+            raise Eagle3Error(SUPERSEDED)
+
+    def resume_to_close(self) -> bool:
+        """Take the lock to clean up after a caller who stopped; False (nothing to clean) if superseded."""
+        if not self.llm._e3_running.acquire(blocking=False):
+            return False
+        self.held = True
+        return self.current
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.llm._e3_running.release()
 
 
 class Eagle3Llama(Llama):
@@ -150,6 +202,9 @@ class Eagle3Llama(Llama):
         self.spec_fallback: str | None = None
         self._e3_head_path = Path(head_path)
         self._e3_budget: int | None = None  # tokens the running completion still wants (a hint)
+        self._e3_running = threading.Lock()  # held by the generation that is running (see _Turn)
+        self._e3_generation = 0  # generations started so far; the latest is the current one
+        self._e3_unfinished = False  # a generation started and has not ended
         model = _SharedModel(self)
         target = Context.borrow(self._ctx.ctx, model)
         config = PairConfig(n_ctx=self._n_ctx, n_batch=self.n_batch, n_threads=self.context_params.n_threads,
@@ -280,12 +335,36 @@ class Eagle3Llama(Llama):
         tokens = list(tokens)
         if self._e3_session is None:
             raise Eagle3Error("this Eagle3Llama is closed")
-        self.spec_fallback = self._fallback_reason(tokens, reset)
-        if self.spec_fallback is not None:
-            self.spec_stats = SpecStats(n_prompt=len(tokens), stop_reason=f"plain decoding: {self.spec_fallback}")
-            return (yield from super().generate(tokens, reset=reset, stopping_criteria=stopping_criteria,
-                                                **sampling))
-        return (yield from self._speculate(tokens, sampling, stopping_criteria))
+        turn = _Turn(self)
+        try:
+            if turn.n > 1 and self._e3_unfinished:  # an earlier generation was left suspended
+                self._requires_eval = True
+            self._e3_unfinished = True
+            self.spec_fallback = self._fallback_reason(tokens, reset)
+            if self.spec_fallback is not None:
+                self.spec_stats = SpecStats(n_prompt=len(tokens),
+                                            stop_reason=f"plain decoding: {self.spec_fallback}")
+                inner = super().generate(tokens, reset=reset, stopping_criteria=stopping_criteria, **sampling)
+            else:
+                inner = self._speculate(tokens, sampling, stopping_criteria, turn)
+            sent = None
+            while True:
+                try:
+                    tok = inner.send(sent)
+                except StopIteration as done:
+                    self._e3_unfinished = False
+                    return done.value
+                turn.pause()
+                try:
+                    sent = yield tok
+                except GeneratorExit:
+                    if turn.resume_to_close():
+                        inner.close()
+                        self._e3_unfinished = False
+                    raise
+                turn.resume()
+        finally:
+            turn.release()
 
     def _fallback_reason(self, tokens: list[int], reset: bool) -> str | None:
         if self.draft_max == 0:
@@ -324,7 +403,7 @@ class Eagle3Llama(Llama):
                      else Transform(1.0, 0, 1.0, 0.0))
         return RejectionSampler(transform, self.draft_temp_scale, np.random.default_rng(self._seed))
 
-    def _speculate(self, prompt: list[int], sampling: dict, stopping_criteria) -> Iterator[int]:
+    def _speculate(self, prompt: list[int], sampling: dict, stopping_criteria, turn: _Turn) -> Iterator[int]:
         spec, target = self._e3_spec, self._e3_pair.target
         self._calibrate_if_needed()
         policy = spec.policy_for(self._config())
@@ -377,8 +456,9 @@ class Eagle3Llama(Llama):
                     try:
                         sent = yield tok
                     except GeneratorExit:  # the caller is done (stop string, max_tokens, closed stream)
-                        self._cut(pos + j + 1)
-                        st.cut_cycle(n_acc, j)
+                        if turn.current:  # else a newer generation owns the caches now
+                            self._cut(pos + j + 1)
+                            st.cut_cycle(n_acc, j)
                         raise
                     self._check_sent(sent)
                 self.n_tokens = pos + n_acc + 1
