@@ -132,6 +132,8 @@ def markdown(rows: list[Row], args, command: str, commit: str, seconds: float) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--limit", type=int, default=20, help="MT-bench prompts (0: all 80)")
+    ap.add_argument("--every", type=int, default=1,
+                    help="take every Nth of them (2: 40 prompts, 5 per category, MT-bench being in category order)")
     ap.add_argument("--n-predict", type=int, default=128)
     ap.add_argument("--temps", default="0.7,1.0")
     ap.add_argument("--scales", default="0,0.5,0.75,1.0", help="rejection: q's temperature / the target's")
@@ -145,7 +147,7 @@ def main() -> None:
     install_log_callback()
     temps = [float(x) for x in args.temps.split(",")]
     scales = [float(x) for x in args.scales.split(",")]
-    prompts = load("mtbench", args.limit or None)
+    prompts = load("mtbench", args.limit or None)[::args.every]
     command = "python scripts/bench_sampling.py " + " ".join(sys.argv[1:])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     runs: list[Run] = []
