@@ -33,18 +33,6 @@ _FILE_TYPE = {GT.F32: LlamaFileType.ALL_F32, GT.F16: LlamaFileType.MOSTLY_F16, G
 
 
 @dataclass
-class TargetDesc:
-    path: Path
-    kind: str  # "gguf" or "config.json"
-    arch: str
-    n_layer: int
-    n_embd: int
-    n_vocab: int
-    hooked: bool  # the pinned llama.cpp can extract its hidden states
-    tokenizer: list[KeyValue] = field(default_factory=list)  # its tokenizer.* keys, typed as stored
-
-
-@dataclass
 class TensorRow:
     name: str
     shape: list[int]  # GGUF order: ne[0] (the row length) first
@@ -93,20 +81,18 @@ def default_out_path(src: str | Path) -> Path:
 # ------------------------------------------------------------------------------------------------
 
 
-def describe_target(target: str | Path) -> TargetDesc:
-    """Hidden size, layer count and vocab of the target, from its GGUF or its HF config.json."""
+def describe_target(target: str | Path | TargetInfo) -> TargetInfo:
+    """Hidden size, layer count and vocab of the target, from its GGUF (tokenizer included) or its HF
+    config.json; a TargetInfo read already is only checked."""
+    if isinstance(target, TargetInfo):
+        return _check_tokenizer(target)
     target = Path(target)
     if not target.is_file():
         raise Eagle3Error(f"{target}: no such target file (give the target .gguf or its config.json)")
     with open(target, "rb") as f:
         magic = f.read(4)
     if magic == GGUF_MAGIC:
-        g = read_gguf(target)
-        info = TargetInfo.from_gguf(g)
-        tokenizer = [kv for kv in g.raw.kvs if kv.key.startswith(keys.TOKENIZER_PREFIX)]
-        if not info.n_vocab or not any(kv.key == keys.KEY_TOKENIZER_TOKENS for kv in tokenizer):
-            raise Eagle3Error(f"{target}: target GGUF carries no tokenizer ({keys.KEY_TOKENIZER_TOKENS})")
-        return TargetDesc(target, "gguf", info.arch, info.n_layer, info.n_embd, info.n_vocab, info.hooked, tokenizer)
+        return _check_tokenizer(TargetInfo.from_gguf(read_gguf(target)))
     if target.suffix != ".json":
         raise Eagle3Error(f"{target}: target must be a GGUF file or a HF config.json")
     cfg = read_json(target)
@@ -122,8 +108,16 @@ def describe_target(target: str | Path) -> TargetDesc:
         if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_INT:
             raise Eagle3Error(f"{target}: target config '{k}' must be an integer in 1..{MAX_INT}, got {v!r}")
     arch = str(cfg.get("model_type", "unknown"))
-    return TargetDesc(target, "config.json", arch, cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"],
-                      arch in keys.HOOKED_TARGET_ARCHS)
+    return TargetInfo(target, arch, cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"],
+                      arch in keys.HOOKED_TARGET_ARCHS, kind="config.json")
+
+
+def _check_tokenizer(info: TargetInfo) -> TargetInfo:
+    """A GGUF target, refused unless it carries the tokenizer the head copies."""
+    if info.kind == "gguf" and (not info.n_vocab or
+                                not any(kv.key == keys.KEY_TOKENIZER_TOKENS for kv in info.tokenizer)):
+        raise Eagle3Error(f"{info.path}: target GGUF carries no tokenizer ({keys.KEY_TOKENIZER_TOKENS})")
+    return info
 
 
 # ------------------------------------------------------------------------------------------------
@@ -144,7 +138,7 @@ def _expected_shapes(spec: HeadSpec, n_embd_tgt: int, n_feat: int) -> dict[str, 
     }
 
 
-def _check_shapes(ckpt: Checkpoint, spec: HeadSpec, target: TargetDesc, n_feat: int) -> None:
+def _check_shapes(ckpt: Checkpoint, spec: HeadSpec, target: TargetInfo, n_feat: int) -> None:
     """Every shape against the config and the target; n_feat: how many target features fc reads."""
     hp, where = spec.hparams, ckpt.path
     fc = ckpt.tensors[spec.source(keys.T_FC).src_name].shape
@@ -182,7 +176,7 @@ def _check_shapes(ckpt: Checkpoint, spec: HeadSpec, target: TargetDesc, n_feat: 
                           f"the target's {target.n_embd}-wide token embeddings")
 
 
-def _check_vocab(ckpt: Checkpoint, spec: HeadSpec, target: TargetDesc) -> np.ndarray | None:
+def _check_vocab(ckpt: Checkpoint, spec: HeadSpec, target: TargetInfo) -> np.ndarray | None:
     """Absolute d2t ids (checked: in range, distinct) or None; lm_head rows must match."""
     where, hp = ckpt.path, spec.hparams
     head = spec.source(keys.T_OUTPUT)
@@ -330,7 +324,7 @@ def padded_layer_ids(ids: list[int]) -> list[int]:
     return list(ids) + [ids[-1]] * (keys.N_TARGET_LAYERS - len(ids))
 
 
-def _metadata(spec: HeadSpec, target: TargetDesc, ids: LayerIds, out_t: GT, name: str) -> list[KeyValue]:
+def _metadata(spec: HeadSpec, target: TargetInfo, ids: LayerIds, out_t: GT, name: str) -> list[KeyValue]:
     hp, a = spec.hparams, lambda template: keys.arch_key(template, keys.ARCH_EAGLE3)
     kvs = [
         KeyValue(keys.KEY_NAME, name, VT.STRING),
@@ -372,14 +366,15 @@ def _metadata(spec: HeadSpec, target: TargetDesc, ids: LayerIds, out_t: GT, name
 # ------------------------------------------------------------------------------------------------
 
 
-def convert_head(src: str | Path, out: str | Path | None, target: str | Path, layer_ids: list[int] | None = None,
-                 outtype: str = "f16", fc_type: str = "q4_0", name: str | None = None,
+def convert_head(src: str | Path, out: str | Path | None, target: str | Path | TargetInfo,
+                 layer_ids: list[int] | None = None, outtype: str = "f16", fc_type: str = "q4_0",
+                 name: str | None = None,
                  progress: Callable[[TensorRow, int, int], None] | None = None) -> ConvertResult:
     """Convert an EAGLE-3 checkpoint (file, sharded index or directory) into `out` (arch eagle3).
 
-    `target` is the target's GGUF (its tokenizer is copied in) or its HF config.json; `layer_ids`
-    (input-of-layer) overrides the checkpoint's; `progress(row, done_bytes, total_bytes)` follows
-    the streaming.
+    `target` is the target's GGUF (its tokenizer is copied in), its HF config.json, or the TargetInfo
+    a caller read from either (not read again); `layer_ids` (input-of-layer) overrides the
+    checkpoint's; `progress(row, done_bytes, total_bytes)` follows the streaming.
     """
     if outtype.lower() not in OUTTYPES:
         raise Eagle3Error(f"--outtype {outtype}: choose from {', '.join(OUTTYPES)} (fc has its own --fc-type)")

@@ -3,7 +3,8 @@
 `read_gguf_metadata` parses the header, key/values and tensor table through mmap, keeping token
 strings as raw bytes: ~50x faster than gguf.GGUFReader on a 49k-token vocab. `read_gguf` turns every
 way a file can be wrong (missing, not a GGUF, truncated) into one `Eagle3Error` line. `TargetInfo` and
-`HeadInfo` are what the pair check, `info` and the converter need to know about the two kinds of file.
+`HeadInfo` are what the pair check, `info`, the converter and the trainer need to know about the two kinds
+of file, each read from the GGUF once (`from_gguf`) and passed along.
 """
 
 from __future__ import annotations
@@ -72,20 +73,25 @@ class GGUFMetadata:
         t = self.tensor(name)
         if t is None:
             raise KeyError(name)
-        row = tensor_bytes([t.shape[0]], t.ggml_type)
-        rows = int(np.prod(t.shape[1:], dtype=np.int64)) if len(t.shape) > 1 else 1
-        with open(self.path, "rb") as f:
-            f.seek(t.offset)
-            raw = f.read(row * rows)
-        if len(raw) != row * rows:
-            raise Eagle3Error(f"{self.path}: truncated GGUF (tensor '{name}' runs past the end)")
-        return np.frombuffer(raw, dtype=np.uint8).reshape(rows, row)
+        return read_tensor_data(self.path, t)
 
     def get(self, key: str, default: Any = None) -> Any:
         return next((kv.value for kv in self.kvs if kv.key == key), default)
 
     def as_dict(self) -> dict[str, Any]:
         return {kv.key: kv.value for kv in self.kvs}
+
+
+def read_tensor_data(path: Path, t: TensorInfo) -> np.ndarray:
+    """The stored bytes of tensor `t` of the GGUF at `path`, shaped [rows, row bytes] (reads only that range)."""
+    row = tensor_bytes([t.shape[0]], t.ggml_type)
+    rows = int(np.prod(t.shape[1:], dtype=np.int64)) if len(t.shape) > 1 else 1
+    with open(path, "rb") as f:
+        f.seek(t.offset)
+        raw = f.read(row * rows)
+    if len(raw) != row * rows:
+        raise Eagle3Error(f"{path}: truncated GGUF (tensor '{t.name}' runs past the end)")
+    return np.frombuffer(raw, dtype=np.uint8).reshape(rows, row)
 
 
 class _Cursor:
@@ -328,14 +334,28 @@ def _check_types(path: Path, kvs: list[KeyValue], arch: str) -> None:
 
 @dataclass
 class TargetInfo:
+    """A target model as pair, `info`, the converter and the trainer need it, read from its GGUF once
+    (`from_gguf`). The converter also makes one from a HF config.json (kind "config.json"): that one has
+    no llama hparams, token_embd or tokenizer."""
+
     path: Path
     arch: str
     n_layer: int
     n_embd: int
-    n_vocab: int
+    n_vocab: int  # tokenizer tokens (else {arch}.vocab_size)
     hooked: bool  # the pinned llama.cpp can extract its layer inputs
     n_ctx_train: int = 0
     has_chat_template: bool = False
+    kind: str = "gguf"  # or "config.json"
+    # Llama hparams as stored (a head count or ffn width may be one per layer), None where the GGUF lacks
+    # them; the trainer checks and converts them (train.export.read_target, train.model.HeadConfig.for_target)
+    n_head: int | list[int] | None = None
+    n_head_kv: int | list[int] | None = None  # n_head where the GGUF lacks it
+    n_ff: int | list[int] | None = None
+    rms_eps: float = 1e-5  # these two: llama's defaults where the GGUF lacks them
+    rope_theta: float = 10000.0
+    token_embd: TensorInfo | None = None  # [n_embd, n_vocab] (GGUF order), where its data lies in the file
+    tokenizer: list[KeyValue] = field(default_factory=list, repr=False, compare=False)  # tokenizer.*, as stored
 
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> "TargetInfo":
@@ -345,8 +365,14 @@ class TargetInfo:
         n_embd = g.get(keys.KEY_EMBEDDING_LENGTH)
         if n_layer is None or n_embd is None:
             raise Eagle3Error(f"{g.path}: GGUF lacks {g.arch}.block_count or {g.arch}.embedding_length")
+        n_head = g.get(keys.KEY_HEAD_COUNT)
         return cls(g.path, g.arch, int(n_layer), int(n_embd), g.n_vocab, g.arch in keys.HOOKED_TARGET_ARCHS,
-                   int(g.get(keys.KEY_CONTEXT_LENGTH, 0)), keys.KEY_CHAT_TEMPLATE in g.metadata)
+                   int(g.get(keys.KEY_CONTEXT_LENGTH, 0)), keys.KEY_CHAT_TEMPLATE in g.metadata,
+                   n_head=n_head, n_head_kv=g.get(keys.KEY_HEAD_COUNT_KV, n_head),
+                   n_ff=g.get(keys.KEY_FEED_FORWARD_LENGTH), rms_eps=g.get(keys.KEY_RMS_EPS, 1e-5),
+                   rope_theta=g.get(keys.KEY_ROPE_FREQ_BASE, 10000.0),
+                   token_embd=g.raw.tensor(keys.T_TOKEN_EMBD),
+                   tokenizer=[kv for kv in g.raw.kvs if kv.key.startswith(keys.TOKENIZER_PREFIX)])
 
 
 @dataclass

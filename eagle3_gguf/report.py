@@ -136,11 +136,10 @@ def describe_gguf(path: str | Path) -> GGUFReport:
                           own_token_embd=h.own_token_embd, own_output=h.own_output, n_head=h.n_head,
                           n_head_kv=h.n_head_kv, n_ff=h.n_ff, **base)
     t = TargetInfo.from_gguf(g)
-    n_head = g.get(keys.KEY_HEAD_COUNT)
-    n_head_kv = g.get(keys.KEY_HEAD_COUNT_KV, n_head)
     return GGUFReport(kind="target", n_layer=t.n_layer, n_embd=t.n_embd, n_vocab=t.n_vocab,
                       context_length=t.n_ctx_train, extraction_supported=t.hooked,
-                      chat_template=t.has_chat_template, n_head=_heads(n_head), n_head_kv=_heads(n_head_kv), **base)
+                      chat_template=t.has_chat_template, n_head=_heads(t.n_head), n_head_kv=_heads(t.n_head_kv),
+                      **base)
 
 
 def _heads(value) -> int | None:

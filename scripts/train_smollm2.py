@@ -144,7 +144,7 @@ def prose_stage(stage1: Path) -> Path:
     head_cfg = HeadConfig.for_target(tgt, vocab.size, N_FF)
     tcfg = TrainConfig(n_unroll=UNROLL, epochs=1.0, batch_tokens=BATCH_TOKENS, lr=FT_LR, n_threads=TORCH_THREADS,
                        max_minutes=FT_MINUTES, ckpt_every=25, bf16=True, init_from=str(stage1))
-    embed = torch.from_numpy(read_token_embeddings(target))  # [n_vocab, n_embd]
+    embed = torch.from_numpy(read_token_embeddings(tgt))  # [n_vocab, n_embd]
     prose_eval = _prose_held_out(data, tcfg)
 
     device = pick_device()
@@ -160,7 +160,7 @@ def prose_stage(stage1: Path) -> Path:
                            progress=lambda r: on_event("train", r))
     log(f"held-out prose records, top-1 by step, fine-tuned head: {prose_top1(head)}")
     ckpt = export_safeai(head, vocab, LAYERS, tgt.n_layer, PROSE_RUN / "checkpoint")
-    gguf = convert_to_gguf(ckpt, target, PROSE_RUN / "head.gguf", LAYERS, outtype="q8_0", fc_type="q4_0",
+    gguf = convert_to_gguf(ckpt, tgt, PROSE_RUN / "head.gguf", LAYERS, outtype="q8_0", fc_type="q4_0",
                            name=f"{target.stem}-eagle3")
     log(f"fine-tune: {res.steps} steps in {res.seconds:.0f} s; gguf {gguf.out} {gguf.file_bytes} bytes")
     return gguf.out
@@ -215,7 +215,7 @@ def measure_vocab(sizes=(4096, 8192, 16384), reps: int = 5) -> dict:
         head = Eagle3Head(HeadConfig.for_target(tgt, n, N_FF), torch.zeros(tgt.n_vocab, tgt.n_embd))
         vocab = DraftVocab(np.arange(n, dtype=np.int64), tgt.n_vocab, 0.0)
         ckpt = export_safeai(head, vocab, LAYERS, tgt.n_layer, work / f"v{n}")
-        gguf = convert_to_gguf(ckpt, target, work / f"v{n}.gguf", LAYERS, outtype="q8_0")
+        gguf = convert_to_gguf(ckpt, tgt, work / f"v{n}.gguf", LAYERS, outtype="q8_0")
         with load_pair(target, gguf.out, PairConfig(n_ctx=1024, n_threads=THREADS)) as pair, \
                 Eagle3Session(pair.target, pair.head) as sess, Batch(512) as batch:
             prompt = chat_tokens(pair.target_model, EVAL_PROMPTS[0])
@@ -356,7 +356,7 @@ def v2(args) -> int:
                            lr=args.lr or size.lr, batch_tokens=size.batch_tokens_gpu if gpu else size.batch_tokens_cpu,
                            n_threads=None if gpu else TORCH_THREADS, bf16=True, ckpt_every=25,
                            soft_labels=not args.hard_labels, pause_after_s=max(1.0, t_end - time.monotonic() - 60))
-        embed = torch.from_numpy(read_token_embeddings(target))  # [n_vocab, n_embd]
+        embed = torch.from_numpy(read_token_embeddings(tgt))  # [n_vocab, n_embd]
         suffix = f"-{args.tag}" if args.tag else ""
         head, res = train_head(data, vocab, head_cfg, embed, out / f"train{suffix}", tcfg, resume=True,
                                progress=lambda r: on_event("train", r))
@@ -368,7 +368,7 @@ def v2(args) -> int:
             ckpt = export_speculators(head, vocab, LAYERS, out / f"checkpoint{suffix}", verifier=target.name)
         else:
             ckpt = export_safeai(head, vocab, LAYERS, tgt.n_layer, out / f"checkpoint{suffix}")
-        conv = convert_to_gguf(ckpt, target, out / V2_HEAD.replace(".gguf", f"{suffix}.gguf"), LAYERS,
+        conv = convert_to_gguf(ckpt, tgt, out / V2_HEAD.replace(".gguf", f"{suffix}.gguf"), LAYERS,
                                outtype="q8_0", fc_type="q4_0", name=f"{target.stem}-eagle3-v2{suffix}")
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)

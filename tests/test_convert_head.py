@@ -3,6 +3,7 @@ prints the layout, the id convention and source, and the tensor table; `info` re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -13,10 +14,12 @@ from typer.testing import CliRunner
 from checkpoints import EXPECTED_IDS, LAYOUTS, CkptDims, dims_with, random_weights, write_checkpoint
 from eagle3_gguf import keys
 from eagle3_gguf.cli.main import app
+from eagle3_gguf.convert import convert as convert_module
 from eagle3_gguf.convert import convert_head, default_out_path
 from eagle3_gguf.convert.convert import permute_rope_rows
 from eagle3_gguf.convert.quantize import quantize_q4_0, quantize_q8_0
-from eagle3_gguf.gguf_file import read_gguf_metadata
+from eagle3_gguf.errors import Eagle3Error
+from eagle3_gguf.gguf_file import TargetInfo, read_gguf, read_gguf_metadata
 
 A = lambda template: keys.arch_key(template, keys.ARCH_EAGLE3)  # noqa: E731
 runner = CliRunner()
@@ -170,6 +173,20 @@ def test_default_out_path_and_progress(tmp_path, tiny_target):
     assert [s[0] for s in seen] == [row.name for row in r.rows]
     assert seen[-1][1] == seen[-1][2] == sum(row.bytes for row in r.rows)
     assert default_out_path(src / "model.safetensors") == src / "model.gguf"
+
+
+def test_a_target_read_once_is_not_read_again(tmp_path, tiny_target, monkeypatch):
+    """convert_head takes the TargetInfo a caller read already (run_training passes its own): the same
+    bytes as from the path, no second read of the target's header; its tokenizer is still required."""
+    src = write_checkpoint(tmp_path / "c", "safeai")
+    by_path = convert_head(src, tmp_path / "a.gguf", tiny_target, name="h")
+    tgt = TargetInfo.from_gguf(read_gguf(tiny_target))
+    monkeypatch.setattr(convert_module, "read_gguf", lambda path: pytest.fail(f"{path} read again"))
+    by_info = convert_head(src, tmp_path / "b.gguf", tgt, name="h")
+    assert by_info.out.read_bytes() == by_path.out.read_bytes() and by_info.target_kind == "gguf"
+    with pytest.raises(Eagle3Error) as e:
+        convert_head(src, tmp_path / "c.gguf", dataclasses.replace(tgt, tokenizer=[]))
+    assert str(e.value) == f"{tiny_target}: target GGUF carries no tokenizer ({keys.KEY_TOKENIZER_TOKENS})"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 from eagle3_gguf.decode import Decoder, GenerateConfig  # noqa: E402
 from eagle3_gguf.errors import Eagle3Error  # noqa: E402
 from eagle3_gguf.extract import TargetFeatures  # noqa: E402
+from eagle3_gguf.gguf_file import TargetInfo, read_gguf  # noqa: E402
 from eagle3_gguf.native import Batch, Context, Model  # noqa: E402
 from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
 from eagle3_gguf.session import Eagle3Session  # noqa: E402
@@ -80,6 +81,20 @@ def test_data_resumes(tmp_path, tiny_target):
     assert first.n_prompts_done == 3
     again = generate_data(tiny_target, build_prompts(5), tmp_path, cfg)
     assert again.n_prompts_done == 5 and load_dataset(tmp_path).n_records == 5
+
+
+def test_read_target_is_the_one_target_description(tiny_target, tiny_head):
+    """The trainer's target is gguf_file.TargetInfo (what pair and convert read), with the llama hparams a
+    head is sized by; a head passed as the target is refused."""
+    tgt = read_target(tiny_target)
+    assert tgt == TargetInfo.from_gguf(read_gguf(tiny_target))
+    assert (tgt.n_layer, tgt.n_embd, tgt.n_head, tgt.n_head_kv, tgt.n_ff) == (6, 64, 4, 2, 128)
+    assert tgt.token_embd is not None and tgt.token_embd.shape == [64, tgt.n_vocab]
+    cfg = HeadConfig.for_target(tgt, 512)
+    assert (cfg.n_ff, cfg.rms_eps, cfg.rope_theta, cfg.max_position) == (128, pytest.approx(1e-5), 10000.0, 2048)
+    with pytest.raises(Eagle3Error) as e:
+        read_target(tiny_head)
+    assert str(e.value) == f"{tiny_head.name} is an EAGLE-3 head: pass the target model with -m"
 
 
 def _head_for(tiny_target, vocab_size: int = 512, seed: int = 0):

@@ -134,7 +134,7 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
     head_cfg = HeadConfig.for_target(tgt, vocab.size, cfg.n_ff)
     if cfg.eagle31:
         head_cfg = dataclasses.replace(head_cfg, fc_norm=True, norm_output=True)
-    embed = torch.from_numpy(read_token_embeddings(target))  # [n_vocab, n_embd]
+    embed = torch.from_numpy(read_token_embeddings(tgt))  # [n_vocab, n_embd]
     head, result = train_head(data, vocab, head_cfg, embed, out / "train", cfg.train or TrainConfig(),
                               resume=cfg.resume, progress=lambda r: emit("train", r))
 
@@ -142,7 +142,7 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
         ckpt_dir = export_speculators(head, vocab, layers, out / "checkpoint", verifier=Path(target).name)
     else:
         ckpt_dir = export_safeai(head, vocab, layers, tgt.n_layer, out / "checkpoint")
-    conv = convert_to_gguf(ckpt_dir, target, out / "head.gguf", layers, outtype=cfg.outtype, fc_type=cfg.fc_type,
+    conv = convert_to_gguf(ckpt_dir, tgt, out / "head.gguf", layers, outtype=cfg.outtype, fc_type=cfg.fc_type,
                            name=f"{Path(target).stem}-eagle3")
     emit("convert", conv)
     return PipelineResult(out, manifest.n_tokens, manifest.n_answer_tokens, manifest.seconds, vocab.size, coverage,

@@ -1,5 +1,5 @@
-"""From a target GGUF to a trained head and back: read the target's hparams and frozen token
-embeddings; export the head as a SafeAILab-layout checkpoint (model.safetensors + config.json, so the
+"""From a target GGUF to a trained head and back: read the target (a gguf_file.TargetInfo) and its frozen
+token embeddings; export the head as a SafeAILab-layout checkpoint (model.safetensors + config.json, so the
 same head runs in vLLM / SGLang); convert that with our converter into a GGUF for llama.cpp.
 
 SafeAILab layout: `fc.weight`, `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`,
@@ -15,68 +15,41 @@ config `Eagle3Speculator` with a nested `transformer_layer_config` and the three
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from .. import keys
 from ..errors import Eagle3Error
-from ..gguf_file import read_gguf
+from ..gguf_file import TargetInfo, read_gguf, read_tensor_data
 from .vocab import DraftVocab
 
 
-@dataclass
-class TargetHParams:
-    path: Path
-    arch: str
-    n_layer: int
-    n_embd: int
-    n_ff: int
-    n_head: int
-    n_head_kv: int
-    n_vocab: int
-    rms_eps: float
-    rope_theta: float
-    n_ctx_train: int
-
-
-def read_target(path: str | Path) -> TargetHParams:
-    """The target's llama-style hparams from its GGUF header (the fast reader: no tensor data)."""
+def read_target(path: str | Path) -> TargetInfo:
+    """The target as training needs it: its GGUF header read once (the fast reader: no tensor data),
+    checked to carry token embeddings, head count and ffn width."""
     g = read_gguf(path)
-
-    def field(template: str, default=None):
-        value = g.get(template)
-        if value is None:
-            if default is None:
-                raise Eagle3Error(f"{g.path.name}: GGUF lacks '{keys.arch_key(template, g.arch)}'")
-            return default
-        return value
-
     if g.arch == keys.ARCH_EAGLE3:
         raise Eagle3Error(f"{g.path.name} is an EAGLE-3 head: pass the target model with -m")
-    emb = g.tensor(keys.T_TOKEN_EMBD)
-    if emb is None:
+    tgt = TargetInfo.from_gguf(g)
+    if tgt.token_embd is None:
         raise Eagle3Error(f"{g.path.name}: no {keys.T_TOKEN_EMBD} tensor")
-    n_head = int(field(keys.KEY_HEAD_COUNT))
-    return TargetHParams(
-        path=g.path, arch=g.arch, n_layer=int(field(keys.KEY_BLOCK_COUNT)), n_embd=int(field(keys.KEY_EMBEDDING_LENGTH)),
-        n_ff=int(field(keys.KEY_FEED_FORWARD_LENGTH)), n_head=n_head,
-        n_head_kv=int(field(keys.KEY_HEAD_COUNT_KV, n_head)), n_vocab=int(emb.shape[-1]),
-        rms_eps=float(field(keys.KEY_RMS_EPS, 1e-5)), rope_theta=float(field(keys.KEY_ROPE_FREQ_BASE, 10000.0)),
-        n_ctx_train=int(field(keys.KEY_CONTEXT_LENGTH, 2048)))
+    for value, template in ((tgt.n_head, keys.KEY_HEAD_COUNT), (tgt.n_ff, keys.KEY_FEED_FORWARD_LENGTH)):
+        if value is None:
+            raise Eagle3Error(f"{g.path.name}: GGUF lacks '{keys.arch_key(template, g.arch)}'")
+    return tgt
 
 
-def read_token_embeddings(path: str | Path) -> np.ndarray:
+def read_token_embeddings(target: str | Path | TargetInfo) -> np.ndarray:
     """The target's token embeddings, dequantized.  # [n_vocab, n_embd] float32"""
     from gguf.quants import dequantize
 
-    meta = read_gguf(path).raw
-    t = meta.tensor(keys.T_TOKEN_EMBD)
+    tgt = target if isinstance(target, TargetInfo) else read_target(target)
+    t = tgt.token_embd
     if t is None:
-        raise Eagle3Error(f"{Path(path).name}: no {keys.T_TOKEN_EMBD} tensor")
+        raise Eagle3Error(f"{tgt.path.name}: no {keys.T_TOKEN_EMBD} tensor")
     n_embd, n_vocab = int(t.shape[0]), int(t.shape[1])
-    raw = meta.tensor_data(keys.T_TOKEN_EMBD)  # [n_vocab, row bytes] uint8
+    raw = read_tensor_data(tgt.path, t)  # [n_vocab, row bytes] uint8
     return np.asarray(dequantize(raw, t.ggml_type), dtype=np.float32).reshape(n_vocab, n_embd)
 
 
@@ -182,9 +155,10 @@ def _llama_config(c) -> dict:
     }
 
 
-def convert_to_gguf(checkpoint_dir: str | Path, target: str | Path, out: str | Path, layer_ids: list[int],
-                    outtype: str = "f16", fc_type: str = "q4_0", name: str | None = None):
-    """Our converter on the exported checkpoint (the layer ids passed explicitly)."""
+def convert_to_gguf(checkpoint_dir: str | Path, target: str | Path | TargetInfo, out: str | Path,
+                    layer_ids: list[int], outtype: str = "f16", fc_type: str = "q4_0", name: str | None = None):
+    """Our converter on the exported checkpoint (the layer ids passed explicitly); `target` read already
+    is not read again."""
     from ..convert import convert_head
 
     return convert_head(checkpoint_dir, out, target, layer_ids=list(layer_ids), outtype=outtype, fc_type=fc_type,
