@@ -23,7 +23,7 @@ from .policy import (POLICIES, AdaptivePolicy, CostCurve, CostKey, DraftPolicy, 
 from .session import Eagle3Session
 from .spec_sampling import (DEFAULT_DRAFT_TEMP_SCALE, SPEC_SAMPLING, RejectionSampler, Transform,
                             verify_match)
-from .stats import RunResult, SpecStats
+from .stats import RunResult, SpecStats, StageClock
 from .tokens import detokenize, is_eog
 
 
@@ -108,6 +108,11 @@ class Speculator:
 
     def close(self) -> None:
         self.batch.close()
+
+    def native_time(self) -> float:
+        """Seconds spent in llama.cpp so far: the target's decodes and the head's."""
+        draft = self.session.draft_ctx.t_native if self.session is not None else 0.0
+        return self.target.t_native + draft
 
     # -- the policy ----------------------------------------------------------------------------------
     def needs_calibration(self, config: GenerateConfig) -> bool:
@@ -269,10 +274,6 @@ class Decoder:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _native_time(self) -> float:
-        draft = self.session.draft_ctx.t_native if self.session is not None else 0.0
-        return self.target.t_native + draft
-
     def _check_prompt(self, prompt: list[int]) -> None:
         if not prompt:
             raise Eagle3Error("the prompt is empty")
@@ -294,15 +295,13 @@ class Decoder:
         if spec:
             st.spec_sampling = spec_sampling_label(max(sampler.temperature, 0.0), config.spec_sampling,
                                                    config.draft_temp_scale)
-        t0 = time.perf_counter()
+        clock = StageClock(st, self.spec.native_time)
         self.target.clear()
         if spec:
             self.session.reset()
         m = self.spec.prefill(prompt, 0, feed_head=spec, whole=spec and policy.wants_prompt())
         logits = self.target.logits_ith(m - 1)  # [n_vocab]
-        st.t_prefill = time.perf_counter() - t0  # the head's work on the prompt included
-        t_start = time.perf_counter()
-        native0 = self._native_time()
+        clock.prefilled()  # the head's work on the prompt included
         n_ctx = self.target.n_ctx
         pos = len(prompt)  # position of id_last
         id_last = sampler.pick(logits)
@@ -337,8 +336,7 @@ class Decoder:
                     return
                 yield out
         finally:
-            st.t_total = time.perf_counter() - t_start
-            st.t_native = self._native_time() - native0
+            clock.finished()
             if policy is not None:
                 st.policy = policy.finish_stats()
 

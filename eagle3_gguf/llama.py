@@ -61,7 +61,7 @@ from .pair import Pair, PairConfig, load_pair
 from .policy import POLICIES
 from .session import Eagle3Session
 from .spec_sampling import DEFAULT_DRAFT_TEMP_SCALE, SPEC_SAMPLING, RejectionSampler, Transform
-from .stats import SpecStats
+from .stats import SpecStats, StageClock
 
 DEFAULT_DRAFT_MAX = 4
 MAX_DRAFT_MAX = 32
@@ -415,11 +415,10 @@ class Eagle3Llama(Llama):
         self._mirostat_mu = ctypes.c_float(2.0 * sampling["mirostat_tau"])
         self._sampler = self._init_sampler(**sampling)
         n_ctx = self._n_ctx
-        t0 = time.perf_counter()
+        clock = StageClock(st, spec.native_time)
         self._rewind(prompt)
         self._prefill(prompt[self.n_tokens:], whole=policy.wants_prompt())
-        st.t_prefill = time.perf_counter() - t0
-        t_start = time.perf_counter()
+        clock.prefilled()
         pos = self.n_tokens  # where id_last goes
         last = -1
         try:
@@ -472,7 +471,7 @@ class Eagle3Llama(Llama):
             raise
         finally:
             self._requires_eval = True  # the last decode's last row may not be row n_tokens - 1
-            st.t_total = time.perf_counter() - t_start
+            clock.finished()
             st.policy = policy.finish_stats()
 
     # -- helpers -------------------------------------------------------------------------------------------

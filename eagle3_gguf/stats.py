@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 from .policy import PolicyStats
 
@@ -134,6 +136,25 @@ class SpecStats:
         ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+class StageClock:
+    """A run's stage timing, written into its SpecStats: the prompt (t_prefill, from construction to
+    prefilled()), then generation (t_total and, of it, t_native: `native()` is the seconds spent in
+    llama.cpp so far)."""
+
+    def __init__(self, st: SpecStats, native: Callable[[], float]):
+        self.st, self.native = st, native
+        self.t0 = time.perf_counter()
+        self.native0 = 0.0
+
+    def prefilled(self) -> None:
+        self.st.t_prefill = time.perf_counter() - self.t0
+        self.t0, self.native0 = time.perf_counter(), self.native()
+
+    def finished(self) -> None:
+        self.st.t_total = time.perf_counter() - self.t0
+        self.st.t_native = self.native() - self.native0
 
 
 @dataclass
