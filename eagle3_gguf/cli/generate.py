@@ -12,6 +12,7 @@ import typer
 from ..errors import Eagle3Error
 from ..policy import POLICIES
 from ..spec_sampling import DEFAULT_DRAFT_TEMP_SCALE, SPEC_SAMPLING
+from .common import fail, setup_logging
 
 # The default policy is adaptive (eagle3_gguf.policy): it chooses 0..K drafts per cycle from the measured
 # cost curve and the head's online acceptance, so K is only a cap. For `--draft-policy fixed`, p_min 0.5
@@ -52,8 +53,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Decode with the target and the head paired: the head drafts, the target verifies in one batch.
         Every token is the target's own choice (README: exactness past 256 tokens on several threads)."""
-        from .main import fail, setup_logging
-
         setup_logging(verbose)
         try:
             _check_flags(prompt, file, n_predict, n_ctx, threads, temp, draft_max, draft_p_min, draft_policy)

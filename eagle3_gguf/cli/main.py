@@ -9,7 +9,7 @@ import typer
 
 from ..errors import Eagle3Error
 from . import convert, generate, info, serve, train
-from .common import EXIT_INTERRUPTED, EXIT_TERMINATED, TERMINATION, fail, setup_logging  # noqa: F401  (re-exported: commands that still import them from here)
+from .common import EXIT_INTERRUPTED, EXIT_TERMINATED, TERMINATION
 
 app = typer.Typer(
     name="eagle3-gguf",
