@@ -161,40 +161,41 @@ def bench_target(quant: str, target: Path, head: Path, args, tools: Path | None)
                 return Run(quant, workload, p.id, "target", 0, st.stats.n_generated, st.stats.t_total), st.tokens
 
             adaptive = GenerateConfig(n_predict=args.n_predict, draft_max=max(args.ks), draft_policy="adaptive")
-            for workload in args.workloads:
-                for p in bench_data.load(workload, args.limit):
-                    text = apply_chat_template(model, [Message("user", p.text)])
-                    prompt = tokenize(model, text, add_special=False)
-                    first, base_tokens = target_only()
-                    runs.append(first)
-                    if args.adaptive:
-                        runs.append(ours("adaptive", adaptive, base_tokens))
-                    for k in args.ks:
-                        for p_min in args.p_mins:
-                            runs.append(ours("ours", GenerateConfig(n_predict=args.n_predict, draft_max=k,
-                                                                    draft_p_min=p_min, draft_policy="fixed"),
-                                             base_tokens))
-                            if tools is not None and not args.no_upstream:
-                                prompt_file.write_text(text)
-                                n, sec, drafted, acc, _ = upstream_run(tools, target, head, "draft-eagle3", k,
-                                                                       prompt_file, args.n_predict, args.threads,
-                                                                       p_min)
-                                cycles = max(n - acc, 1)
-                                runs.append(Run(quant, workload, p.id, "upstream", k, n, sec, p_min, n / cycles,
-                                                acc / drafted if drafted else 0.0))
-                    if tools is not None and not args.no_upstream:
-                        prompt_file.write_text(text)
-                        for ngram in args.ngram:
-                            n, sec, drafted, acc, _ = upstream_run(tools, target, None, ngram, max(args.ks),
-                                                                   prompt_file, args.n_predict, args.threads)
-                            runs.append(Run(quant, workload, p.id, ngram, max(args.ks), n, sec, 0.0,
-                                            n / max(n - acc, 1), acc / drafted if drafted else 0.0))
-                    if args.adaptive:
-                        runs.append(ours("adaptive", adaptive, base_tokens))
-                    last, _ = target_only()
-                    runs.append(last)
-                    print(f"[{quant}] {workload} {p.id}: target {first.tok_s:.1f} / {last.tok_s:.1f} tok/s",
-                          file=sys.stderr)
+            todo = [(w, p) for w in args.workloads for p in bench_data.load(w, args.limit)
+                    if not args.prompt_ids or p.id in args.prompt_ids]
+            for workload, p in [item for item in todo for _ in range(args.repeat)]:
+                text = apply_chat_template(model, [Message("user", p.text)])
+                prompt = tokenize(model, text, add_special=False)
+                first, base_tokens = target_only()
+                runs.append(first)
+                if args.adaptive:
+                    runs.append(ours("adaptive", adaptive, base_tokens))
+                for k in args.ks:
+                    for p_min in args.p_mins:
+                        runs.append(ours("ours", GenerateConfig(n_predict=args.n_predict, draft_max=k,
+                                                                draft_p_min=p_min, draft_policy="fixed"),
+                                         base_tokens))
+                        if tools is not None and not args.no_upstream:
+                            prompt_file.write_text(text)
+                            n, sec, drafted, acc, _ = upstream_run(tools, target, head, "draft-eagle3", k,
+                                                                   prompt_file, args.n_predict, args.threads,
+                                                                   p_min)
+                            cycles = max(n - acc, 1)
+                            runs.append(Run(quant, workload, p.id, "upstream", k, n, sec, p_min, n / cycles,
+                                            acc / drafted if drafted else 0.0))
+                if tools is not None and not args.no_upstream:
+                    prompt_file.write_text(text)
+                    for ngram in args.ngram:
+                        n, sec, drafted, acc, _ = upstream_run(tools, target, None, ngram, max(args.ks),
+                                                               prompt_file, args.n_predict, args.threads)
+                        runs.append(Run(quant, workload, p.id, ngram, max(args.ks), n, sec, 0.0,
+                                        n / max(n - acc, 1), acc / drafted if drafted else 0.0))
+                if args.adaptive:
+                    runs.append(ours("adaptive", adaptive, base_tokens))
+                last, _ = target_only()
+                runs.append(last)
+                print(f"[{quant}] {workload} {p.id}: target {first.tok_s:.1f} / {last.tok_s:.1f} tok/s",
+                      file=sys.stderr)
     return runs, physics
 
 
@@ -322,6 +323,8 @@ def main() -> None:
     ap.add_argument("--draft", type=Path, default=None, help="head GGUF (default: the embedded head)")
     ap.add_argument("--workloads", default="mtbench,humaneval")
     ap.add_argument("--limit", type=int, default=None, help="prompts per workload (default: all)")
+    ap.add_argument("--prompt-ids", default="", help="only these prompts (comma-separated ids, e.g. 96,HumanEval/40)")
+    ap.add_argument("--repeat", type=int, default=1, help="run each prompt's contenders this many times over")
     ap.add_argument("-n", "--n-predict", type=int, default=128)
     ap.add_argument("--ks", default="1,2,3,4,5,6")
     ap.add_argument("--p-mins", default="0",
@@ -336,7 +339,8 @@ def main() -> None:
     install_log_callback()  # llama.cpp's log goes to the (silent) eagle3_gguf.llama_cpp logger
     args.workloads = [w for w in args.workloads.split(",") if w]
     args.ks = [int(k) for k in args.ks.split(",")]
-    args.p_mins = [float(x) for x in args.p_mins.split(",")]
+    args.p_mins = [float(x) for x in args.p_mins.split(",") if x]  # '': no fixed-K contender
+    args.prompt_ids = {x for x in args.prompt_ids.split(",") if x}
     args.ngram = [t for t in args.ngram.split(",") if t]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
