@@ -340,7 +340,7 @@ def main() -> None:
     args.workloads = [w for w in args.workloads.split(",") if w]
     args.ks = [int(k) for k in args.ks.split(",")]
     args.p_mins = [float(x) for x in args.p_mins.split(",") if x]  # '': no fixed-K contender
-    args.prompt_ids = {x for x in args.prompt_ids.split(",") if x}
+    args.prompt_ids = [x for x in args.prompt_ids.split(",") if x]
     args.ngram = [t for t in args.ngram.split(",") if t]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
