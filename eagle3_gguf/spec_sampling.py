@@ -30,7 +30,9 @@ import numpy as np
 from .errors import Eagle3Error
 
 SPEC_SAMPLING = ("rejection", "match")
-# Measured (scripts/bench_sampling.py, bench/sampling-cpu/): see DEFAULT_DRAFT_TEMP_SCALE's note there.
+# q's temperature / p's. Measured on all 80 MT-bench prompts (bench/sampling-cpu/, SmolLM2 + the shipped head,
+# K=4): tokens per forward 1.407 / 1.392 at T=0.7 / 1.0 with 1x, 1.420 / 1.378 with 0.75x, match 1.381 / 1.344.
+# A tie on average; 1x keeps q under the same transform as p.
 DEFAULT_DRAFT_TEMP_SCALE = 1.0
 
 
