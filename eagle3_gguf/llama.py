@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -105,34 +104,31 @@ class _Turn:
     def __init__(self, llm: "Eagle3Llama"):
         self.llm = llm
         self.held = False
-        self._take(BUSY)
+        self._take()
         llm._e3_generation += 1
         self.n = llm._e3_generation
 
-    def _take(self, why: str) -> None:
-        if not self.llm._e3_running.acquire(blocking=False):
-            raise Eagle3Error(why)
-        self.held = True
+    def _try_take(self) -> bool:
+        self.held = self.llm._e3_running.acquire(blocking=False)
+        return self.held
+
+    def _take(self) -> None:
+        if not self._try_take():
+            raise Eagle3Error(BUSY)
 
     @property
     def current(self) -> bool:
         return self.llm._e3_generation == self.n
 
-    def pause(self) -> None:
-        self.release()
-
     def resume(self) -> None:
-        self._take(BUSY)
+        self._take()
         if not self.current:
             self.release()
             raise Eagle3Error(SUPERSEDED)
 
     def resume_to_close(self) -> bool:
         """Take the lock to clean up after a caller who stopped; False (nothing to clean) if superseded."""
-        if not self.llm._e3_running.acquire(blocking=False):
-            return False
-        self.held = True
-        return self.current
+        return self._try_take() and self.current
 
     def release(self) -> None:
         if self.held:
@@ -337,7 +333,7 @@ class Eagle3Llama(Llama):
             raise Eagle3Error("this Eagle3Llama is closed")
         turn = _Turn(self)
         try:
-            if turn.n > 1 and self._e3_unfinished:  # an earlier generation was left suspended
+            if self._e3_unfinished:  # an earlier generation was left suspended
                 self._requires_eval = True
             self._e3_unfinished = True
             self.spec_fallback = self._fallback_reason(tokens, reset)
@@ -354,7 +350,7 @@ class Eagle3Llama(Llama):
                 except StopIteration as done:
                     self._e3_unfinished = False
                     return done.value
-                turn.pause()
+                turn.release()  # while the caller holds the token
                 try:
                     sent = yield tok
                 except GeneratorExit:
