@@ -39,6 +39,8 @@ from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from serving import free_port, stop, wait_ready  # scripts/serving.py (this script's folder is on the path)
+
 PROMPTS = [
     "The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
     "The three primary colours are", "Write a haiku about the sea.", "Explain what a hash table is.",
@@ -298,27 +300,6 @@ def run_requests(reqs: list[Request], answer, want: dict[Request, str], pid: int
     report.threads_warm, report.threads_end = after[0].threads, after[-1].threads
 
 
-def free_port() -> int:
-    with closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(proc: subprocess.Popen, port: int, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            with closing(http.client.HTTPConnection("127.0.0.1", port, timeout=2)) as c:
-                c.request("GET", "/v1/models")
-                if c.getresponse().status == 200:
-                    return
-        except OSError:
-            time.sleep(0.3)
-    raise RuntimeError("the server did not come up in time")
-
-
 def soak_serve(args, reqs, want, report: Report) -> None:
     port = free_port()
     alias = "soak"
@@ -327,18 +308,13 @@ def soak_serve(args, reqs, want, report: Report) -> None:
     log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
     try:
-        wait_ready(proc, port)
+        wait_ready(proc, port, timeout=180.0)
         run_requests(reqs, lambda r: ask_server(port, alias, r), want, proc.pid, args.clients, args.n_warm,
                      args.sample_every, report)
         if proc.poll() is not None:
             report.errors.append(f"the server died (exit {proc.returncode})")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
         if log is not subprocess.DEVNULL:
             log.close()
 

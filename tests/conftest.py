@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))  # serving.py, shared with scripts/soak.py
 
 from eagle3_gguf.assets import smollm2_path as _smollm2_path
 from model_factory import HeadSpec, TinyDims, write_random_head, write_tiny_target

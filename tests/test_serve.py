@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import subprocess
 import sys
-import time
 from contextlib import closing, contextmanager
 
 import llama_cpp
@@ -17,6 +15,7 @@ import pytest
 
 from eagle3_gguf.assets import default_head_path
 from eagle3_gguf.native import CACHE_TYPES
+from serving import free_port, stop, wait_ready  # noqa: F401  (test_serve_load, test_faults import them from here)
 from test_speculation_surfaces import COUNT, N
 
 pytest.importorskip("fastapi")
@@ -29,27 +28,6 @@ PLAIN = dict(temperature=0.0, repeat_penalty=1.0)  # what the requests below ask
 EXTRA = {"repeat_penalty": 1.0}  # the server's own default is 1.1
 CHAT = [{"role": "user", "content": "Name three colours."}]
 PROMPT = "The capital of France is"
-
-
-def free_port() -> int:
-    with closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(proc: subprocess.Popen, port: int, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}: {proc.stderr.read()}")
-        try:
-            with closing(http.client.HTTPConnection("127.0.0.1", port, timeout=2)) as c:
-                c.request("GET", "/v1/models")
-                if c.getresponse().status == 200:
-                    return
-        except OSError:
-            time.sleep(0.3)
-    raise RuntimeError("the server did not come up in time")
 
 
 def get_json(port: int, path: str) -> dict:
@@ -78,12 +56,7 @@ def serving(tiny_target, tiny_head, *flags):
         wait_ready(proc, port)
         yield port
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=20)
+        stop(proc, timeout=20)
 
 
 def openai_client(port: int):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_serve import ALIAS, EXTRA, N_CTX, PLAIN, free_port, openai_client, plain, wait_ready  # noqa: F401
+from test_serve import ALIAS, EXTRA, N_CTX, PLAIN, free_port, openai_client, plain, stop, wait_ready  # noqa: F401
 
 openai = pytest.importorskip("openai")
 
@@ -36,12 +36,7 @@ def serving_logged(tiny_target, tiny_head, log: Path, *flags):
             wait_ready(proc, port)
             yield proc, port
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=20)
+            stop(proc, timeout=20)
 
 
 def request_for(i: int) -> dict:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import threading
 import time
 from contextlib import closing
@@ -25,6 +24,7 @@ from eagle3_gguf.cli.main import app
 from eagle3_gguf.llama import Eagle3Llama, attach_eagle3
 from eagle3_gguf.native import CACHE_TYPES
 from eagle3_gguf.server import speculation_summary
+from serving import free_port
 
 COUNT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # the target continues " 11, 12, ...", which the head predicts
 CHAT = [{"role": "user", "content": "Count from 1 to 30, separated by commas."}]
@@ -190,12 +190,6 @@ def test_attach_eagle3(smollm2_path, head, plain):
 
 
 # -- serve ---------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def post(port: int, path: str, body: dict) -> dict:
     with closing(http.client.HTTPConnection("127.0.0.1", port, timeout=120)) as c:
         c.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
