@@ -85,9 +85,9 @@ class Transform:
         n = logits.size
         k = min(self.top_k, n) if self.top_k > 0 else n
         cand = top_k(logits, k)  # [k], descending
-        z = logits[cand].astype(np.float64)  # [k]
         if scale <= 0.0:
             return one_hot(int(cand[0] if ids is None else ids[cand[0]]))
+        z = logits[cand].astype(np.float64)  # [k]
         p = np.exp(z - z[0])  # [k]
         p /= p.sum()
         keep = int(np.searchsorted(np.cumsum(p), self.top_p) + 1) if self.top_p < 1.0 else k
@@ -114,10 +114,11 @@ def top_k(logits: np.ndarray, k: int) -> np.ndarray:
         for width in (8.0, 16.0, 32.0, 64.0):
             above = np.flatnonzero(logits >= top - width)  # [m]
             if above.size >= k:
-                cand = above if above.size == k else above[np.argpartition(-logits[above], k - 1)[:k]]
+                m = above.size
+                cand = above if m == k else above[np.argpartition(logits[above], m - k)[m - k:]]
                 break
         if cand is None:
-            cand = np.argpartition(-logits, k - 1)[:k]
+            cand = np.argpartition(logits, n - k)[n - k:]
     return cand[np.argsort(-logits[cand], kind="stable")]
 
 
