@@ -60,6 +60,7 @@ class Row:
     tok_s: float  # all tokens / all seconds
     speedup: float  # median over prompts of tok/s against target-only at the same temperature
     python_ms: float  # Python time per target forward after the prefill (outside llama.cpp)
+    vs_match: float  # median over prompts of tok/s against match at the same temperature (0: no match run)
 
     @property
     def name(self) -> str:
@@ -83,6 +84,7 @@ def run_one(decoder: Decoder, prompt: list[int], pid: str, contender: str, temp:
 
 def summarise(runs: list[Run]) -> list[Row]:
     base = {(r.prompt_id, r.temp): r.tokens / r.seconds for r in runs if r.contender == "target"}
+    match = {(r.prompt_id, r.temp): r.tokens / r.seconds for r in runs if r.contender == "match"}
     keys = sorted({(r.contender, r.temp, r.scale) for r in runs},
                   key=lambda k: (k[1], ["target", "greedy", "match", "rejection"].index(k[0]), k[2]))
     rows = []
@@ -91,10 +93,12 @@ def summarise(runs: list[Run]) -> list[Row]:
         tokens = sum(r.tokens for r in rs)
         drafted = sum(r.drafted for r in rs)
         ratios = [r.tokens / r.seconds / base[(r.prompt_id, r.temp)] for r in rs if (r.prompt_id, r.temp) in base]
+        paired = [r.tokens / r.seconds / match[(r.prompt_id, r.temp)] for r in rs if (r.prompt_id, r.temp) in match]
         rows.append(Row(c, t, s, len(rs), tokens, tokens / sum(r.forwards for r in rs),
                         sum(r.accepted for r in rs) / drafted if drafted else 0.0,
                         tokens / sum(r.seconds for r in rs), statistics.median(ratios) if ratios else 0.0,
-                        1e3 * sum(r.python_s for r in rs) / max(sum(r.forwards - 1 for r in rs), 1)))
+                        1e3 * sum(r.python_s for r in rs) / max(sum(r.forwards - 1 for r in rs), 1),
+                        statistics.median(paired) if paired and c in ("match", "rejection") else 0.0))
     return rows
 
 
@@ -111,14 +115,15 @@ def markdown(rows: list[Row], args, command: str, commit: str, seconds: float) -
         + ", llama.cpp's default sampler cuts (top-k 40, top-p 0.95, min-p 0.05); one seed per prompt, the "
           "same for every contender. tau = tokens per target forward (all tokens / all forwards, prefill "
           "included); acceptance = kept drafts / drafted; speedup = median over prompts of tok/s against "
-          "target-only at the same temperature.",
+          "target-only at the same temperature; vs match = median over prompts of tok/s against match on the "
+          "same prompt and temperature (the two rules side by side).",
         "",
-        "| T | contender | tau | acceptance | tok/s | speedup | python ms / forward |",
-        "|---|---|---|---|---|---|---|",
+        "| T | contender | tau | acceptance | tok/s | speedup | vs match | python ms / forward |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(f"| {r.temp:g} | {r.name} | {r.tau:.3f} | {r.acceptance:.3f} | {r.tok_s:.1f} | "
-                     f"{r.speedup:.2f}x | {r.python_ms:.2f} |")
+                     f"{r.speedup:.2f}x | {f'{r.vs_match:.3f}x' if r.vs_match else ''} | {r.python_ms:.2f} |")
     best = {}
     for r in rows:
         if r.contender == "rejection":
