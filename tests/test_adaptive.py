@@ -40,7 +40,9 @@ def test_agreeing_head_drafts_k_max(smollm2_path, k, costs):
         config = GenerateConfig(n_predict=200, draft_max=k, draft_policy="adaptive")
         with Decoder(pair.target) as plain:
             base = plain.generate(prompt, config, speculative=False)
-        assert len(base.tokens) == 200  # the answer is long enough for the figures below
+        # long enough for the figures below; the target may end it at EOS before n_predict (191 tokens on a
+        # 2-core AMD EPYC host, 200 on others: the CPU's kernels decide near-ties)
+        assert len(base.tokens) >= 150
         with OracleSession(pair.target, pair.head, truth=prompt + base.tokens, schedule=[k], confident=True) as s, \
                 Decoder(pair.target, s) as d:
             if costs == "gpu-like":
