@@ -82,6 +82,13 @@ def run_one(decoder: Decoder, prompt: list[int], pid: str, contender: str, temp:
                st.n_target_forwards, st.n_drafted, st.n_accepted, st.t_total, st.t_python)
 
 
+def median_ratio(rs: list[Run], ref: dict[tuple[str, float], float]) -> float:
+    """Median over prompts of a run's tok/s against the reference contender's on the same prompt and
+    temperature (0 when there is none)."""
+    ratios = [r.tokens / r.seconds / ref[(r.prompt_id, r.temp)] for r in rs if (r.prompt_id, r.temp) in ref]
+    return statistics.median(ratios) if ratios else 0.0
+
+
 def summarise(runs: list[Run]) -> list[Row]:
     base = {(r.prompt_id, r.temp): r.tokens / r.seconds for r in runs if r.contender == "target"}
     match = {(r.prompt_id, r.temp): r.tokens / r.seconds for r in runs if r.contender == "match"}
@@ -92,13 +99,11 @@ def summarise(runs: list[Run]) -> list[Row]:
         rs = [r for r in runs if (r.contender, r.temp, r.scale) == (c, t, s)]
         tokens = sum(r.tokens for r in rs)
         drafted = sum(r.drafted for r in rs)
-        ratios = [r.tokens / r.seconds / base[(r.prompt_id, r.temp)] for r in rs if (r.prompt_id, r.temp) in base]
-        paired = [r.tokens / r.seconds / match[(r.prompt_id, r.temp)] for r in rs if (r.prompt_id, r.temp) in match]
         rows.append(Row(c, t, s, len(rs), tokens, tokens / sum(r.forwards for r in rs),
                         sum(r.accepted for r in rs) / drafted if drafted else 0.0,
-                        tokens / sum(r.seconds for r in rs), statistics.median(ratios) if ratios else 0.0,
+                        tokens / sum(r.seconds for r in rs), median_ratio(rs, base),
                         1e3 * sum(r.python_s for r in rs) / max(sum(r.forwards - 1 for r in rs), 1),
-                        statistics.median(paired) if paired and c in ("match", "rejection") else 0.0))
+                        median_ratio(rs, match) if c in ("match", "rejection") else 0.0))
     return rows
 
 
