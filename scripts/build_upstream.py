@@ -4,11 +4,14 @@
 Tools: llama-speculative-simple, llama-completion, llama-bench, llama-quantize (for differential tests
 and benchmarks). At the pin, `llama-completion` is the classic one-shot CLI; `llama-cli` became the
 chat front end of llama-server and needs its web UI build, so it is not built here. Prints the bin folder. Reused when already built. Extra CMake flags come from
-CMAKE_ARGS, e.g. CMAKE_ARGS="-DGGML_CUDA=on" (macOS builds Metal by default).
+CMAKE_ARGS, e.g. CMAKE_ARGS="-DGGML_CUDA=on" (macOS builds Metal by default); amx_guard.cmake is
+always included (it keeps ggml off AMX kernels that would crash here). The build folder is named by a
+hash of the configure flags, so a build made with other flags is never reused.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shlex
 import subprocess
@@ -19,10 +22,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pin import VENDOR_DIR, read_pin  # noqa: E402
 
 TOOLS = ["llama-speculative-simple", "llama-completion", "llama-bench", "llama-quantize"]
+AMX_GUARD = Path(__file__).resolve().parent / "amx_guard.cmake"
+
+
+def configure_flags() -> list[str]:
+    return ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=ON",
+            "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+            f"-DCMAKE_PROJECT_INCLUDE={AMX_GUARD}", *shlex.split(os.environ.get("CMAKE_ARGS", ""))]
+
+
+def build_dir() -> Path:
+    flags = [f for f in configure_flags() if not f.startswith("-DCMAKE_PROJECT_INCLUDE=")]  # the clone's path
+    digest = hashlib.sha256("\n".join(flags + [AMX_GUARD.read_text()]).encode()).hexdigest()[:10]
+    return read_pin().cache_dir / f"build-{digest}"
 
 
 def bin_dir() -> Path:
-    return read_pin().cache_dir / "build" / "bin"
+    return build_dir() / "bin"
 
 
 def requantized(target: Path, qtype: str = "Q4_0") -> Path:
@@ -40,16 +56,13 @@ def main() -> None:
     pin = read_pin()
     if not (VENDOR_DIR / "CMakeLists.txt").exists():
         subprocess.run([sys.executable, str(Path(__file__).parent / "fetch_llama_cpp.py")], check=True)
-    build = pin.cache_dir / "build"
+    build = build_dir()
     out = build / "bin"
     if all((out / t).exists() for t in TOOLS):
         print(out)
         return
     jobs = str(os.cpu_count() or 2)
-    configure = ["cmake", "-S", str(VENDOR_DIR), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON",
-                 "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
-                 *shlex.split(os.environ.get("CMAKE_ARGS", ""))]
+    configure = ["cmake", "-S", str(VENDOR_DIR), "-B", str(build), *configure_flags()]
     subprocess.run(configure, check=True, stdout=subprocess.DEVNULL)
     subprocess.run(["cmake", "--build", str(build), "--config", "Release", "-j", jobs, "--target", *TOOLS],
                    check=True, stdout=subprocess.DEVNULL)
