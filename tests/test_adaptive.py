@@ -69,5 +69,8 @@ def test_random_head_settles_on_plain_decoding(smollm2_path, random_head):
     pol = spec.stats.policy
     assert len(pol.trace) >= 150
     assert max(pol.trace[20:]) == 0, pol.trace  # nothing verified after 20 cycles
-    assert pol.plain_cycles >= len(pol.trace) - pol.probes  # no draft step but the probes
+    # no draft step but the probes, and the very first cycle: a fresh policy knows nothing of the head but its
+    # prior (half the drafts kept), on which one draft step pays where the machine's draft costs are low (this
+    # Intel host calibrates the draft's fixed cost at 0.04 of a target step: 1.5 tokens for 1.50 steps)
+    assert pol.plain_cycles >= len(pol.trace) - pol.probes - 1
     assert pol.probes <= 6  # probes back off: cycles 1, 9, 25, 57, 121 within 160
