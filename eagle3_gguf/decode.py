@@ -24,7 +24,7 @@ from .session import Eagle3Session
 from .spec_sampling import (DEFAULT_DRAFT_TEMP_SCALE, SPEC_SAMPLING, RejectionSampler, Transform,
                             verify_match)
 from .stats import RunResult, SpecStats, StageClock
-from .tokens import detokenize, is_eog
+from .tokens import detokenize, eog_check
 
 
 @dataclass
@@ -51,7 +51,7 @@ class Sampler:
     def pick(self, logits: np.ndarray) -> int:
         """One token from a row of logits.  # logits: [n_vocab]"""
         if self.temperature <= 0.0:
-            return int(np.argmax(logits))
+            return int(logits.argmax())  # the method: np.argmax adds ~6 us of dispatch to a cache-cold cycle
         return self.transform.dist(logits).sample(self.rng.random())
 
     def rejection(self, draft_scale: float) -> RejectionSampler:
@@ -307,7 +307,7 @@ class Decoder:
         id_last = sampler.pick(logits)
         st.n_target_forwards = 1
         st.n_generated = 1  # an end-of-generation token counts as generated; it is not yielded
-        is_end = lambda tok: is_eog(self.model, tok)  # noqa: E731
+        is_end = eog_check(self.model)
         pick = lambda _rows, i: sampler.pick(self.target.logits_ith(i))  # noqa: E731
         try:
             if is_end(id_last):

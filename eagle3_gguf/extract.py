@@ -33,12 +33,14 @@ class TargetFeatures:
     def width(self) -> int:
         return len(self.layers) * self.n_embd
 
-    def gather(self, n_rows: int, rows: np.ndarray | None = None) -> np.ndarray:
+    def gather(self, n_rows: int, rows: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
         """Rows of the last target decode (the first n_rows, or the given row indices), the layers
-        concatenated in order.  # [n_rows or len(rows), 3 * n_embd_tgt]"""
-        parts = []
-        for lid in self.layers:
+        concatenated in order, into `out` when given.  # [n_rows or len(rows), 3 * n_embd_tgt]"""
+        n_out = n_rows if rows is None else len(rows)
+        if out is None:
+            out = np.empty((n_out, self.width), np.float32)
+        for i, lid in enumerate(self.layers):
             full = (self.target.layer_inp(lid, n_rows) if lid < self.n_layer
                     else self.target.nextn(n_rows))  # [n_rows, n_embd_tgt]
-            parts.append(full if rows is None else full[rows])
-        return np.concatenate(parts, axis=1)
+            out[:, i * self.n_embd:(i + 1) * self.n_embd] = full if rows is None else full[rows]
+        return out

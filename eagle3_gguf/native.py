@@ -73,9 +73,12 @@ def require_ext() -> None:
 llama_set_embeddings_layer_inp = _bind(
     "llama_set_embeddings_layer_inp", [ctx_p, ctypes.c_uint32, ctypes.c_bool], None)
 
+# The getters of float buffers return their address as an int (c_void_p): Context._view finds its cached
+# numpy view by address, without building a ctypes pointer object every call.
+
 # LLAMA_API float * llama_get_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid);
 llama_get_embeddings_layer_inp = _bind(
-    "llama_get_embeddings_layer_inp", [ctx_p, ctypes.c_uint32], ctypes.POINTER(ctypes.c_float))
+    "llama_get_embeddings_layer_inp", [ctx_p, ctypes.c_uint32], ctypes.c_void_p)
 
 # LLAMA_API void llama_set_embeddings_nextn(struct llama_context * ctx, bool value, bool masked);
 llama_set_embeddings_nextn = _bind(
@@ -83,11 +86,27 @@ llama_set_embeddings_nextn = _bind(
 
 # LLAMA_API float * llama_get_embeddings_nextn(struct llama_context * ctx);
 llama_get_embeddings_nextn = _bind(
-    "llama_get_embeddings_nextn", [ctx_p], ctypes.POINTER(ctypes.c_float))
+    "llama_get_embeddings_nextn", [ctx_p], ctypes.c_void_p)
 
 # LLAMA_API float * llama_get_embeddings_nextn_ith(struct llama_context * ctx, int32_t i);
 llama_get_embeddings_nextn_ith = _bind(
-    "llama_get_embeddings_nextn_ith", [ctx_p, ctypes.c_int32], ctypes.POINTER(ctypes.c_float))
+    "llama_get_embeddings_nextn_ith", [ctx_p, ctypes.c_int32], ctypes.c_void_p)
+
+
+def _address_twin(name: str, argtypes: list) -> Callable:
+    """A second ctypes function object for a public llama.h getter (llama_cpp's own keeps its restype),
+    returning the address as an int."""
+    fn = _lib[name]  # indexing makes a new function object; attribute access would share llama_cpp's
+    fn.argtypes = argtypes
+    fn.restype = ctypes.c_void_p
+    return fn
+
+
+# LLAMA_API float * llama_get_logits(struct llama_context * ctx);
+llama_get_logits_addr = _address_twin("llama_get_logits", [ctx_p])
+
+# LLAMA_API float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
+llama_get_logits_ith_addr = _address_twin("llama_get_logits_ith", [ctx_p, ctypes.c_int32])
 
 # LLAMA_API const int32_t * llama_model_target_layer_ids(const struct llama_model * model);
 llama_model_target_layer_ids = _bind(
@@ -374,26 +393,27 @@ class Context(_Owner):
 
     def logits(self, n_rows: int) -> np.ndarray:
         """The output rows of the last decode, in batch order.  # [n_rows, n_vocab] (view)"""
-        ptr = C.llama_get_logits(self._live())
-        if not ptr:
+        addr = llama_get_logits_addr(self._live())
+        if not addr:
             raise Eagle3Error("no logits: the last batch requested none")
-        return self._view(ptr, (n_rows, self.model.n_vocab))
+        return self._view(addr, (n_rows, self.model.n_vocab))
 
     def logits_ith(self, i: int) -> np.ndarray:
-        ptr = C.llama_get_logits_ith(self._live(), i)
-        if not ptr:
+        addr = llama_get_logits_ith_addr(self._live(), i)
+        if not addr:
             raise Eagle3Error(f"no logits for batch row {i}")
-        return self._view(ptr, (self.model.n_vocab,))  # [n_vocab] (view)
+        return self._view(addr, (self.model.n_vocab,))  # [n_vocab] (view)
 
-    def _view(self, ptr, shape: tuple[int, ...]) -> np.ndarray:
-        """A numpy view of llama.cpp's buffer at `ptr`. Making one costs microseconds and the buffers
-        rarely move, so views are kept by address and shape: valid whenever llama.cpp hands out that
-        address again, as it does now."""
-        key = (ctypes.cast(ptr, ctypes.c_void_p).value, shape)
+    def _view(self, addr: int, shape: tuple[int, ...]) -> np.ndarray:
+        """A float32 numpy view of llama.cpp's buffer at address `addr`. Making one costs microseconds and
+        the buffers rarely move, so views are kept by address and shape: valid whenever llama.cpp hands
+        out that address again, as it does now."""
+        key = (addr, shape)
         view = self._views.get(key)
         if view is None:
             if len(self._views) > 64:
                 self._views.clear()
+            ptr = ctypes.cast(addr, ctypes.POINTER(ctypes.c_float))
             view = self._views[key] = np.ctypeslib.as_array(ptr, shape=shape)
         return view
 
@@ -411,8 +431,10 @@ class Context(_Owner):
         """Layer `lid`'s input rows of the last decode.  # [n_tokens, n_embd] (view)"""
         if lid not in self._layer_inp or not self._decoded:
             raise Eagle3Error(f"layer {lid} input was not extracted: call set_layer_inp({lid}) and decode first")
-        ptr = llama_get_embeddings_layer_inp(self._live(), lid)
-        return self._view(ptr, (n_tokens, self.model.n_embd))
+        addr = llama_get_embeddings_layer_inp(self._live(), lid)
+        if not addr:
+            raise Eagle3Error(f"llama.cpp returned no input rows for layer {lid}")
+        return self._view(addr, (n_tokens, self.model.n_embd))
 
     def set_nextn(self, enabled: bool = True, masked: bool = True) -> None:
         """Ask for the pre-norm hidden state (EAGLE-3: g from the encoder, h from the decoder)."""
@@ -425,19 +447,19 @@ class Context(_Owner):
         """All pre-norm rows of the last graph.  # [n_rows, n_embd] (view)"""
         if not self._nextn or not self._decoded:
             raise Eagle3Error("pre-norm hidden states were not requested: call set_nextn() and run a graph first")
-        ptr = llama_get_embeddings_nextn(self._live())
-        if not ptr:
+        addr = llama_get_embeddings_nextn(self._live())
+        if not addr:
             raise Eagle3Error("llama.cpp returned no pre-norm hidden states")
-        return self._view(ptr, (n_rows, self.model.n_embd))
+        return self._view(addr, (n_rows, self.model.n_embd))
 
     def nextn_ith(self, i: int) -> np.ndarray:
         """The pre-norm row of batch row i.  # [n_embd] (view)"""
         if not self._nextn or not self._decoded:
             raise Eagle3Error("pre-norm hidden states were not requested: call set_nextn() and run a graph first")
-        ptr = llama_get_embeddings_nextn_ith(self._live(), i)
-        if not ptr:
+        addr = llama_get_embeddings_nextn_ith(self._live(), i)
+        if not addr:
             raise Eagle3Error(f"no pre-norm hidden state for batch row {i}")
-        return self._view(ptr, (self.model.n_embd,))
+        return self._view(addr, (self.model.n_embd,))
 
 
 class Batch(_Owner):
@@ -468,6 +490,9 @@ class Batch(_Owner):
         self.struct.logits = self._logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
         self.struct.embd = None
         self._embd_ptr = self._embd.ctypes.data_as(f32) if n_embd else None
+        self._ramp = np.arange(capacity, dtype=np.int32)  # [capacity]: 0, 1, 2, ... for positions
+        self._carries = "token"  # what the struct's pointers carry now: "token", "embd" or "both"
+        self._seq_dirty = 0  # rows whose sequence id set_rows may have left other than 0
         self.ptr = True  # the arrays live as long as this object
 
     def _free(self, _ptr) -> None:
@@ -480,18 +505,36 @@ class Batch(_Owner):
 
     def set(self, tokens, pos0: int, *, logits: str = "last") -> int:
         """Fill with `tokens` of sequence 0 at positions pos0.. ; logits for "all" rows, the "last" one,
-        or "none"."""
+        or "none". Called once per cycle, right after a decode has pushed everything else out of the
+        caches: it touches only what changed (one row is the common case)."""
         n = len(tokens)
         self._fit(n)
-        self._token[:n] = tokens
-        self._pos[:n] = np.arange(pos0, pos0 + n, dtype=np.int32)
-        self._seq[:n] = 0
-        self._logits[:n] = 1 if logits == "all" else 0
-        if logits == "last":
-            self._logits[n - 1] = 1
-        self.struct.token, self.struct.embd = self._token_ptr, None
-        self.struct.n_tokens = n
+        if n == 1:
+            self._token[0] = tokens[0]
+            self._pos[0] = pos0
+            self._logits[0] = logits != "none"
+        else:
+            self._token[:n] = tokens
+            np.add(self._ramp[:n], pos0, out=self._pos[:n])
+            self._logits[:n] = logits == "all"
+            if logits == "last":
+                self._logits[n - 1] = 1
+        self._point("token", n)
         return n
+
+    def _point(self, carries: str, n: int, seq_ids: bool = False) -> None:
+        """Point the struct at token ids, embedding rows or both, for n rows; sequence ids back to 0 unless
+        set_rows wrote others (`seq_ids`)."""
+        if self._carries != carries:
+            self.struct.token = self._token_ptr if carries != "embd" else None
+            self.struct.embd = self._embd_ptr if carries != "token" else None
+            self._carries = carries
+        if seq_ids:
+            self._seq_dirty = max(self._seq_dirty, n)
+        elif self._seq_dirty:
+            self._seq[:self._seq_dirty] = 0
+            self._seq_dirty = 0
+        self.struct.n_tokens = n
 
     def set_rows(self, tokens, pos, seq_ids, outputs) -> int:
         """Several sequences in one batch (one seq id per row).  # tokens, pos, seq_ids, outputs: [n] each"""
@@ -501,8 +544,7 @@ class Batch(_Owner):
         self._pos[:n] = pos
         self._seq[:n] = seq_ids
         self._logits[:n] = np.asarray(outputs, dtype=np.int8)
-        self.struct.token, self.struct.embd = self._token_ptr, None
-        self.struct.n_tokens = n
+        self._point("token", n, seq_ids=True)
         return n
 
     def set_embd(self, rows: np.ndarray, pos, tokens=None) -> int:
@@ -514,13 +556,10 @@ class Batch(_Owner):
             raise Eagle3Error(f"embedding rows of width {rows.shape[1]} in a batch of width {self.n_embd}")
         self._embd[:n] = rows
         self._pos[:n] = pos
-        self._seq[:n] = 0
         self._logits[:n] = 1
         if tokens is not None:
             self._token[:n] = tokens
-        self.struct.token = self._token_ptr if tokens is not None else None
-        self.struct.embd = self._embd_ptr
-        self.struct.n_tokens = n
+        self._point("both" if tokens is not None else "embd", n)
         return n
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 import ctypes
 from dataclasses import dataclass
+from typing import Callable
 
 from llama_cpp import llama_cpp as C
 
@@ -54,6 +55,20 @@ class Detokenizer:
 
 def is_eog(model: Model, token: int) -> bool:
     return bool(C.llama_vocab_is_eog(model.vocab, token))
+
+
+def eog_check(model: Model) -> Callable[[int], bool]:
+    """is_eog for one model, remembered per token: a decoding loop asks once per emitted token, right after
+    a decode, when a call into llama.cpp runs cache-cold (~3 us) and a dict look-up does not."""
+    seen: dict[int, bool] = {}
+
+    def check(token: int) -> bool:
+        end = seen.get(token)
+        if end is None:
+            end = seen[token] = is_eog(model, token)
+        return end
+
+    return check
 
 
 @dataclass

@@ -7,7 +7,7 @@ import pytest
 
 from eagle3_gguf.decode import Decoder, GenerateConfig, Sampler
 from eagle3_gguf.pair import PairConfig, load_pair
-from eagle3_gguf.session import Eagle3Session
+from eagle3_gguf.session import Eagle3Session, RowsAside
 from eagle3_gguf.tokens import Message, apply_chat_template, tokenize
 from oracle import OracleSession
 
@@ -163,3 +163,29 @@ def test_greedy_equals_target_only_smollm2(smollm2_path, tmp_path):
             spec = d.generate(prompts[0], GenerateConfig(n_predict=64, draft_max=4, draft_policy="fixed"))
         assert spec.tokens == bases[0].tokens
         assert spec.stats.tau > 2.0  # the oracle schedule accepts 2 drafts per cycle on average
+
+
+def test_rows_aside_keeps_order_through_growth_compaction_and_drops():
+    """The preallocated rows aside hold exactly what a list of rows would: appended at the end, dropped from
+    the front, moved to the front when the end is reached, grown when full."""
+    aside, model_tok, model_feat = RowsAside(width=3, capacity=4), [], []
+    rng = np.random.default_rng(0)
+    for step in range(60):
+        n = int(rng.integers(1, 4))
+        tok, feat = aside.extend(n)
+        new_tok = rng.integers(0, 1000, n).astype(np.int32)
+        new_feat = rng.standard_normal((n, 3)).astype(np.float32)
+        tok[:], feat[:] = new_tok, new_feat
+        model_tok += list(new_tok)
+        model_feat += list(new_feat)
+        if step % 3 == 2 and len(model_tok) > 2:
+            e = int(rng.integers(1, len(model_tok)))
+            aside.drop_front(e)
+            del model_tok[:e], model_feat[:e]
+        if step % 17 == 16:
+            aside.clear()
+            model_tok, model_feat = [], []
+        assert len(aside) == len(model_tok)
+        assert aside.tokens.tolist() == [int(t) for t in model_tok]
+        assert np.array_equal(aside.feats, np.array(model_feat, np.float32).reshape(-1, 3))
+    assert len(aside.tok) > 4  # it grew
