@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from eagle3_gguf.policy import (PROBE_MAX, AdaptivePolicy, CostCurve, CostKey, FixedPolicy, load_costs, measure,
-                                save_costs)
+from eagle3_gguf.policy import (PROBE_MAX, PROBE_MIN, AdaptivePolicy, CostCurve, CostKey, FixedPolicy, load_costs,
+                                measure, save_costs)
 
 
 class World:
@@ -129,6 +129,20 @@ def test_probing_backs_off_to_the_cap():
     world.run(policy, 4, 600)
     assert policy.probe_gap == PROBE_MAX
 
+
+
+def test_a_probe_with_a_draft_accepted_still_backs_off_unless_drafting_pays():
+    """A weak head gets a probe's first draft now and then; that alone does not make drafting pay on a CPU, so
+    the probes keep backing off (each costs most of a target step)."""
+    policy = adaptive(CPU, 0.05)
+    assert policy.plan(4) == 4 and policy.probing
+    policy.observe([0.4], 1, 1, 1, CPU[1], 0.05, 2)  # one draft verified and accepted
+    assert policy.plan(4) == 0  # drafting does not pay ...
+    assert policy.probe_gap == 2 * PROBE_MIN  # ... so the back-off grows instead of starting over
+    good = adaptive(GPU, 0.02)  # where verifying is nearly free, the same probe makes drafting pay
+    good.plan(4)
+    good.observe([0.9], 1, 1, 1, GPU[1], 0.02, 2)
+    assert good.probe_gap == PROBE_MIN and good.plan(4) == 4 and not good.probing
 
 
 def test_back_off_carries_over_to_the_next_text():
