@@ -163,7 +163,8 @@ def bench_target(quant: str, target: Path, head: Path, args, tools: Path | None)
                 return Run(quant, workload, p.id, "target", 0, st.stats.n_generated, st.stats.t_total,
                            round=rnd), st.tokens
 
-            adaptive = GenerateConfig(n_predict=args.n_predict, draft_max=max(args.ks), draft_policy="adaptive")
+            adaptive = GenerateConfig(n_predict=args.n_predict, draft_max=args.adaptive_max or max(args.ks),
+                                      draft_policy="adaptive")
             todo = [(w, p) for w in args.workloads for p in bench_data.load(w, args.limit)
                     if not args.prompt_ids or p.id in args.prompt_ids]
             for workload, p, rnd in [(w, p, r) for w, p in todo for r in range(args.repeat)]:
@@ -353,6 +354,7 @@ def main() -> None:
     ap.add_argument("--p-mins", default="0",
                     help="fixed policy: stop drafting below these top probabilities (ours and upstream alike)")
     ap.add_argument("--adaptive", action="store_true", help="also run the adaptive policy (K cap: max of --ks)")
+    ap.add_argument("--adaptive-max", type=int, default=0, help="the adaptive policy's K cap instead (e.g. 4, generate's)")
     ap.add_argument("--quants", default="q4_1,q4_0", help="as-shipped q4_1 and/or q4_0 made by llama-quantize")
     ap.add_argument("--ngram", default="ngram-simple", help="upstream n-gram spec types to run ('' for none)")
     ap.add_argument("--no-upstream", action="store_true")
