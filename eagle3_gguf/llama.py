@@ -61,6 +61,7 @@ from .policy import POLICIES
 from .session import Eagle3Session
 from .spec_sampling import DEFAULT_DRAFT_TEMP_SCALE, SPEC_SAMPLING, RejectionSampler, Transform
 from .stats import SpecStats, StageClock
+from .tokens import eog_check
 
 DEFAULT_DRAFT_MAX = 4
 MAX_DRAFT_MAX = 32
@@ -411,6 +412,7 @@ class Eagle3Llama(Llama):
         self._mirostat_mu = ctypes.c_float(2.0 * sampling["mirostat_tau"])
         self._sampler = self._init_sampler(**sampling)
         n_ctx = self._n_ctx
+        is_end = eog_check(target.model)
         clock = StageClock(st, spec.native_time)
         self._rewind(prompt)
         self._prefill(prompt[self.n_tokens:], whole=policy.wants_prompt())
@@ -433,7 +435,7 @@ class Eagle3Llama(Llama):
                 if self._e3_budget is not None:
                     k = min(k, self._e3_budget - st.n_generated - 1)
                 cyc = spec.cycle(policy, id_last, pos, k, lambda rows, i: self._sample_row(rows, pos, i), st,
-                                 stop=self._is_eog, rejection=rejection)
+                                 stop=is_end, rejection=rejection)
                 out, n_acc, rows = cyc.out, cyc.n_acc, cyc.rows
                 if rejection is not None:  # Llama's chain sampled no row: the kept rows, as plain decoding has them
                     self.input_ids[pos:pos + n_acc + 1] = rows[:n_acc + 1]
@@ -460,7 +462,7 @@ class Eagle3Llama(Llama):
                 pos += n_acc + 1
                 id_last = out[-1]
         except GeneratorExit:
-            st.stop_reason = "eos" if self._is_eog(last) else "caller stopped"
+            st.stop_reason = "eos" if is_end(last) else "caller stopped"
             raise
         except BaseException:
             self._e3_head_tokens.clear()  # the head's state is unknown: the next call starts it afresh
@@ -478,9 +480,6 @@ class Eagle3Llama(Llama):
             self.input_ids[pos:pos + len(rows)] = rows
         self.n_tokens = pos + i + 1
         return self._sampler.sample(self._ctx, i)
-
-    def _is_eog(self, tok: int) -> bool:
-        return bool(llama_cpp.llama_vocab_is_eog(self._model.vocab, tok))
 
     def _check_sent(self, sent) -> None:
         if sent is not None:
