@@ -207,12 +207,12 @@ def bench_target(quant: str, target: Path, head: Path, args, tools: Path | None)
 # summary
 # ------------------------------------------------------------------------------------------------
 
-def per_prompt_speed(rs: list[Run]) -> dict[str, float]:
-    """tok/s of each prompt: its fastest run in `rs` (another process or a clock dip only ever slows a
-    run down, as timeit takes the best of its repeats).  # prompt id -> tok/s"""
-    speed: dict[str, float] = {}
+def fastest(rs: list[Run], key=lambda r: r.prompt_id) -> dict:
+    """tok/s of each prompt (or each `key`): its fastest run in `rs` (another process or a clock dip only
+    ever slows a run down, as timeit takes the best of its repeats).  # key -> tok/s"""
+    speed: dict = {}
     for r in rs:
-        speed[r.prompt_id] = max(speed.get(r.prompt_id, 0.0), r.tok_s)
+        speed[key(r)] = max(speed.get(key(r), 0.0), r.tok_s)
     return speed
 
 
@@ -221,13 +221,8 @@ def per_prompt_ratio(rs: list[Run], base: list[Run]) -> dict[str, float]:
     prompt's contenders, --repeat of them) the contender's fastest run against target-only's fastest run
     of the same round, then the median over rounds. One round: the fastest-run rule; more rounds: a
     lucky or unlucky round does not decide the prompt.  # prompt id -> ratio"""
-    def fastest(runs: list[Run]) -> dict[tuple[str, int], float]:
-        speed: dict[tuple[str, int], float] = {}
-        for r in runs:
-            speed[(r.prompt_id, r.round)] = max(speed.get((r.prompt_id, r.round), 0.0), r.tok_s)
-        return speed
-
-    ours, ref = fastest(rs), fastest(base)
+    by_round = lambda r: (r.prompt_id, r.round)  # noqa: E731
+    ours, ref = fastest(rs, by_round), fastest(base, by_round)
     rounds: dict[str, list[float]] = {}
     for (pid, rnd), v in ours.items():
         rounds.setdefault(pid, []).append(v / ref[(pid, rnd)])
@@ -239,10 +234,10 @@ def summarize(runs: list[Run], physics: dict[str, Physics]) -> list[Row]:
     for r in runs:
         groups.setdefault((r.quant, r.workload, r.contender, r.k, r.p_min), []).append(r)
     base_runs = {(q, w): rs for (q, w, c, _, _), rs in groups.items() if c == "target"}
-    base = {qw: per_prompt_speed(rs) for qw, rs in base_runs.items()}
+    base = {qw: fastest(rs) for qw, rs in base_runs.items()}
     rows: list[Row] = []
     for (quant, workload, contender, k, p_min), rs in sorted(groups.items()):
-        speed = per_prompt_speed(rs)
+        speed = fastest(rs)
         ratios = list(per_prompt_ratio(rs, base_runs[(quant, workload)]).values())
         ident = [r.identical for r in rs if r.identical is not None]
         row = Row(quant, workload, contender, k, p_min, statistics.median(speed.values()), statistics.median(ratios),
