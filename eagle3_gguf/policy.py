@@ -10,7 +10,8 @@ token is worth its cost only when its chance of being emitted beats R times what
 
 - `CostCurve`: c(1..K_max+1) and d, measured at load (`calibrate`, a fraction of a second, cached per
   target file, head file, threads, GPU layers and KV types in `~/.cache/eagle3-gguf/costs/`; a corrupt
-  or stale entry is measured again) and refined online from every cycle's timings.
+  or stale entry is measured again) and refined online: one row's cost (a scale on the whole curve)
+  from plain cycles, each larger row count's from the cycles that verified that many.
 - `Acceptance`: P(draft accepted | earlier drafts accepted, the head's top probability) by draft
   position, from counts in confidence bins with a prior (a calibrated head's confidence), pooled
   across positions while a position has few counts; and the expected acceptance of a step not yet
@@ -19,7 +20,8 @@ token is worth its cost only when its chance of being emitted beats R times what
   0 when no length can pay, and then the cycle is plain decoding (the head is not run; the session
   keeps the rows and catches up on the next draft). While it plans 0 it probes now and then (one
   draft step, whose confidence may start drafting again), backing off while probes find nothing that
-  makes drafting pay.
+  makes drafting pay. While it drafts, it decodes one cycle plainly now and then (backing off while
+  the timing confirms the scale), so that plain decoding's price stays measured.
 - `AdaptivePolicy.judge(confs)` runs after every draft step with the confidences so far: keep
   drafting, or stop and verify the first j drafts (a confident prefix; it generalises p_min).
 
@@ -39,10 +41,15 @@ from typing import Callable
 CACHE_VERSION = 1
 N_BINS = 10  # confidence bins over [0, 1]
 PRIOR_COUNT = 4.0  # pseudo-counts of each prior
-EMA = 0.05  # weight of one new timing in the online cost refinement
+EMA = 0.05  # weight of one new timing in the online cost refinement (scale, draft fixed cost)
+SEEN_EMA = 0.1  # weight of one verify in its row count's running mean (a plain mean over the first ten)
+SEEN_CAP = 16.0  # a row count's own timings outweigh the calibration at most SEEN_CAP : SEEN_PRIOR
+SEEN_PRIOR = 2.0  # the scaled calibration counts as this many timings
 LOOKAHEAD_EMA = 0.5  # weight of one draft step in a position's expected acceptance (stretches are short)
 RATE_EMA = 0.1  # weight of one cycle in the realised rate
 PROBE_MIN, PROBE_MAX = 4, 64  # plain cycles between probes: reset on success, doubled on failure
+CHECK_MIN, CHECK_MAX = 8, 256  # drafting cycles between plain ones that time one row: doubled while it holds
+CHECK_TOL = 0.1  # a plain cycle within 10% of its predicted time confirms the scale
 
 
 # ------------------------------------------------------------------------------------------------
@@ -51,14 +58,40 @@ PROBE_MIN, PROBE_MAX = 4, 64  # plain cycles between probes: reset on success, d
 
 @dataclass
 class CostCurve:
-    verify_s: list[float]  # [K_max + 1]: seconds to verify n = 1..K_max+1 rows (index n - 1)
+    verify_s: list[float]  # [K_max + 1]: seconds to verify n = 1..K_max+1 rows (index n - 1), as calibrated
     draft_step_s: float  # seconds per draft step (head decode of one row, plus reading it)
     draft_fixed_s: float = 0.0  # seconds a drafting cycle costs besides its steps (the head's catch-up)
     source: str = "measured"  # "measured", "cache" or "given"
-    # Online refinement: real seconds per calibrated second, from every verify. The curve's shape (what
-    # n rows cost against one) stays as calibrated; a machine that slows down or speeds up as a whole
-    # (load, clocks, a longer context) moves the scale.
+    # Online refinement. `scale`: real seconds per calibrated second, from plain cycles (one row, no draft
+    # step): a machine that slows down or speeds up as a whole (load, clocks, a longer context), or a
+    # calibration taken while the machine was busy. `seen_s`: what verifying n >= 2 rows has really cost
+    # in the cycles that did it, `seen_n` how often (capped): there the verify follows the head's graphs
+    # (the target's weights colder) and a change of batch shape, and costs more than back-to-back rows at
+    # position 0 (2 rows: 1.45-1.6x a plain cycle against 1.36x calibrated, SmolLM2 Q4_1 on 2 cores). Each
+    # figure moves only with its own timings: were two-row verifies to move the scale, a policy that
+    # verifies two rows every cycle could not tell whether two rows or all rows cost more, and would price
+    # plain decoding wrong (AdaptivePolicy times a plain cycle now and then to keep the scale current).
+    fixed_shape: bool = False  # True: what n rows cost against one is taken as stated; only the scale is learnt
     scale: float = 1.0
+    scale_n: float = 0.0  # plain cycles timed (capped)
+    seen_s: list[float] = field(default_factory=list)  # [K_max + 1]: real seconds, a running mean per n
+    seen_n: list[float] = field(default_factory=list)  # [K_max + 1]
+    now_s: list[float] = field(default_factory=list)  # [K_max + 1]: the refined curve, calibrated seconds
+
+    def __post_init__(self) -> None:
+        if len(self.seen_s) != len(self.verify_s):
+            self.seen_s, self.seen_n = [0.0] * len(self.verify_s), [0.0] * len(self.verify_s)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """now_s: each row count's own timings, weighed against the scaled calibration by how many there
+        were; n + 1 rows never cost less than n (a row count seldom seen is priced at least like the
+        largest one below it)."""
+        now = [self.verify_s[0]]
+        for t, seen, w in zip(self.verify_s[1:], self.seen_s[1:], self.seen_n[1:]):
+            x = t if w == 0 else (w * seen / self.scale + SEEN_PRIOR * t) / (w + SEEN_PRIOR)
+            now.append(max(x, now[-1]))
+        self.now_s = now
 
     @property
     def k_max(self) -> int:
@@ -66,14 +99,23 @@ class CostCurve:
 
     def verify(self, n: int) -> float:
         """Real seconds to verify n rows, now."""
-        return self.scale * self.verify_s[n - 1]
+        return self.scale * self.now_s[n - 1]
 
     def relative(self) -> list[float]:
-        """The verify costs in single-row units.  # [K_max + 1]"""
-        return [t / self.verify_s[0] for t in self.verify_s]
+        """The verify costs, as refined, in single-row units.  # [K_max + 1]"""
+        return [t / self.now_s[0] for t in self.now_s]
 
     def observe_verify(self, n: int, seconds: float) -> None:
-        self.scale += EMA * (seconds / self.verify_s[n - 1] - self.scale)
+        """A verify of n rows took `seconds`; one row only from a plain cycle (after a draft step the
+        target's weights are colder: that is the draft's cost, not plain decoding's)."""
+        if n == 1:
+            self.scale += max(EMA, 1.0 / (self.scale_n + 2.0)) * (seconds / self.verify_s[0] - self.scale)
+            self.scale_n = min(self.scale_n + 1.0, SEEN_CAP)
+        elif not self.fixed_shape:
+            i, w = n - 1, self.seen_n[n - 1]
+            self.seen_s[i] += max(SEEN_EMA, 1.0 / (w + 1.0)) * (seconds - self.seen_s[i])
+            self.seen_n[i] = min(w + 1.0, SEEN_CAP)
+        self._refresh()
 
     def observe_draft(self, steps: int, seconds: float) -> None:
         """A draft of `steps` took `seconds`: the steps at the measured step cost, the rest is fixed cost."""
@@ -124,8 +166,7 @@ def load_costs(key: CostKey, k_max: int) -> CostCurve | None:
         return None
     if not curve.valid(k_max):
         return None
-    curve.verify_s = curve.verify_s[:k_max + 1]
-    return curve
+    return CostCurve(curve.verify_s[:k_max + 1], curve.draft_step_s, curve.draft_fixed_s, "cache")
 
 
 def save_costs(key: CostKey, curve: CostCurve) -> None:
@@ -287,7 +328,10 @@ class AdaptivePolicy:
         self.probe_gap = PROBE_MIN
         self.probing = False
         self.drafting = False
-        self._pred: tuple[float, float] = (1.0, costs.verify_s[0])  # expected tokens, calibrated seconds
+        self.checking = False  # a plain cycle while drafting pays, to time one row
+        self.since_plain = 0  # drafting cycles since the last plain one
+        self.check_gap = CHECK_MIN
+        self._pred: tuple[float, float] = (1.0, costs.now_s[0])  # expected tokens, calibrated seconds
         self.stats = PolicyStats("adaptive", [0] * (k_max + 1), cost_source=costs.source)
 
     def begin(self) -> None:
@@ -299,19 +343,22 @@ class AdaptivePolicy:
     # -- the rate to beat -----------------------------------------------------------------------------
     def _r(self) -> float:
         """Tokens per calibrated second that a cycle must beat (costs are in calibrated seconds)."""
-        return max(self.rate * self.costs.scale, 1.0 / self.costs.verify_s[0])
+        return max(self.rate * self.costs.scale, 1.0 / self.costs.now_s[0])
 
     # -- before the cycle ------------------------------------------------------------------------------
     def plan(self, k_cap: int) -> int:
         """The draft budget for this cycle: 0 (plain decoding) unless some length is expected to pay,
         or a probe is due."""
         k_cap = min(k_cap, self.k_max)
-        self.probing = False
+        self.probing = self.checking = False
         if k_cap <= 0:
             return 0
         if self._best_length(k_cap) > 0:
             self.probe_wait = self.probe_gap = PROBE_MIN
             self.drafting = True
+            if self.since_plain >= self.check_gap:  # time one row again: its cost is learnt from plain cycles only
+                self.checking = True
+                return 0
             return k_cap
         self.drafting = False
         self.probe_wait -= 1
@@ -323,7 +370,7 @@ class AdaptivePolicy:
 
     def _best_length(self, k_cap: int) -> int:
         """The draft length with the best expected E - R·T from the expected acceptances (0: none pays)."""
-        r, c, d, e = self._r(), self.costs.verify_s, self.costs.draft_step_s, self.costs.draft_fixed_s
+        r, c, d, e = self._r(), self.costs.now_s, self.costs.draft_step_s, self.costs.draft_fixed_s
         best_j, best_v = 0, 1.0 - r * c[0]
         reach = v_tokens = 1.0
         for j in range(1, k_cap + 1):
@@ -351,7 +398,7 @@ class AdaptivePolicy:
         stop and verify the first j drafts. Steps not drafted yet are expected to go as the last one did
         (acceptance runs in stretches), which is also what the plan of the next cycle learns."""
         i = len(confs)
-        acc, r, c, d = self.acc, self._r(), self.costs.verify_s, self.costs.draft_step_s
+        acc, r, c, d = self.acc, self._r(), self.costs.now_s, self.costs.draft_step_s
         # stopping now: the best prefix j <= i of what was drafted (the draft steps are spent either way)
         reach, gain = 1.0, 0.0
         best_j, best_v, best_gain = 0, -r * c[0], 0.0
@@ -383,12 +430,21 @@ class AdaptivePolicy:
         st.trace.append(n_verified)
         if n_drafted == 0:
             st.plain_cycles += 1
-            self._pred = (1.0, self.costs.verify_s[0])
+            self._pred = (1.0, self.costs.now_s[0])
         st.predicted_tokens += self._pred[0]
         st.predicted_s += self._pred[1] * self.costs.scale
         if n_verified:
             self.acc.observe(confs, n_verified, n_accepted)
-        self.costs.observe_verify(n_verified + 1, t_verify)
+        if n_drafted == 0:
+            if self.checking:
+                ok = abs(t_verify / self.costs.verify(1) - 1.0) < CHECK_TOL
+                self.check_gap = min(2 * self.check_gap, CHECK_MAX) if ok else CHECK_MIN
+            self.since_plain = 0
+            self.costs.observe_verify(1, t_verify)
+        else:
+            self.since_plain += 1
+            if n_verified:
+                self.costs.observe_verify(n_verified + 1, t_verify)
         self.costs.observe_draft(n_drafted, t_draft)
         t = t_verify + t_draft
         if t > 0:
@@ -404,13 +460,13 @@ class AdaptivePolicy:
             else:
                 self.probe_gap = min(2 * self.probe_gap, PROBE_MAX)
             self.probe_wait = self.probe_gap
-        self._pred = (1.0, self.costs.verify_s[0])
+        self._pred = (1.0, self.costs.now_s[0])
 
     def finish_stats(self) -> PolicyStats:
         st = self.stats
         st.cost_curve = self.costs.relative()
-        st.draft_step_cost = self.costs.draft_step_s / self.costs.verify_s[0]
-        st.draft_fixed_cost = self.costs.draft_fixed_s / self.costs.verify_s[0]
+        st.draft_step_cost = self.costs.draft_step_s / self.costs.now_s[0]
+        st.draft_fixed_cost = self.costs.draft_fixed_s / self.costs.now_s[0]
         return st
 
 

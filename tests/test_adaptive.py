@@ -32,9 +32,9 @@ def own_cost_cache(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("k, costs", [(4, "gpu-like")])
 def test_agreeing_head_drafts_k_max(smollm2_path, k, costs):
-    """With verify costs like a GPU's (five rows cost about one; given, so that the test does not hang on
-    this machine's load: on 2 busy cores the measured curve moves, and with it the best length) an
-    agreeing head gets K = 4 drafts nearly every cycle."""
+    """With verify costs like a GPU's (five rows cost about one; stated, so that the test does not hang on
+    this machine's load: on 2 busy cores the measured curve moves, and with it the best length; its shape
+    is fixed, or the policy would learn this CPU's) an agreeing head gets K = 4 drafts nearly every cycle."""
     with load_pair(smollm2_path, default_head_path(), PairConfig(n_ctx=1024, n_threads=2)) as pair:
         prompt = chat_tokens(pair.target_model, PROMPT)
         config = GenerateConfig(n_predict=200, draft_max=k, draft_policy="adaptive")
@@ -48,7 +48,7 @@ def test_agreeing_head_drafts_k_max(smollm2_path, k, costs):
             if costs == "gpu-like":
                 step = d.spec.calibrate(k).verify_s[0]
                 d.spec.costs = CostCurve([step * (1 + 0.02 * n) for n in range(k + 1)], 0.02 * step, 0.05 * step,
-                                         source="given")
+                                         source="given", fixed_shape=True)
             spec = d.generate(prompt, config)
     assert spec.tokens == base.tokens
     pol = spec.stats.policy

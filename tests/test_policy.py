@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from eagle3_gguf.policy import (PROBE_MAX, PROBE_MIN, AdaptivePolicy, CostCurve, CostKey, FixedPolicy, load_costs,
-                                measure, save_costs)
+from eagle3_gguf.policy import (CHECK_MAX, CHECK_MIN, PROBE_MAX, PROBE_MIN, AdaptivePolicy, CostCurve, CostKey,
+                                FixedPolicy, load_costs, measure, save_costs)
 
 
 class World:
@@ -235,3 +235,45 @@ def test_a_drafting_cycle_pays_its_fixed_cost():
         policy.acc.lookahead = [0.6] * policy.k_max
         policy.probe_wait = PROBE_MAX  # past the first cycle's probe
     assert one.plan(1) == 0 and not one.probing and four.plan(4) == 4
+
+
+def test_each_row_count_learns_its_own_verify_cost():
+    """Verifying two rows in a drafting cycle costs more than the back-to-back calibration says (the head ran
+    just before): the refined curve takes the real figure for two rows and keeps one row's, and a row count
+    not seen since is priced at least like the largest one below it."""
+    curve = CostCurve([1.0, 1.36, 1.7, 2.0, 2.5], 0.05)
+    for _ in range(40):
+        curve.observe_verify(1, 1.0)
+    for _ in range(14):
+        curve.observe_verify(2, 1.9)
+    assert curve.verify(1) == pytest.approx(1.0, rel=0.02)
+    assert curve.verify(2) == pytest.approx(1.9, rel=0.05)  # the calibration still counts a little
+    assert curve.relative()[2] == curve.relative()[1]  # three rows, calibrated at 1.7, never seen
+    assert curve.relative()[3] == pytest.approx(2.0, rel=0.03)
+
+
+def test_drafting_stops_when_real_verifies_cost_more_than_calibrated():
+    """Calibrated while the machine was busy (one row at 1.7 steps) and with two rows too cheap against
+    one, a draft of a head right 45% of the time pays (1.45 tokens for 2.06 busy steps against 1 token
+    for 1.7). In real cycles one row costs 1 step and two rows 1.6, and it does not pay. Two-row timings
+    alone would leave one row's price at 1.7: the policy times a plain cycle now and then, learns both,
+    and decodes plainly at target-only speed, probing now and then."""
+    world = World(CPU, 0.02, accept=0.45, conf=0.45, seed=3)
+    policy = AdaptivePolicy(CostCurve([1.7, 2.04, 2.55, 3.06, 3.57], 0.02 * 1.7, source="given"), 4)
+    policy.begin()
+    rate, trace = world.run(policy, 4, 300)
+    assert sum(j > 0 for j in trace[100:]) <= 3, trace
+    assert rate >= 0.97 / CPU[0]
+    assert policy.costs.verify(1) == pytest.approx(1.0, rel=0.02)
+
+
+def test_drafting_times_a_plain_cycle_now_and_then():
+    """Where drafting pays every cycle, a plain cycle comes after CHECK_MIN drafting cycles, and the gap
+    doubles up to CHECK_MAX while one row costs what the curve says."""
+    world = World(GPU, 0.02, accept=0.95, conf=0.95, seed=1)
+    policy = adaptive(GPU, 0.02)
+    _, trace = world.run(policy, 4, 2000)
+    plain = [i for i, j in enumerate(trace) if j == 0]
+    assert 1 <= len([i for i in plain if i < 3 * CHECK_MIN]) <= 3
+    assert len(plain) <= 3 + 2000 // CHECK_MAX + 6, plain
+    assert max(b - a for a, b in zip(plain, plain[1:])) == CHECK_MAX + 1
