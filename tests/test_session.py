@@ -189,3 +189,16 @@ def test_rows_aside_keeps_order_through_growth_compaction_and_drops():
         assert aside.tokens.tolist() == [int(t) for t in model_tok]
         assert np.array_equal(aside.feats, np.array(model_feat, np.float32).reshape(-1, 3))
     assert len(aside.tok) > 4  # it grew
+
+
+def test_rows_that_fail_to_be_kept_do_not_stay_aside(tiny_pair):
+    """keep() makes room, then fills it: where filling fails (here features of the wrong shape), the room is
+    taken back, so the next catch-up does not feed the head a half-written row."""
+    with Eagle3Session(tiny_pair.target, tiny_pair.head) as s:
+        width = s.extract.width
+        s.keep([1, 2], 0, np.ones((2, width), np.float32))
+        with pytest.raises(ValueError):
+            s.keep([3, 4], 2, np.ones((3, width), np.float32))
+        assert s.aside.tokens.tolist() == [1, 2] and np.array_equal(s.aside.feats, np.ones((2, width), np.float32))
+        s.keep([3], 2, np.full((1, width), 2.0, np.float32))  # the next rows follow on at position 2
+        assert s.aside.tokens.tolist() == [1, 2, 3]
