@@ -92,6 +92,7 @@ class CostCurve:
             x = t if w == 0 else (w * seen / self.scale + SEEN_PRIOR * t) / (w + SEEN_PRIOR)
             now.append(max(x, now[-1]))
         self.now_s = now
+        self._refreshed_at = self.scale  # the scale now_s was computed with
 
     @property
     def k_max(self) -> int:
@@ -111,11 +112,13 @@ class CostCurve:
         if n == 1:
             self.scale += max(EMA, 1.0 / (self.scale_n + 2.0)) * (seconds / self.verify_s[0] - self.scale)
             self.scale_n = min(self.scale_n + 1.0, SEEN_CAP)
+            if abs(self.scale - self._refreshed_at) > 0.01 * self._refreshed_at:  # else now_s moves < 1%
+                self._refresh()
         elif not self.fixed_shape:
             i, w = n - 1, self.seen_n[n - 1]
             self.seen_s[i] += max(SEEN_EMA, 1.0 / (w + 1.0)) * (seconds - self.seen_s[i])
             self.seen_n[i] = min(w + 1.0, SEEN_CAP)
-        self._refresh()
+            self._refresh()
 
     def observe_draft(self, steps: int, seconds: float) -> None:
         """A draft of `steps` took `seconds`: the steps at the measured step cost, the rest is fixed cost."""
