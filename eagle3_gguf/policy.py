@@ -431,14 +431,13 @@ class AdaptivePolicy:
         st = self.stats
         st.chosen[n_verified] += 1
         st.trace.append(n_verified)
-        if n_drafted == 0:
-            st.plain_cycles += 1
-            self._pred = (1.0, self.costs.now_s[0])
+        # judge() set the prediction of a drafting cycle; a plain cycle's is the one-row reset at the end
         st.predicted_tokens += self._pred[0]
         st.predicted_s += self._pred[1] * self.costs.scale
         if n_verified:
             self.acc.observe(confs, n_verified, n_accepted)
         if n_drafted == 0:
+            st.plain_cycles += 1
             if self.checking:
                 ok = abs(t_verify / self.costs.verify(1) - 1.0) < CHECK_TOL
                 self.check_gap = min(2 * self.check_gap, CHECK_MAX) if ok else CHECK_MIN
