@@ -153,9 +153,13 @@ class Speculator:
             self.batch.set([tok] * n, 0, logits="all")
             t = time.perf_counter()
             target.decode(self.batch)
-            logits = target.logits(n)  # [n, n_vocab]
-            for i in range(n):
-                int(np.argmax(logits[i]))
+            if target.greedy_sampling:  # what a cycle then reads: the graph's choices
+                for i in range(n):
+                    target.sampled_token(i)
+            else:
+                logits = target.logits(n)  # [n, n_vocab]
+                for i in range(n):
+                    int(np.argmax(logits[i]))
             t = time.perf_counter() - t
             target.seq_rm(0, 0, -1)
             return t
@@ -286,6 +290,9 @@ class Decoder:
         """Yield the new tokens of each cycle; `self.stats` is up to date after every yield."""
         self._check_prompt(prompt)
         spec = speculative and self.session is not None and config.draft_max > 0
+        target = self.target
+        # greedy: the target's graph takes the argmax (no logits copied out, no numpy pass over them)
+        target.set_greedy_sampling(sampler.temperature <= 0.0 and target.owned)
         policy = self.spec.policy_for(config) if spec else None
         st = self.stats = SpecStats(draft_max=policy.k_max if policy is not None else 0, n_prompt=len(prompt))
         sampler.reset()
@@ -296,19 +303,23 @@ class Decoder:
             st.spec_sampling = spec_sampling_label(max(sampler.temperature, 0.0), config.spec_sampling,
                                                    config.draft_temp_scale)
         clock = StageClock(st, self.spec.native_time)
-        self.target.clear()
+        target.clear()
         if spec:
             self.session.reset()
         m = self.spec.prefill(prompt, 0, feed_head=spec, whole=spec and policy.wants_prompt())
-        logits = self.target.logits_ith(m - 1)  # [n_vocab]
+        if target.greedy_sampling:
+            id_last = target.sampled_token(m - 1)
+            sampled = target.sampled_token
+            pick = lambda _rows, i: sampled(i)  # noqa: E731
+        else:
+            id_last = sampler.pick(target.logits_ith(m - 1))
+            pick = lambda _rows, i: sampler.pick(target.logits_ith(i))  # noqa: E731
         clock.prefilled()  # the head's work on the prompt included
-        n_ctx = self.target.n_ctx
+        n_ctx = target.n_ctx
         pos = len(prompt)  # position of id_last
-        id_last = sampler.pick(logits)
         st.n_target_forwards = 1
         st.n_generated = 1  # an end-of-generation token counts as generated; it is not yielded
         is_end = eog_check(self.model)
-        pick = lambda _rows, i: sampler.pick(self.target.logits_ith(i))  # noqa: E731
         try:
             if is_end(id_last):
                 st.stop_reason = "eos"

@@ -300,6 +300,8 @@ class Context(_Owner):
         params.n_batch = n_batch
         params.n_ubatch = min(n_ubatch or n_batch, n_batch)
         params.n_seq_max = n_seq_max
+        params.n_outputs_max_per_seq = 0  # any row of a batch may be an output (llama.cpp's default: 1), also
+        # with a backend sampler attached (set_greedy_sampling), which checks this bound on every decode
         params.kv_unified = kv_unified
         if type_k is not None:
             params.type_k = type_k
@@ -323,6 +325,7 @@ class Context(_Owner):
         self._layer_inp: set[int] = set()
         self._nextn = False
         self._decoded = False
+        self._greedy: GreedySampler | None = None
 
     @classmethod
     def borrow(cls, ptr, model: Model) -> "Context":
@@ -331,11 +334,15 @@ class Context(_Owner):
         self.model, self.ctx_other, self.ptr, self._owned = model, None, ptr, False
         self._layer_inp, self._nextn, self._decoded, self.t_native = set(), False, False, 0.0
         self._views = {}
+        self._greedy = None
         return self
 
     def _free(self, ptr) -> None:
         if self._owned:
             C.llama_free(ptr)
+        if self._greedy is not None:  # after the context: it held the sampler
+            self._greedy.close()
+            self._greedy = None
 
     @property
     def n_ctx(self) -> int:
@@ -391,14 +398,59 @@ class Context(_Owner):
         if rc != 0:
             raise Eagle3Error(f"llama_encode failed (rc={rc})")
 
+    # -- greedy sampling inside the graph ----------------------------------------------------------
+    @property
+    def owned(self) -> bool:
+        """Made here (not borrowed from llama_cpp.Llama)."""
+        return self._owned
+
+    @property
+    def greedy_sampling(self) -> bool:
+        return self._greedy is not None
+
+    def set_greedy_sampling(self, enabled: bool) -> None:
+        """Let the graph take each output row's argmax (llama.cpp's backend sampling, sequence 0) instead of
+        handing the logits back: the rows' logits are then neither copied out nor read (logits() raises), and
+        sampled_token(i) gives the choices. Saves a cycle the 196 KB copy per row and numpy's cache-cold argmax
+        (~30 us a cycle on a 2-core CPU); on a GPU, the device-to-host copy of every verify row. Only on a
+        context made here: a borrowed one's owner reads the logits itself."""
+        if enabled == self.greedy_sampling:
+            return
+        if not self._owned:
+            raise Eagle3Error("greedy sampling in the graph needs a context eagle3-gguf made, not a borrowed one")
+        if enabled:
+            smpl = GreedySampler()
+            if not C.llama_set_sampler(self._live(), 0, smpl.ptr):
+                smpl.close()
+                raise Eagle3Error("llama.cpp cannot run greedy sampling on this context's backend")
+            self._greedy = smpl
+        else:
+            C.llama_set_sampler(self._live(), 0, None)
+            self._greedy.close()
+            self._greedy = None
+
+    def sampled_token(self, i: int) -> int:
+        """The graph's choice (argmax) at batch row i of the last decode (set_greedy_sampling on)."""
+        tok = C.llama_get_sampled_token_ith(self._live(), i)
+        if tok < 0:
+            raise Eagle3Error(f"no sampled token for batch row {i}: set_greedy_sampling(True) before the decode")
+        return tok
+
+    def _raw_logits(self) -> None:
+        if self._greedy is not None:
+            raise Eagle3Error("no logits: this context samples greedily in the graph (set_greedy_sampling)")
+
     def logits(self, n_rows: int) -> np.ndarray:
         """The output rows of the last decode, in batch order.  # [n_rows, n_vocab] (view)"""
+        self._raw_logits()
         addr = llama_get_logits_addr(self._live())
         if not addr:
             raise Eagle3Error("no logits: the last batch requested none")
         return self._view(addr, (n_rows, self.model.n_vocab))
 
     def logits_ith(self, i: int) -> np.ndarray:
+        if self._greedy is not None:
+            self._raw_logits()
         addr = llama_get_logits_ith_addr(self._live(), i)
         if not addr:
             raise Eagle3Error(f"no logits for batch row {i}")
@@ -460,6 +512,22 @@ class Context(_Owner):
         if not addr:
             raise Eagle3Error(f"no pre-norm hidden state for batch row {i}")
         return self._view(addr, (self.model.n_embd,))
+
+
+class GreedySampler(_Owner):
+    """A sampler chain holding llama.cpp's greedy sampler, for Context.set_greedy_sampling."""
+
+    def __init__(self):
+        # LLAMA_API struct llama_sampler * llama_sampler_chain_init(struct llama_sampler_chain_params params);
+        ptr = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
+        if not ptr:
+            raise Eagle3Error("llama_sampler_chain_init failed")
+        self.ptr = ptr
+        # LLAMA_API void llama_sampler_chain_add(struct llama_sampler * chain, struct llama_sampler * smpl);
+        C.llama_sampler_chain_add(ptr, C.llama_sampler_init_greedy())  # the chain owns it
+
+    def _free(self, ptr) -> None:
+        C.llama_sampler_free(ptr)
 
 
 class Batch(_Owner):

@@ -91,6 +91,39 @@ def test_layer_inp_guarded_before_extraction(tiny_target):
             tc.set_layer_inp(6)
 
 
+def test_greedy_sampling_in_the_graph_picks_the_argmax_of_every_row(smollm2_path):
+    """Backend greedy sampling on a verify-shaped batch (every row an output, as many as a verify sends) gives
+    numpy's argmax of the same rows, leaves the extracted layer inputs as they were, and hides the logits
+    it no longer copies out."""
+    tokens = [1, 504, 3458, 314, 260, 1345, 28, 198]
+    with Model(smollm2_path) as tm, Context(tm, n_ctx=64, n_batch=16, n_threads=2) as tc, Batch(16) as b:
+        tc.set_layer_inp(3)
+
+        def run() -> np.ndarray:
+            tc.clear()
+            b.set(tokens, 0, logits="all")
+            tc.decode(b)
+            return tc.layer_inp(3, len(tokens)).copy()  # [n, n_embd]
+
+        feats = run()
+        want = [int(np.argmax(tc.logits_ith(i))) for i in range(len(tokens))]
+        with pytest.raises(Eagle3Error, match="no sampled token for batch row 0"):
+            tc.sampled_token(0)
+        tc.set_greedy_sampling(True)
+        assert tc.greedy_sampling
+        assert np.array_equal(run(), feats)
+        assert [tc.sampled_token(i) for i in range(len(tokens))] == want
+        with pytest.raises(Eagle3Error, match="samples greedily in the graph"):
+            tc.logits_ith(0)
+        with pytest.raises(Eagle3Error, match="samples greedily in the graph"):
+            tc.logits(len(tokens))
+        tc.set_greedy_sampling(False)
+        run()
+        assert [int(np.argmax(tc.logits_ith(i))) for i in range(len(tokens))] == want
+        with pytest.raises(Eagle3Error, match="needs a context eagle3-gguf made"):
+            Context.borrow(tc.ptr, tm).set_greedy_sampling(True)
+
+
 def test_head_with_d2t_scatters_into_target_vocab(tiny_target, tiny_head_d2t):
     from gguf import GGUFReader
 
