@@ -208,9 +208,30 @@ class Speculator:
         sampling (`pick` is not called); otherwise the drafts are the head's argmax and kept while
         `pick(rows, i)` equals them."""
         session = self.session if policy is not None else None
+        k = policy.plan(min(k_cap, self.k_limit)) if session is not None else 0
+        if k == 0 and rejection is None:
+            # A plain cycle, the common one: it runs right after the target's graph has pushed everything
+            # out of the caches, so it touches as little as it can (each step here costs microseconds).
+            rows = [id_last]
+            self.batch.set_one(id_last, pos)
+            t = time.perf_counter()
+            self.target.decode(self.batch)
+            out = [pick(rows, 0)]
+            t_verify = time.perf_counter() - t
+            st.t_target += t_verify
+            st.n_target_forwards += 1
+            if session is not None:
+                st.accept_hist[0] += 1  # st.record_cycle(0, 0)
+                t = time.perf_counter()
+                if policy.keep_rows:
+                    session.keep(rows, pos)
+                else:
+                    session.skip(rows, pos)
+                st.t_process += time.perf_counter() - t
+                policy.observe([], 0, 0, 0, t_verify, 0.0, 1)
+            return Cycle(rows, out, 0)
         drafts: list[int] = []
         n_steps, t_draft = 0, 0.0
-        k = policy.plan(min(k_cap, self.k_limit)) if session is not None else 0
         if k > 0:
             t = time.perf_counter()
             if rejection is None:
@@ -235,17 +256,17 @@ class Speculator:
         st.t_target += t_verify
         st.n_target_forwards += 1
         if session is not None:
+            st.record_cycle(len(drafts), n_acc)
             t = time.perf_counter()
             if n_steps:
                 session.accept(n_acc)
-            if policy.wants_rows(session.window):
+            if policy.keep_rows:
                 session.keep(rows[:n_acc + 1], pos)
             else:
                 session.skip(rows[:n_acc + 1], pos)
             st.t_process += time.perf_counter() - t
             policy.observe(session.confs if n_steps else [], len(drafts), n_acc, n_steps, t_verify, t_draft,
                            len(out))
-            st.record_cycle(len(drafts), n_acc)
         return Cycle(rows, out, n_acc)
 
 

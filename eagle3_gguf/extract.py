@@ -3,6 +3,8 @@ session at inference and for training-data capture, so both see identical featur
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .errors import Eagle3Error
@@ -28,6 +30,10 @@ class TargetFeatures:
                 target.set_nextn(True, masked=False)
             else:
                 raise Eagle3Error(f"target layer id {lid} is outside 0..{self.n_layer} for this target")
+        # per layer: where its rows come from and which columns of a feature row they fill (gather() runs
+        # once a cycle, right after the target's graph: it looks up as little as it can)
+        self._parts = [(functools.partial(target.layer_inp, lid) if lid < self.n_layer else target.nextn,
+                        slice(i * self.n_embd, (i + 1) * self.n_embd)) for i, lid in enumerate(self.layers)]
 
     @property
     def width(self) -> int:
@@ -39,8 +45,7 @@ class TargetFeatures:
         n_out = n_rows if rows is None else len(rows)
         if out is None:
             out = np.empty((n_out, self.width), np.float32)
-        for i, lid in enumerate(self.layers):
-            full = (self.target.layer_inp(lid, n_rows) if lid < self.n_layer
-                    else self.target.nextn(n_rows))  # [n_rows, n_embd_tgt]
-            out[:, i * self.n_embd:(i + 1) * self.n_embd] = full if rows is None else full[rows]
+        for rows_of, cols in self._parts:
+            full = rows_of(n_rows)  # [n_rows, n_embd_tgt]
+            out[:, cols] = full if rows is None else full[rows]
         return out

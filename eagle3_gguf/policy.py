@@ -50,6 +50,7 @@ RATE_EMA = 0.1  # weight of one cycle in the realised rate
 PROBE_MIN, PROBE_MAX = 4, 64  # plain cycles between probes: reset on success, doubled on failure
 CHECK_MIN, CHECK_MAX = 8, 256  # drafting cycles between plain ones that time one row: doubled while it holds
 CHECK_TOL = 0.1  # a plain cycle within 10% of its predicted time confirms the scale
+CATCH_UP_WINDOW = 8  # rows the head keeps aside while the policy does not draft (scripts/bench.py measured it)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -280,6 +281,8 @@ class FixedPolicy:
 
     name = "fixed"
 
+    keep_rows = True  # the head reads every cycle's rows
+
     def __init__(self, k: int, p_min: float = 0.0):
         self.k = self.k_max = k
         self.p_min = p_min
@@ -293,9 +296,6 @@ class FixedPolicy:
 
     def plan(self, k_cap: int) -> int:
         return min(self.k, k_cap)
-
-    def wants_rows(self, window: int) -> bool:
-        return True
 
     def wants_prompt(self) -> bool:
         return True
@@ -320,11 +320,16 @@ class AdaptivePolicy:
 
     name = "adaptive"
 
-    def __init__(self, costs: CostCurve, k_max: int):
+    def __init__(self, costs: CostCurve, k_max: int, window: int = CATCH_UP_WINDOW):
+        """window: how many of the latest rows the head catches up on after plain cycles (the session's)."""
         if costs.k_max < k_max:
             raise ValueError(f"the cost curve covers {costs.k_max} drafts, the policy needs {k_max}")
         self.costs = costs
         self.k_max = k_max
+        self.window = window
+        # whether the head should keep this cycle's rows (set by plan()): it drafts, or a probe comes
+        # before they would fall out of its catch-up window anyway (copying them costs a plain cycle ~1%)
+        self.keep_rows = True
         self.acc = Acceptance(k_max)
         self.rate = 1.0 / costs.verify(1)  # realised tokens/s, a running mean
         self.probe_wait = PROBE_MIN  # plain cycles until the next probe
@@ -351,20 +356,22 @@ class AdaptivePolicy:
     # -- before the cycle ------------------------------------------------------------------------------
     def plan(self, k_cap: int) -> int:
         """The draft budget for this cycle: 0 (plain decoding) unless some length is expected to pay,
-        or a probe is due."""
+        or a probe is due. Sets keep_rows for the end of the cycle."""
         k_cap = min(k_cap, self.k_max)
         self.probing = self.checking = False
         if k_cap <= 0:
+            self.keep_rows = self.drafting or self.probe_wait <= self.window
             return 0
         if self._best_length(k_cap) > 0:
             self.probe_wait = self.probe_gap = PROBE_MIN
-            self.drafting = True
+            self.drafting = self.keep_rows = True
             if self.since_plain >= self.check_gap:  # time one row again: its cost is learnt from plain cycles only
                 self.checking = True
                 return 0
             return k_cap
         self.drafting = False
         self.probe_wait -= 1
+        self.keep_rows = self.probe_wait <= self.window
         if self.probe_wait > 0:
             return 0
         self.probing = True
@@ -389,11 +396,6 @@ class AdaptivePolicy:
         it takes the prompt's last `window` rows, enough for a probe (reading a prompt of a few hundred
         rows costs the head one or two target steps)."""
         return self._best_length(self.k_max) > 0
-
-    def wants_rows(self, window: int) -> bool:
-        """Whether the head should keep this cycle's rows: it drafts, or a probe comes before they would
-        fall out of its catch-up window anyway (copying them costs a plain cycle ~1%)."""
-        return self.drafting or self.probe_wait <= window
 
     # -- during the draft ------------------------------------------------------------------------------
     def judge(self, confs: list[float], n_max: int) -> int:
@@ -428,26 +430,30 @@ class AdaptivePolicy:
     def observe(self, confs: list[float], n_verified: int, n_accepted: int, n_drafted: int,
                 t_verify: float, t_draft: float, n_emitted: int) -> None:
         """The cycle's outcome: drafts verified and accepted, and its timings (seconds)."""
-        st = self.stats
+        st, costs = self.stats, self.costs
         st.chosen[n_verified] += 1
         st.trace.append(n_verified)
-        # judge() set the prediction of a drafting cycle; a plain cycle's is the one-row reset at the end
-        st.predicted_tokens += self._pred[0]
-        st.predicted_s += self._pred[1] * self.costs.scale
-        if n_verified:
-            self.acc.observe(confs, n_verified, n_accepted)
-        if n_drafted == 0:
+        if n_drafted == 0:  # a plain cycle (one row, no draft step): the common case, kept short (cache-cold)
+            st.predicted_tokens += 1.0
+            st.predicted_s += costs.verify_s[0] * costs.scale
             st.plain_cycles += 1
             if self.checking:
-                ok = abs(t_verify / self.costs.verify(1) - 1.0) < CHECK_TOL
+                ok = abs(t_verify / costs.verify(1) - 1.0) < CHECK_TOL
                 self.check_gap = min(2 * self.check_gap, CHECK_MAX) if ok else CHECK_MIN
             self.since_plain = 0
-            self.costs.observe_verify(1, t_verify)
-        else:
-            self.since_plain += 1
-            if n_verified:
-                self.costs.observe_verify(n_verified + 1, t_verify)
-        self.costs.observe_draft(n_drafted, t_draft)
+            costs.observe_verify(1, t_verify)
+            if t_verify > 0:
+                self.rate += RATE_EMA * (n_emitted / t_verify - self.rate)
+            return
+        # judge() set the prediction of a drafting cycle (to the one-row reset at the end when it did not run)
+        st.predicted_tokens += self._pred[0]
+        st.predicted_s += self._pred[1] * costs.scale
+        if n_verified:
+            self.acc.observe(confs, n_verified, n_accepted)
+        self.since_plain += 1
+        if n_verified:
+            costs.observe_verify(n_verified + 1, t_verify)
+        costs.observe_draft(n_drafted, t_draft)
         t = t_verify + t_draft
         if t > 0:
             self.rate += RATE_EMA * (n_emitted / t - self.rate)

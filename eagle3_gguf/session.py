@@ -39,10 +39,8 @@ from .errors import Eagle3Error
 from .extract import TargetFeatures
 from .head_norms import HeadNorms
 from .native import Batch, Context
-from .policy import FixedPolicy
+from .policy import CATCH_UP_WINDOW, FixedPolicy
 from .spec_sampling import Dist, RejectionSampler
-
-CATCH_UP_WINDOW = 8  # rows kept aside while the policy does not draft (scripts/bench.py measured the cost)
 
 
 class RowsAside:
@@ -82,8 +80,9 @@ class RowsAside:
             tok[:live] = self.tok[self.start:self.end]
             feat[:live] = self.feat[self.start:self.end]
             self.tok, self.feat, self.start, self.end = tok, feat, 0, live
-        a, self.end = self.end, self.end + n
-        return self.tok[a:self.end], self.feat[a:self.end]
+        a = self.end
+        self.end = e = a + n
+        return self.tok[a:e], self.feat[a:e]
 
     def drop_back(self, n: int) -> None:
         """Take back the last n rows (rows extend() made room for that were never filled)."""
@@ -205,7 +204,10 @@ class Eagle3Session:
             aside.pos0 = h0
         tok, feat = aside.extend(n)  # [n], [n, 3 * n_embd_tgt]
         try:
-            tok[:] = tokens
+            if n == 1:  # a plain cycle's row: numpy's conversion of a one-item list costs it ~8 us, cache-cold
+                tok[0] = tokens[0]
+            else:
+                tok[:] = tokens
             if feats is None:
                 self.features(n, out=feat)
             else:
@@ -229,7 +231,13 @@ class Eagle3Session:
         if n == 0:
             return
         aside = self.aside
-        have = len(aside)
+        have = aside.end - aside.start
+        if not have and not self._open and self.gaps:  # the gap grows by these rows (a plain cycle, cache-cold)
+            t0, e = self.gaps[-1]
+            if t0 + e == pos0:
+                self.gaps[-1] = (t0, e + n)
+                self.shift += n
+                return
         if have and aside.pos0 + have != pos0 - self.shift:
             raise Eagle3Error(f"rows skipped at {pos0} do not follow the rows set aside up to "
                               f"{aside.pos0 + have + self.shift}")
