@@ -79,7 +79,7 @@ class GenerateConfig:
             raise Eagle3Error(f"the draft temperature scale cannot be negative (got {self.draft_temp_scale})")
 
 
-@dataclass
+@dataclass(slots=True)
 class Cycle:
     """One draft → verify cycle."""
 

@@ -642,6 +642,19 @@ class Batch(_Owner):
         return n
 
 
+    def set_embd_one(self, row: np.ndarray, pos: int, token: int) -> None:
+        """One token + embedding entry at `pos`, an output: set_embd(row[None], [pos], [token]) for a draft
+        step, without the arrays made per call.  # row: [n_embd]"""
+        if self._carries != "both" or self._seq_dirty:
+            self.set_embd(row[None], np.array([pos], np.int32), np.array([token], np.int32))
+            return
+        self._embd[0] = row
+        self._pos[0] = pos
+        self._token[0] = token
+        self._logits[0] = 1
+        self.struct.n_tokens = 1
+
+
 class BatchExt(_Owner):
     """A llama_batch_ext (token ids and/or embedding rows per entry), for llama_process."""
 

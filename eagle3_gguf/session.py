@@ -363,10 +363,11 @@ class Eagle3Session:
         self._set_queue(self._q_tok[:0], self._q_pos[:0], self._q_g[:0])
         self._open = False  # the seed step writes the deferred pair
         out: list[int] = []
+        batch = self.dec_batch
+        batch.set_embd(g, pos, tok)  # the seed step, with the queued pairs
         row, p = q, self.pending_pos
         while True:
-            self.dec_batch.set_embd(g, pos, tok)
-            ctx.decode(self.dec_batch)
+            ctx.decode(batch)
             token, conf = self._choose(ctx.logits_ith(row), sampler)
             out.append(token)
             self.confs.append(conf)
@@ -377,7 +378,8 @@ class Eagle3Session:
             if self.norms is not None:  # EAGLE 3.1 norm_output: output_norm(h) instead
                 h = self.norms.feedback(h)
             p += 1
-            tok, pos, g, row = np.array([token], np.int32), np.array([p], np.int32), h[None], 0
+            batch.set_embd_one(h, p, token)
+            row = 0
 
     def accept(self, n_accepted: int) -> None:
         """The target kept n_accepted drafted tokens: drop the draft's speculative KV entries past the
