@@ -322,10 +322,14 @@ class Eagle3Session:
         cache, and a second gather cost ~0.1 ms a step (a third of rejection sampling's extra Python).
         # logits: [n_vocab], -inf outside the draft vocab"""
         z, ids = self._draft_logits(logits)  # [n_draft_vocab], [n_draft_vocab] or None
-        j = int(np.argmax(z))
-        conf = float(1.0 / np.exp(z - z[j]).sum())
+        j = int(z.argmax())  # the method: np.argmax's dispatch costs a cache-cold step ~5 us
         if sampler is None:
-            return (int(ids[j]) if ids is not None else j), conf
+            if ids is not None:  # z is a gathered copy: exp in place, no temporaries (~10 us a step, cold)
+                np.subtract(z, z[j], out=z)
+                np.exp(z, out=z)
+                return int(ids[j]), float(1.0 / z.sum())
+            return j, float(1.0 / np.exp(z - z[j]).sum())
+        conf = float(1.0 / np.exp(z - z[j]).sum())
         token, q = sampler.draft(z, ids)
         self.qs.append(q)
         return token, conf
