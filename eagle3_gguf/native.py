@@ -408,26 +408,29 @@ class Context(_Owner):
     def greedy_sampling(self) -> bool:
         return self._greedy is not None
 
-    def set_greedy_sampling(self, enabled: bool) -> None:
+    def set_greedy_sampling(self, enabled: bool) -> bool:
         """Let the graph take each output row's argmax (llama.cpp's backend sampling, sequence 0) instead of
         handing the logits back: the rows' logits are then neither copied out nor read (logits() raises), and
         sampled_token(i) gives the choices. Saves a cycle the 196 KB copy per row and numpy's cache-cold argmax
         (~30 us a cycle on a 2-core CPU); on a GPU, the device-to-host copy of every verify row. Only on a
-        context made here: a borrowed one's owner reads the logits itself."""
+        context made here: a borrowed one's owner reads the logits itself. Returns whether it is on: False
+        where the backend cannot run the sampler (llama.cpp then keeps handing back logits)."""
         if enabled == self.greedy_sampling:
-            return
+            return enabled
         if not self._owned:
             raise Eagle3Error("greedy sampling in the graph needs a context eagle3-gguf made, not a borrowed one")
         if enabled:
             smpl = GreedySampler()
+            # LLAMA_API bool llama_set_sampler(struct llama_context * ctx, llama_seq_id seq_id, struct llama_sampler * smpl);
             if not C.llama_set_sampler(self._live(), 0, smpl.ptr):
                 smpl.close()
-                raise Eagle3Error("llama.cpp cannot run greedy sampling on this context's backend")
+                return False
             self._greedy = smpl
         else:
             C.llama_set_sampler(self._live(), 0, None)
             self._greedy.close()
             self._greedy = None
+        return enabled
 
     def sampled_token(self, i: int) -> int:
         """The graph's choice (argmax) at batch row i of the last decode (set_greedy_sampling on)."""

@@ -109,8 +109,7 @@ def test_greedy_sampling_in_the_graph_picks_the_argmax_of_every_row(smollm2_path
         want = [int(np.argmax(tc.logits_ith(i))) for i in range(len(tokens))]
         with pytest.raises(Eagle3Error, match="no sampled token for batch row 0"):
             tc.sampled_token(0)
-        tc.set_greedy_sampling(True)
-        assert tc.greedy_sampling
+        assert tc.set_greedy_sampling(True) and tc.greedy_sampling
         assert np.array_equal(run(), feats)
         assert [tc.sampled_token(i) for i in range(len(tokens))] == want
         with pytest.raises(Eagle3Error, match="samples greedily in the graph"):
@@ -122,6 +121,23 @@ def test_greedy_sampling_in_the_graph_picks_the_argmax_of_every_row(smollm2_path
         assert [int(np.argmax(tc.logits_ith(i))) for i in range(len(tokens))] == want
         with pytest.raises(Eagle3Error, match="needs a context eagle3-gguf made"):
             Context.borrow(tc.ptr, tm).set_greedy_sampling(True)
+
+
+def test_greedy_sampling_the_backend_refuses_leaves_the_logits(smollm2_path, monkeypatch):
+    """Where llama.cpp cannot run the sampler on the context's backend, set_greedy_sampling says so and the
+    context keeps handing back logits: a Decoder then takes numpy's argmax, with the same tokens."""
+    from eagle3_gguf.decode import Decoder, GenerateConfig
+
+    prompt = [1, 504, 3458, 314, 260]
+    with Model(smollm2_path) as tm, Context(tm, n_ctx=128, n_batch=16, n_threads=2) as tc, Decoder(tc) as d:
+        want = d.generate(prompt, GenerateConfig(n_predict=12), speculative=False).tokens
+        assert tc.greedy_sampling
+        tc.set_greedy_sampling(False)
+        monkeypatch.setattr(native.C, "llama_set_sampler", lambda ctx, seq, smpl: smpl is None)
+        assert tc.set_greedy_sampling(True) is False and not tc.greedy_sampling
+        assert d.generate(prompt, GenerateConfig(n_predict=12), speculative=False).tokens == want
+        assert not tc.greedy_sampling
+        tc.logits_ith(0)
 
 
 def test_head_with_d2t_scatters_into_target_vocab(tiny_target, tiny_head_d2t):

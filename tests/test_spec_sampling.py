@@ -498,6 +498,24 @@ def test_greedy_is_unchanged_by_rejection(tiny_pair):
             assert spec.stats.spec_sampling == "greedy"
 
 
+def test_decoder_switches_between_graph_argmax_and_logits(smollm2_path):
+    """Greedy runs take the argmax in the target's graph and sampled runs read the logits, on one Decoder in
+    any order: each run gives what it gives alone, with drafts kept."""
+    from eagle3_gguf.assets import default_head_path
+
+    cfg = GenerateConfig(n_predict=40, draft_max=4, draft_policy="fixed")
+    with load_pair(smollm2_path, default_head_path(), PairConfig(n_ctx=512, n_threads=2)) as pair, \
+            Eagle3Session(pair.target, pair.head) as s, Decoder(pair.target, s) as d:
+        prompt = tokenize(pair.target_model, "Count from 1 to 50: 1, 2, 3, 4, 5,")
+        greedy = d.generate(prompt, cfg)
+        assert pair.target.greedy_sampling and greedy.stats.n_accepted > 0
+        sampled = d.generate(prompt, cfg, Sampler(temperature=0.8, seed=7))
+        assert not pair.target.greedy_sampling and sampled.stats.n_accepted > 0
+        assert d.generate(prompt, cfg).tokens == greedy.tokens
+        assert d.generate(prompt, cfg, Sampler(temperature=0.8, seed=7)).tokens == sampled.tokens
+        assert d.generate(prompt, cfg, speculative=False).tokens == greedy.tokens
+
+
 def test_generate_config_checks():
     with pytest.raises(Eagle3Error, match="unknown speculative sampling 'typical'"):
         GenerateConfig(spec_sampling="typical")
