@@ -289,6 +289,7 @@ class Decoder:
         self.model = target.model
         self.spec = Speculator(target, session, target.n_batch, cost_tag)
         self.stats = SpecStats()
+        self.is_end = eog_check(self.model)  # remembers per token across generations
 
     def close(self) -> None:
         self.spec.close()
@@ -340,7 +341,7 @@ class Decoder:
         pos = len(prompt)  # position of id_last
         st.n_target_forwards = 1
         st.n_generated = 1  # an end-of-generation token counts as generated; it is not yielded
-        is_end = eog_check(self.model)
+        is_end = self.is_end
         try:
             if is_end(id_last):
                 st.stop_reason = "eos"

@@ -217,6 +217,7 @@ class Eagle3Llama(Llama):
             self._eagle3_close()
             raise
         self._e3_head_tokens: list[int] = []  # target rows the head has processed, in order
+        self._e3_is_end = eog_check(model)  # remembers per token across generations
         self._stack.callback(self._eagle3_close)  # runs before Llama frees its context and model
         self._calibrate_if_needed()
 
@@ -412,7 +413,7 @@ class Eagle3Llama(Llama):
         self._mirostat_mu = ctypes.c_float(2.0 * sampling["mirostat_tau"])
         self._sampler = self._init_sampler(**sampling)
         n_ctx = self._n_ctx
-        is_end = eog_check(target.model)
+        is_end = self._e3_is_end
         clock = StageClock(st, spec.native_time)
         self._rewind(prompt)
         self._prefill(prompt[self.n_tokens:], whole=policy.wants_prompt())
