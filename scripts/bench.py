@@ -24,6 +24,7 @@ import json
 import platform
 import re
 import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -106,10 +107,11 @@ class Row:
 # measurements
 # ------------------------------------------------------------------------------------------------
 
-def llama_bench(tools: Path, target: Path, threads: int) -> tuple[dict[int, float], float]:
+def llama_bench(tools: Path, target: Path, threads: int, ngl: int) -> tuple[dict[int, float], float]:
     ps = ",".join(str(n) for n in range(1, 9))
     r = subprocess.run([str(tools / "llama-bench"), "-m", str(target), "-p", ps, "-n", "64", "-r", "3",
-                        "-t", str(threads), "-ctv", CACHE_V, "-o", "json"], capture_output=True, text=True, check=True)
+                        "-t", str(threads), "-ngl", str(ngl), "-ctv", CACHE_V, "-o", "json"],
+                       capture_output=True, text=True, check=True)
     pp, tg = {}, 0.0
     for row in json.loads(r.stdout):
         if row["n_gen"] == 0:
@@ -124,13 +126,22 @@ _DRAFTED = re.compile(r"n_drafted\s*=\s*(\d+)")
 _ACCEPT = re.compile(r"n_accept\s*=\s*(\d+)")
 
 
+def gpu_name() -> str:
+    """The GPU's name as nvidia-smi reports it (the table names the device it ran on)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return "GPU (no nvidia-smi to name it)"
+    r = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+    return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else "GPU (unnamed)"
+
+
 def upstream_run(tools: Path, target: Path, head: Path | None, spec_type: str, k: int, prompt_file: Path,
-                 n: int, threads: int, p_min: float = 0.0) -> tuple[int, float, int, int, str]:
+                 n: int, threads: int, p_min: float = 0.0, ngl: int = 0) -> tuple[int, float, int, int, str]:
     cmd = [str(tools / "llama-speculative-simple"), "-m", str(target), "--spec-type", spec_type,
            "--spec-draft-n-max", str(k), "-f", str(prompt_file), "-n", str(n), "--temp", "0", "-t", str(threads),
-           "-c", "4096", "--seed", "1", "--spec-draft-p-min", str(p_min), "-ctv", CACHE_V]
+           "-c", "4096", "--seed", "1", "--spec-draft-p-min", str(p_min), "-ctv", CACHE_V, "-ngl", str(ngl)]
     if head is not None:
-        cmd[3:3] = ["-md", str(head)]
+        cmd[3:3] = ["-md", str(head), "-ngld", str(ngl)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
         raise SystemExit(f"error: upstream {spec_type} failed: {r.stderr.strip().splitlines()[-1:]}")
@@ -144,12 +155,13 @@ def bench_target(quant: str, target: Path, head: Path, args, tools: Path | None)
     runs: list[Run] = []
     physics = None
     if tools is not None:
-        pp, tg = llama_bench(tools, target, args.threads)
+        pp, tg = llama_bench(tools, target, args.threads, args.n_gpu_layers)
         physics = Physics(quant, pp, tg)
     prompt_file = Path(tempfile.mkdtemp(prefix="eagle3-bench-")) / "prompt.txt"
-    with load_pair(target, head, PairConfig(n_ctx=4096, n_threads=args.threads)) as pair:
+    with load_pair(target, head, PairConfig(n_ctx=4096, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers)) as pair:
         model = pair.target_model
-        with Eagle3Session(pair.target, pair.head) as session, Decoder(pair.target, session) as dec:
+        with Eagle3Session(pair.target, pair.head) as session, \
+                Decoder(pair.target, session, f"ngl {args.n_gpu_layers}") as dec:
             def ours(contender: str, config: GenerateConfig, base_tokens: list[int]) -> Run:
                 r = dec.generate(prompt, config)
                 st, pol = r.stats, r.stats.policy
@@ -183,7 +195,7 @@ def bench_target(quant: str, target: Path, head: Path, args, tools: Path | None)
                             prompt_file.write_text(text)
                             n, sec, drafted, acc, _ = upstream_run(tools, target, head, "draft-eagle3", k,
                                                                    prompt_file, args.n_predict, args.threads,
-                                                                   p_min)
+                                                                   p_min, args.n_gpu_layers)
                             cycles = max(n - acc, 1)
                             runs.append(Run(quant, workload, p.id, "upstream", k, n, sec, p_min, n / cycles,
                                             acc / drafted if drafted else 0.0, round=rnd))
@@ -191,7 +203,8 @@ def bench_target(quant: str, target: Path, head: Path, args, tools: Path | None)
                     prompt_file.write_text(text)
                     for ngram in args.ngram:
                         n, sec, drafted, acc, _ = upstream_run(tools, target, None, ngram, max(args.ks),
-                                                               prompt_file, args.n_predict, args.threads)
+                                                               prompt_file, args.n_predict, args.threads,
+                                                               ngl=args.n_gpu_layers)
                         runs.append(Run(quant, workload, p.id, ngram, max(args.ks), n, sec, 0.0,
                                         n / max(n - acc, 1), acc / drafted if drafted else 0.0, round=rnd))
                 if args.adaptive:
@@ -354,6 +367,8 @@ def main() -> None:
     ap.add_argument("--ngram", default="ngram-simple", help="upstream n-gram spec types to run ('' for none)")
     ap.add_argument("--no-upstream", action="store_true")
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
+                    help="layers of the target and the head on the GPU (99: all; needs a GPU build of llama.cpp)")
     ap.add_argument("--out", default="bench")
     args = ap.parse_args()
     install_log_callback()  # llama.cpp's log goes to the (silent) eagle3_gguf.llama_cpp logger
@@ -384,6 +399,8 @@ def main() -> None:
             physics[q] = ph
     rows = summarize(all_runs, physics)
     machine = f"{platform.machine()}, {__import__('os').cpu_count()} cores, {platform.system()}"
+    if args.n_gpu_layers > 0:
+        machine += f", {gpu_name()}, {args.n_gpu_layers} layers offloaded"
     (out / "results.md").write_text(markdown(rows, physics, machine, args))
     (out / "results.json").write_text(json.dumps({
         "machine": machine, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
