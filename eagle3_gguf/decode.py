@@ -131,7 +131,7 @@ class Speculator:
                 self.costs = self.calibrate(k)
                 self._adaptive = None
             if self._adaptive is None or self._adaptive.k_max != k:
-                self._adaptive = AdaptivePolicy(self.costs, k)
+                self._adaptive = AdaptivePolicy(self.costs, k, self.session.window)
             policy = self._adaptive
         else:
             raise Eagle3Error(f"unknown draft policy {config.draft_policy!r}: choose one of {', '.join(POLICIES)}")

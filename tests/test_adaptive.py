@@ -74,3 +74,28 @@ def test_random_head_settles_on_plain_decoding(smollm2_path, random_head):
     # Intel host calibrates the draft's fixed cost at 0.04 of a target step: 1.5 tokens for 1.50 steps)
     assert pol.plain_cycles >= len(pol.trace) - pol.probes - 1
     assert pol.probes <= 6  # probes back off: cycles 1, 9, 25, 57, 121 within 160
+
+
+class CountingSession(Eagle3Session):
+    """Counts the one-row keep() calls: a cycle's row set aside for the head."""
+
+    kept_one = 0
+
+    def keep(self, tokens, pos0, feats=None, trim=True):
+        self.kept_one += len(tokens) == 1
+        super().keep(tokens, pos0, feats, trim)
+
+
+def test_plain_cycles_keep_rows_only_within_the_sessions_window(smollm2_path, random_head):
+    """While the policy decodes plainly, a cycle's row is set aside only when a probe is at most the session's
+    catch-up window away: a shorter window copies fewer rows."""
+    kept = {}
+    for window in (3, 8):
+        with load_pair(smollm2_path, random_head, PairConfig(n_ctx=1024, n_threads=2)) as pair, \
+                CountingSession(pair.target, pair.head, window=window) as s, Decoder(pair.target, s) as d:
+            prompt = chat_tokens(pair.target_model, PROMPT)
+            pol = d.generate(prompt, GenerateConfig(n_predict=160, draft_max=4)).stats.policy
+        assert max(pol.trace[20:]) == 0, pol.trace
+        assert s.kept_one <= (window + 1) * (pol.probes + 1), (window, s.kept_one, pol.probes)
+        kept[window] = s.kept_one
+    assert kept[3] < kept[8], kept
