@@ -282,6 +282,9 @@ class Model(_Owner):
         return tmpl.decode("utf-8") if tmpl else None
 
 
+NO_LOGITS = "no logits: this context samples greedily in the graph (set_greedy_sampling)"
+
+
 class Context(_Owner):
     """A llama_context; `ctx_other` pairs an EAGLE-3 head with its target."""
 
@@ -439,13 +442,10 @@ class Context(_Owner):
             raise Eagle3Error(f"no sampled token for batch row {i}: set_greedy_sampling(True) before the decode")
         return tok
 
-    def _raw_logits(self) -> None:
-        if self._greedy is not None:
-            raise Eagle3Error("no logits: this context samples greedily in the graph (set_greedy_sampling)")
-
     def logits(self, n_rows: int) -> np.ndarray:
         """The output rows of the last decode, in batch order.  # [n_rows, n_vocab] (view)"""
-        self._raw_logits()
+        if self._greedy is not None:
+            raise Eagle3Error(NO_LOGITS)
         addr = llama_get_logits_addr(self._live())
         if not addr:
             raise Eagle3Error("no logits: the last batch requested none")
@@ -453,7 +453,7 @@ class Context(_Owner):
 
     def logits_ith(self, i: int) -> np.ndarray:
         if self._greedy is not None:
-            self._raw_logits()
+            raise Eagle3Error(NO_LOGITS)
         addr = llama_get_logits_ith_addr(self._live(), i)
         if not addr:
             raise Eagle3Error(f"no logits for batch row {i}")
@@ -643,7 +643,6 @@ class Batch(_Owner):
             self._token[:n] = tokens
         self._point("both" if tokens is not None else "embd", n)
         return n
-
 
     def set_embd_one(self, row: np.ndarray, pos: int, token: int) -> None:
         """One token + embedding entry at `pos`, an output: set_embd(row[None], [pos], [token]) for a draft
