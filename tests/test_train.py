@@ -227,3 +227,18 @@ def test_fine_tune_from_a_checkpoint_on_two_data_folders(tmp_path, tiny_target):
         train_head(both, DraftVocab(np.arange(1, 257, dtype=np.int64), tgt.n_vocab, 0.0), head.c, embed,
                    tmp_path / "c", dataclasses.replace(cfg, init_from=str(tmp_path / "a" / "ckpt.pt")))
     assert str(e.value) == f"{tmp_path / 'a' / 'ckpt.pt'}: checkpoint was trained with another head config or draft vocab"
+
+
+def test_learning_rate_schedule_follows_a_time_budget():
+    """By steps: warmup over the first 5%, the peak, cosine down to the floor at the end. Under a wall-time
+    budget that ends the run after 20 of 1,000 steps, the warmup ends and the decay reaches the floor by
+    the clock, not by the steps the run never takes."""
+    from eagle3_gguf.train.loop import lr_at
+
+    cfg, total = TrainConfig(lr=1e-3, warmup=0.05, min_lr_ratio=0.05), 1000
+    assert lr_at(0.0, 0, total, cfg) == pytest.approx(1e-3 / 50)
+    assert lr_at(0.049, 49, total, cfg) == pytest.approx(1e-3)
+    assert lr_at(0.05, 50, total, cfg) == pytest.approx(1e-3)
+    assert lr_at(1.0, total, total, cfg) == pytest.approx(5e-5)
+    assert lr_at(0.03, 2, total, cfg) == pytest.approx(0.6e-3)  # the clock is 60% through the warmup
+    assert lr_at(0.999, 20, total, cfg) == pytest.approx(5e-5, rel=0.01)  # the budget's end: the floor

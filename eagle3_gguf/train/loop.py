@@ -247,12 +247,13 @@ def evaluate(head: Eagle3Head, data: Dataset, records: list[int], t2d: np.ndarra
 
 
 def lr_at(frac: float, step: int, total: int, cfg: TrainConfig) -> float:
-    """Linear warmup over the first `warmup` share of the steps, then cosine down to min_lr_ratio; `frac`
-    is the share of the run done (steps or, under max_minutes, wall time, whichever is further)."""
+    """Linear warmup over the first `warmup` share of the run, then cosine down to min_lr_ratio at its end;
+    `frac` is the share of the run done (steps or, under max_minutes, wall time, whichever is further), so
+    a time budget that ends the run early ends its warmup early too, and the decay still reaches the end."""
     warm = max(1, int(total * cfg.warmup))
-    if step < warm:
-        return cfg.lr * (step + 1) / warm
     w = warm / total
+    if frac < w:  # by steps, or by the budget's clock where it runs ahead
+        return cfg.lr * min(1.0, max((step + 1) / warm, frac / w))
     t = min(1.0, max(0.0, (frac - w) / max(1e-9, 1 - w)))
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
