@@ -221,7 +221,7 @@ class Speculator:
             st.t_target += t_verify
             st.n_target_forwards += 1
             if session is not None:
-                st.accept_hist[0] += 1  # st.record_cycle(0, 0)
+                st.record_cycle(0, 0)
                 t = time.perf_counter()
                 if policy.keep_rows:
                     session.keep(rows, pos)

@@ -435,7 +435,7 @@ class AdaptivePolicy:
         st.trace.append(n_verified)
         if n_drafted == 0:  # a plain cycle (one row, no draft step): the common case, kept short (cache-cold)
             st.predicted_tokens += 1.0
-            st.predicted_s += costs.verify_s[0] * costs.scale
+            st.predicted_s += costs.verify(1)
             st.plain_cycles += 1
             if self.checking:
                 ok = abs(t_verify / costs.verify(1) - 1.0) < CHECK_TOL
