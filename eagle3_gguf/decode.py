@@ -101,6 +101,10 @@ class Speculator:
         self.target = target
         self.session = session
         self.batch = Batch(n_batch)
+        self.seq = 0  # the target sequence this speculator decodes (scripts/slot_pool.py runs one per sequence)
+        self.row0 = 0  # where its rows start in the target's last batch (0 unless sequences share it)
+        self._decode = target.decode  # decodes self.batch (slot_pool: in a batch shared with other sequences)
+        self.logits_ith = target.logits_ith  # row i of its rows
         self.k_limit = n_batch - 1  # drafts that fit in one verify batch
         self.cost_tag = cost_tag
         self.costs: CostCurve | None = None
@@ -108,6 +112,14 @@ class Speculator:
 
     def close(self) -> None:
         self.batch.close()
+
+    def clear_target(self) -> None:
+        """Empty the target's cache of this speculator's sequence."""
+        self.target.clear()
+
+    def seq_rm(self, p0: int, p1: int = -1) -> bool:
+        """Drop positions p0..p1 of this speculator's sequence from the target's cache."""
+        return self.target.seq_rm(self.seq, p0, p1)
 
     def native_time(self) -> float:
         """Seconds spent in llama.cpp so far: the target's decodes and the head's."""
@@ -194,7 +206,7 @@ class Speculator:
             chunk = tokens[i:i + n_batch]
             m = len(chunk)
             self.batch.set(chunk, pos0 + i, logits="last")
-            self.target.decode(self.batch)
+            self._decode(self.batch)
             if feed_head and whole:
                 self.session.process(chunk, pos0 + i)
             elif feed_head:
@@ -215,7 +227,7 @@ class Speculator:
             rows = [id_last]
             self.batch.set_one(id_last, pos)
             t = time.perf_counter()
-            self.target.decode(self.batch)
+            self._decode(self.batch)
             out = [pick(rows, 0)]
             t_verify = time.perf_counter() - t
             st.t_target += t_verify
@@ -244,14 +256,14 @@ class Speculator:
         t = time.perf_counter()
         rows = [id_last] + drafts
         self.batch.set(rows, pos, logits="all")
-        self.target.decode(self.batch)
+        self._decode(self.batch)
         if rejection is not None:
-            out = rejection.verify(drafts, session.qs if drafts else [], self.target.logits_ith, stop)
+            out = rejection.verify(drafts, session.qs if drafts else [], self.logits_ith, stop)
         else:
             out = verify_match(drafts, lambda i: pick(rows, i), stop)
         n_acc = len(out) - 1
         if n_acc < len(drafts):
-            self.target.seq_rm(0, pos + n_acc + 1, -1)
+            self.seq_rm(pos + n_acc + 1)
         t_verify = time.perf_counter() - t
         st.t_target += t_verify
         st.n_target_forwards += 1

@@ -32,6 +32,7 @@ class TargetFeatures:
                 raise Eagle3Error(f"target layer id {lid} is outside 0..{self.n_layer} for this target")
         # per layer: where its rows come from and which columns of a feature row they fill (gather() runs
         # once a cycle, right after the target's graph: it looks up as little as it can)
+        self.row0 = 0  # where this sequence's rows start in the last decode (slots share a target batch)
         self._parts = [(functools.partial(target.layer_inp, lid) if lid < self.n_layer else target.nextn,
                         slice(i * self.n_embd, (i + 1) * self.n_embd)) for i, lid in enumerate(self.layers)]
 
@@ -40,12 +41,15 @@ class TargetFeatures:
         return len(self.layers) * self.n_embd
 
     def gather(self, n_rows: int, rows: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
-        """Rows of the last target decode (the first n_rows, or the given row indices), the layers
-        concatenated in order, into `out` when given.  # [n_rows or len(rows), 3 * n_embd_tgt]"""
+        """Rows of the last target decode (the first n_rows from row0, or the given row indices past row0),
+        the layers concatenated in order, into `out` when given.  # [n_rows or len(rows), 3 * n_embd_tgt]"""
         n_out = n_rows if rows is None else len(rows)
         if out is None:
             out = np.empty((n_out, self.width), np.float32)
+        r0 = self.row0
         for rows_of, cols in self._parts:
-            full = rows_of(n_rows)  # [n_rows, n_embd_tgt]
+            full = rows_of(r0 + n_rows)  # [row0 + n_rows, n_embd_tgt]
+            if r0:
+                full = full[r0:]
             out[:, cols] = full if rows is None else full[rows]
         return out

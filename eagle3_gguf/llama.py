@@ -342,7 +342,7 @@ class Eagle3Llama(Llama):
             if self.spec_fallback is not None:
                 self.spec_stats = SpecStats(n_prompt=len(tokens),
                                             stop_reason=f"plain decoding: {self.spec_fallback}")
-                inner = super().generate(tokens, reset=reset, stopping_criteria=stopping_criteria, **sampling)
+                inner = self._plain_generate(tokens, reset, stopping_criteria, sampling)
             else:
                 inner = self._speculate(tokens, sampling, stopping_criteria, turn)
             sent = None
@@ -363,6 +363,10 @@ class Eagle3Llama(Llama):
                 turn.resume()
         finally:
             turn.release()
+
+    def _plain_generate(self, tokens: list[int], reset: bool, stopping_criteria, sampling: dict) -> Iterator[int]:
+        """Llama.generate itself: the fallback's decoding."""
+        return super().generate(tokens, reset=reset, stopping_criteria=stopping_criteria, **sampling)
 
     def _fallback_reason(self, tokens: list[int], reset: bool) -> str | None:
         if self.draft_max == 0:
@@ -402,7 +406,8 @@ class Eagle3Llama(Llama):
         return RejectionSampler(transform, self.draft_temp_scale, np.random.default_rng(self._seed))
 
     def _speculate(self, prompt: list[int], sampling: dict, stopping_criteria, turn: _Turn) -> Iterator[int]:
-        spec, target = self._e3_spec, self._e3_pair.target
+        spec = self._e3_spec
+        target = spec.target
         self._calibrate_if_needed()
         policy = spec.policy_for(self._config())
         st = self.spec_stats = SpecStats(draft_max=policy.k_max, n_prompt=len(prompt))
@@ -416,15 +421,15 @@ class Eagle3Llama(Llama):
         is_end = self._e3_is_end
         clock = StageClock(st, spec.native_time)
         self._rewind(prompt)
-        self._prefill(prompt[self.n_tokens:], whole=policy.wants_prompt())
+        m = self._prefill(prompt[self.n_tokens:], whole=policy.wants_prompt())
         clock.prefilled()
         pos = self.n_tokens  # where id_last goes
         last = -1
         try:
             if rejection is None:
-                id_last = self._sampler.sample(self._ctx, -1)
+                id_last = self._sampler.sample(self._ctx, spec.row0 + m - 1)
             else:
-                id_last = rejection.target(target.logits_ith(-1)).sample(rejection.rng.random())
+                id_last = rejection.target(spec.logits_ith(m - 1)).sample(rejection.rng.random())
             st.n_target_forwards = 1
             if self._stop_requested(stopping_criteria, pos):
                 st.stop_reason = "stopping_criteria"
@@ -480,7 +485,7 @@ class Eagle3Llama(Llama):
         if i == 0:
             self.input_ids[pos:pos + len(rows)] = rows
         self.n_tokens = pos + i + 1
-        return self._sampler.sample(self._ctx, i)
+        return self._sampler.sample(self._ctx, self._e3_spec.row0 + i)
 
     def _check_sent(self, sent) -> None:
         if sent is not None:
@@ -488,7 +493,7 @@ class Eagle3Llama(Llama):
 
     def _cut(self, n: int) -> None:
         """Keep the first n rows of the target's cache."""
-        self._e3_pair.target.seq_rm(0, n, -1)
+        self._e3_spec.seq_rm(n)
         self.n_tokens = n
 
     def _stop_requested(self, stopping_criteria, n_ctx_rows: int) -> bool:
@@ -507,24 +512,28 @@ class Eagle3Llama(Llama):
         n_target = self.longest_token_prefix(self.input_ids[:self.n_tokens].tolist(), prompt)
         n_head = self.longest_token_prefix(self._e3_head_tokens, prompt)
         keep = max(min(n_target, n_head - 1, len(prompt) - 1), 0)
-        target, session = self._e3_pair.target, self._e3_session
-        if not (keep > 0 and target.seq_rm(0, keep, -1) and session.truncate(keep)):
+        spec, session = self._e3_spec, self._e3_session
+        if not (keep > 0 and spec.seq_rm(keep) and session.truncate(keep)):
             keep = 0
-            target.clear()
+            spec.clear_target()
             session.reset()
         self.n_tokens = keep
         del self._e3_head_tokens[keep:]
 
-    def _prefill(self, tokens: list[int], whole: bool) -> None:
+    def _prefill(self, tokens: list[int], whole: bool) -> int:
         """Decode tokens after n_tokens in n_batch chunks; each chunk's rows go to the head: all of them
         when `whole`, else the last `window` rows are set aside for the first draft (the policy does not
-        expect drafting to pay yet, and reading the whole prompt costs one or two target steps)."""
-        target, batch, session = self._e3_pair.target, self._e3_spec.batch, self._e3_session
+        expect drafting to pay yet, and reading the whole prompt costs one or two target steps). Returns
+        the last chunk's size (its last row holds the next token's logits)."""
+        spec, session = self._e3_spec, self._e3_session
+        target, batch = spec.target, spec.batch
+        m = 0
         for i in range(0, len(tokens), self.n_batch):
             chunk = tokens[i:i + self.n_batch]
+            m = len(chunk)
             pos0 = self.n_tokens
             batch.set(chunk, pos0, logits="all" if self._logits_all else "last")
-            target.decode(batch)
+            spec._decode(batch)
             self.input_ids[pos0:pos0 + len(chunk)] = chunk
             if self._logits_all:
                 self.scores[pos0:pos0 + len(chunk), :] = target.logits(len(chunk))
@@ -534,6 +543,7 @@ class Eagle3Llama(Llama):
             else:
                 session.keep(chunk, pos0)
             self._e3_head_tokens[pos0:] = chunk
+        return m
 
 
 def attach_eagle3(llm: Llama, head_path: str | Path, *, draft_max: int = DEFAULT_DRAFT_MAX,

@@ -629,6 +629,28 @@ class Batch(_Owner):
         self._point("token", n, seq_ids=True)
         return n
 
+    @property
+    def n_rows(self) -> int:
+        """Rows the batch holds now."""
+        return self.struct.n_tokens
+
+    def put_rows(self, src: "Batch", at: int, seq: int) -> int:
+        """Copy `src`'s token rows (one sequence's) to rows at.. of this batch, as sequence `seq`; returns
+        their number. Several calls fill a batch of several sequences; finish_rows(n) then hands it over."""
+        n = src.n_rows
+        if at + n > self.capacity:
+            raise Eagle3Error(f"batch of {at + n} tokens does not fit capacity {self.capacity}")
+        self._token[at:at + n] = src._token[:n]
+        self._pos[at:at + n] = src._pos[:n]
+        self._logits[at:at + n] = src._logits[:n]
+        self._seq[at:at + n] = seq
+        return n
+
+    def finish_rows(self, n: int) -> None:
+        """The batch put_rows filled: n rows of token ids with their own sequence ids."""
+        self._fit(n)
+        self._point("token", n, seq_ids=True)
+
     def set_embd(self, rows: np.ndarray, pos, tokens=None) -> int:
         """Embedding rows (with tokens: token + embedding entries) at positions `pos`, every row an output
         (the pinned eagle3 graphs have no output-row selection).  # rows: [n, n_embd]; pos, tokens: [n]"""
