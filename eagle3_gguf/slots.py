@@ -1,0 +1,444 @@
+"""Several generations at once on one target (`serve --parallel N`): their target decodes share one batch.
+
+A `SlotPool` turns one Eagle3Llama into N slot objects. Each slot IS an Eagle3Llama (llama-cpp-python's
+completion, chat, streaming, stop strings and sampler chains, unchanged) on its own KV sequence of one
+shared target context, with its own head context and session, prompt state and statistics; its cycle is
+the one every loop runs (decode.Speculator, on sequence `seq`, reading its rows from `row0`). Only the
+target's decode is shared: `JointTarget.decode` puts the rows of the slots that are generating into one
+batch. A batch goes when every slot that is generating and not away with a token for its caller has handed
+in its rows (one that is away is waited for up to a quarter of a decode); the slot that completes the set
+decodes for all.
+
+One thread computes every graph (`Engine`): the Eagle3Llama is built on it and the pool's contexts, the
+target's and the heads', hand their decodes to it. ggml's OpenMP team belongs to the calling thread, and
+once two threads have teams, libgomp (more threads than cores) stops spinning at barriers: every decode of
+SmolLM2 on 2 cores ran ~2x slower while a second computing thread merely existed (bench/NOTES.md).
+
+What exactness takes (tests/test_slots.py): one KV stream per sequence (kv_unified=False). In a unified
+cache a sequence's cells interleave with the others' after a rejected draft is cut, flash attention sums
+them in another order, and greedy text drifted on 2 of 4 sequences within 60 steps. With streams, llama.cpp
+cuts a batch into ubatches with equally many rows per sequence and consecutive sequence ids, and the layer
+inputs come back in ubatch order: so a batch takes the slots handing in as many rows as the longest-waiting
+one, sorted by sequence, and each reads its rows back at its offset.
+
+Limits: a slot's context is the pool's n_ctx / N (llama-server splits its context so too); the adaptive
+policy uses the single-sequence cost curve the Eagle3Llama calibrated; a slot never falls back to plain
+Llama decoding (sequence 0 of the shared context), so draft_max 0, an empty prompt and
+generate(reset=False) are errors there; logits_all and a prompt cache are refused at setup.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .decode import Speculator
+from .errors import Eagle3Error
+from .llama import Eagle3Llama
+from .native import Batch, Context
+from .session import Eagle3Session
+from .stats import SpecStats
+
+GRACE = 0.25  # how long a batch waits for slots away with a token, in decodes (the last one's time)
+MIN_SLOT_CTX = 64  # fewer cells per slot than this cannot hold a chat prompt and an answer
+
+
+@dataclass(eq=False)
+class _Rows:
+    """One slot's rows waiting for the shared batch."""
+
+    seq: int
+    batch: Batch
+    since: float = 0.0  # when they were handed in
+    row0: int = -1  # where they went in the shared batch
+    seconds: float = 0.0  # how long the shared decode took
+    error: BaseException | None = None
+    done: bool = False
+
+
+@dataclass
+class JointStats:
+    """What the shared batches held."""
+
+    decodes: int = 0
+    seconds: float = 0.0
+    rows: int = 0
+    sequences: int = 0  # summed over decodes: sequences per decode = sequences / decodes
+    most_sequences: int = 0
+    by_sequences: dict[int, int] = field(default_factory=dict)  # sequences in a decode -> decodes
+
+
+class Engine:
+    """The one thread that computes every graph of a served model and its slots (see the module's doc): `call`
+    runs a function there and returns its result or raises its error; `adopt` routes a context's graphs there."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="eagle3-engine", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job.result = job.fn(*job.args)
+            except BaseException as e:  # the caller's
+                job.error = e
+            job.done.release()
+
+    def call(self, fn, *args):
+        if threading.current_thread() is self._thread:  # already here (a graph call inside a called function)
+            return fn(*args)
+        job = _Job(fn, args)
+        self._jobs.put(job)
+        job.done.acquire()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def adopt(self, ctx: Context) -> Context:
+        """Run ctx's graphs (decode, encode, process) on this thread."""
+        run = ctx._run
+        ctx._run = lambda graph, *args: self.call(run, graph, *args)
+        return ctx
+
+    def adopt_llama(self, llm: Eagle3Llama) -> Eagle3Llama:
+        """Run all of an Eagle3Llama's graphs on this thread: its target's and head's, and llama-cpp-python's
+        own decodes on its context (plain decoding, where it falls back)."""
+        self.adopt(llm._e3_pair.target)
+        self.adopt(llm._e3_pair.head)
+        ctx = llm._ctx
+        for name in ("decode", "encode"):
+            method = getattr(ctx, name)
+            setattr(ctx, name, lambda batch, method=method: self.call(method, batch))
+        return llm
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+
+
+@dataclass(eq=False)
+class _Job:
+    fn: Callable
+    args: tuple
+    result: object = None
+    error: BaseException | None = None
+    done: threading.Lock = field(default_factory=lambda: _locked())
+
+
+def _locked() -> threading.Lock:
+    lock = threading.Lock()
+    lock.acquire()
+    return lock
+
+
+class JointTarget:
+    """A target context with one KV sequence per slot, and the one batch their decodes share."""
+
+    def __init__(self, target: Context, capacity: int):
+        self.target = target
+        self.batch = Batch(capacity)
+        self.stats = JointStats()
+        self._cond = threading.Condition()
+        self._members = 0  # slots inside a generation
+        self._present = 0  # of them, those not away with a token
+        self._waiting: list[_Rows] = []
+        self._busy = False  # a decode runs (outside the lock)
+        self._last_seconds = 0.0  # the last decode's time: how long a batch waits for slots that are away
+
+    def close(self) -> None:
+        self.batch.close()
+
+    def begin(self) -> None:
+        """A slot's generation starts."""
+        with self._cond:
+            self._members += 1
+
+    def end(self) -> None:
+        """A slot's generation ends (it has left already)."""
+        with self._cond:
+            self._members -= 1
+            self._cond.notify_all()
+
+    def enter(self) -> None:
+        """A slot starts or resumes generating: batches wait for its rows."""
+        with self._cond:
+            while self._busy:  # its work would compete with the decode for the cores
+                self._cond.wait()
+            self._present += 1
+
+    def leave(self) -> None:
+        """A slot yields a token to its caller, or ends: batches no longer wait for it."""
+        with self._cond:
+            self._present -= 1
+            self._cond.notify_all()
+
+    def seq_rm(self, seq: int, p0: int, p1: int) -> bool:
+        """Cut a slot's sequence, never while a decode runs (a slot starting, or ending while the others
+        decode, would change the cache under them)."""
+        with self._cond:
+            while self._busy:
+                self._cond.wait()
+            return self.target.seq_rm(seq, p0, p1)
+
+    def decode(self, seq: int, batch: Batch) -> tuple[int, float]:
+        """Decode `batch` (one slot's rows, sequence `seq`) with the other present slots' rows. Returns
+        where its rows start in the shared batch and the seconds the decode took."""
+        rows = _Rows(seq, batch, since=time.perf_counter())
+        with self._cond:
+            self._waiting.append(rows)
+            while not rows.done:
+                if self._busy or len(self._waiting) < self._present:
+                    self._cond.wait()
+                    continue
+                # every present slot is waiting; one that is away with a token comes back within a fraction
+                # of a decode (its caller's work on a token) and is worth waiting for, up to a quarter of one
+                late = self._waiting[0].since + GRACE * self._last_seconds - time.perf_counter()
+                if len(self._waiting) < self._members and late > 0:
+                    self._cond.wait(late)
+                    continue
+                self._lead()
+        if rows.error is not None:
+            raise rows.error
+        return rows.row0, rows.seconds
+
+    def _lead(self) -> None:
+        """Decode the waiting slots that hand in as many rows as the longest-waiting one, in order of
+        sequence (called holding the lock; decodes without). Each sequence has its own KV stream, and
+        llama.cpp splits such a batch into ubatches of equally many rows per sequence and of consecutive
+        sequence ids: with equal counts, sorted, the batch is one ubatch (or one per run of consecutive
+        ids), and the layer inputs come back in batch order, where each slot reads them."""
+        m = self._waiting[0].batch.n_rows
+        take = [rows for rows in self._waiting if rows.batch.n_rows == m][:self.batch.capacity // m]
+        take.sort(key=lambda rows: rows.seq)
+        for i, rows in enumerate(take):
+            rows.row0 = i * m
+        n = len(take) * m
+        self._waiting = [rows for rows in self._waiting if rows.row0 < 0]
+        self._busy = True
+        self._cond.release()
+        error, seconds = None, 0.0
+        try:
+            for rows in take:
+                self.batch.put_rows(rows.batch, rows.row0, rows.seq)
+            self.batch.finish_rows(n)
+            t = time.perf_counter()
+            self.target.decode(self.batch)
+            seconds = self._last_seconds = time.perf_counter() - t
+        except BaseException as e:  # every slot in this batch gets it
+            error = e
+        finally:
+            self._cond.acquire()
+        self._busy = False
+        for rows in take:
+            rows.seconds, rows.error, rows.done = seconds, error, True
+        st = self.stats
+        st.decodes += 1
+        st.seconds += seconds
+        st.rows += n
+        st.sequences += len(take)
+        st.most_sequences = max(st.most_sequences, len(take))
+        st.by_sequences[len(take)] = st.by_sequences.get(len(take), 0) + 1
+        self._cond.notify_all()
+
+
+class _SlotTurn:
+    """A slot's generation lock (Eagle3Llama's `_e3_running`): holding it is being present in the joint
+    batch, so _Turn's take/release around every yield are also the slot's enter/leave."""
+
+    def __init__(self, joint: JointTarget):
+        self.joint = joint
+        self._lock = threading.Lock()
+
+    def acquire(self, blocking: bool = True) -> bool:
+        if not self._lock.acquire(blocking):
+            return False
+        self.joint.enter()
+        return True
+
+    def release(self) -> None:
+        self.joint.leave()
+        self._lock.release()
+
+
+class SlotSpeculator(Speculator):
+    """The speculative cycle on sequence `seq` of the joint target."""
+
+    def __init__(self, joint: JointTarget, seq: int, session: Eagle3Session, base: Speculator):
+        super().__init__(joint.target, session, joint.batch.capacity, base.cost_tag)
+        self.joint = joint
+        self.seq = seq
+        self.costs = base.costs
+        self.t_target = 0.0  # seconds of the shared decodes this slot's rows were in
+        self._decode = self._joint_decode
+        self.logits_ith = lambda i: self.target.logits_ith(self.row0 + i)
+
+    def _joint_decode(self, batch: Batch) -> None:
+        row0, seconds = self.joint.decode(self.seq, batch)
+        self.row0 = self.session.extract.row0 = row0
+        self.t_target += seconds
+
+    def native_time(self) -> float:
+        return self.t_target + self.session.draft_ctx.t_native
+
+    def clear_target(self) -> None:
+        self.seq_rm(0)
+
+    def seq_rm(self, p0: int, p1: int = -1) -> bool:
+        return self.joint.seq_rm(self.seq, p0, p1)
+
+    def calibrate(self, k_max: int):
+        raise Eagle3Error(f"a parallel slot drafts at most {self.costs.k_max if self.costs else 0} tokens (the "
+                          f"cost curve measured at setup): set draft_max before making the SlotPool")
+
+
+class _CtxView:
+    """What llama-cpp-python's sampler reads of a context: its pointer (the joint target's)."""
+
+    def __init__(self, ptr):
+        self.ctx = ptr
+
+
+class SlotLlama(Eagle3Llama):
+    """One slot of a SlotPool (made by it, never constructed): an Eagle3Llama on its own sequence of the
+    shared target. Closing it does nothing; the pool and the Eagle3Llama it came from own what it uses."""
+
+    def __init__(self, *args, **kwargs):  # pragma: no cover - the pool makes slots
+        raise Eagle3Error("slots come from SlotPool(llm, n)")
+
+    def close(self) -> None:
+        pass
+
+    def __del__(self) -> None:
+        pass
+
+    def n_ctx(self) -> int:
+        return self._n_ctx
+
+    def generate(self, *args, **kwargs):
+        """Eagle3Llama.generate, counted as a member of the joint batch while it runs."""
+        joint = self._e3_spec.joint
+        joint.begin()
+        try:
+            return (yield from super().generate(*args, **kwargs))
+        finally:
+            joint.end()
+
+    def _plain_generate(self, tokens, reset, stopping_criteria, sampling) -> Iterator[int]:
+        raise Eagle3Error(f"a parallel slot cannot decode plainly ({self.spec_fallback}): give it a prompt, "
+                          "reset=True and draft_max >= 1")
+
+
+class SlotPool:
+    """N slots over one Eagle3Llama's model and head: `acquire()` a free one, use it as an Eagle3Llama,
+    `release()` it. The target context (n_ctx cells in all, n_ctx // n per slot) and the N head contexts
+    are made here; the Eagle3Llama keeps its own context (its cost calibration ran there). `engine` is the
+    thread the Eagle3Llama was built on (`Engine.call`): every graph of the pool and of the Eagle3Llama's
+    contexts runs there from now on.
+
+        engine = Engine()
+        llm = engine.call(lambda: Eagle3Llama(model_path=..., draft_model_path=...))
+        pool = SlotPool(llm, 4, 4096, engine)
+    """
+
+    def __init__(self, llm: Eagle3Llama, n: int, n_ctx: int, engine: Engine):
+        if not isinstance(llm, Eagle3Llama) or isinstance(llm, SlotLlama):
+            raise Eagle3Error("SlotPool needs an Eagle3Llama")
+        if n < 1:
+            raise Eagle3Error(f"a slot pool needs at least one slot (got {n})")
+        n_slot = n_ctx // n
+        if n_slot < MIN_SLOT_CTX:
+            raise Eagle3Error(f"a context of {n_ctx} split over {n} slots leaves {n_slot} tokens each: raise -c "
+                              f"to at least {MIN_SLOT_CTX * n} or lower --parallel")
+        if llm._logits_all:
+            raise Eagle3Error("parallel slots do not keep every row's logits: create the Llama with logits_all=False")
+        if llm.cache is not None:
+            raise Eagle3Error("parallel slots cannot share a prompt cache: create the Llama without set_cache()")
+        if llm.draft_max < 1:
+            raise Eagle3Error("parallel slots speculate: draft_max must be at least 1")
+        self.llm = llm
+        self.n_slot_ctx = n_slot
+        spec = llm._e3_spec
+        if spec.costs is None and llm.draft_policy == "adaptive":  # pragma: no cover - setup calibrates
+            raise Eagle3Error("the Eagle3Llama has no cost curve yet")
+        base_target, head = spec.target, llm._e3_pair.head
+        engine.adopt_llama(llm)
+        cp = llm.context_params
+        self._owned: list = []
+        self.slots: list[SlotLlama] = []
+        try:
+            target = Context(base_target.model, n_ctx=n_slot * n, n_batch=llm.n_batch, n_ubatch=llm.n_batch,
+                             n_threads=cp.n_threads, n_seq_max=n, kv_unified=False, type_k=cp.type_k,
+                             type_v=cp.type_v)
+            self._owned.append(target)
+            self.engine = engine
+            engine.adopt(target)
+            self.joint = JointTarget(target, llm.n_batch)
+            self._owned.append(self.joint)
+            for seq in range(n):
+                draft = Context(head.model, n_ctx=n_slot, n_batch=llm.n_batch, n_threads=cp.n_threads,
+                                ctx_other=target)
+                self._owned.append(draft)
+                self.engine.adopt(draft)
+                session = Eagle3Session(target, draft)
+                self._owned.append(session)
+                slot_spec = SlotSpeculator(self.joint, seq, session, spec)
+                self._owned.append(slot_spec)
+                self.slots.append(self._slot(slot_spec))
+        except BaseException:
+            self.close()
+            raise
+        self._free = list(self.slots)
+        self._cond = threading.Condition()
+        llm._stack.callback(self.close)  # before the Llama frees the model the contexts use
+
+    def _slot(self, spec: SlotSpeculator) -> SlotLlama:
+        llm = self.llm
+        slot = object.__new__(SlotLlama if type(llm) is Eagle3Llama
+                              else type(f"Slot{type(llm).__name__}", (SlotLlama, type(llm)), {}))
+        slot.__dict__.update(llm.__dict__)  # settings, model, tokenizer, chat handler: shared, read only
+        slot._ctx = _CtxView(spec.target.ptr)
+        slot._n_ctx = self.n_slot_ctx
+        slot.input_ids = np.zeros(self.n_slot_ctx, dtype=np.intc)  # [n_slot_ctx]
+        slot.n_tokens = 0
+        slot._sampler = None
+        slot._e3_spec = spec
+        slot._e3_pair = None
+        slot._e3_head_tokens = []
+        slot._e3_running = _SlotTurn(self.joint)
+        slot._e3_generation = 0
+        slot._e3_unfinished = False
+        slot._e3_budget = None
+        slot.spec_stats = SpecStats()
+        slot.spec_fallback = None
+        return slot
+
+    def close(self) -> None:
+        for owner in reversed(self._owned):
+            owner.close()
+        self._owned.clear()
+
+    # -- handing slots out -------------------------------------------------------------------------
+    def acquire(self, timeout: float | None = None) -> SlotLlama:
+        """A free slot (waiting for one, first come first served up to `timeout` seconds)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._free, timeout):
+                raise Eagle3Error(f"no slot was free within {timeout} s")
+            return self._free.pop(0)
+
+    def try_acquire(self) -> SlotLlama | None:
+        with self._cond:
+            return self._free.pop(0) if self._free else None
+
+    def release(self, slot: SlotLlama) -> None:
+        with self._cond:
+            if slot in self._free or slot not in self.slots:
+                raise Eagle3Error("this slot is not out of this pool")
+            self._free.append(slot)
+            self._cond.notify()
