@@ -13,7 +13,9 @@ request arrives, so that client silently gets a short or empty answer; `interrup
 that. A stream whose client disconnects stops at its next token, and its generator is closed while the
 request still holds the model, so the model is free for the next request and nothing of that stream
 runs later (an abandoned generator closed by the garbage collector would cut the KV cache under another
-request). Queueing is logged on the `eagle3_gguf.server` logger. llama-cpp-python's server keeps its
+request). Queueing is logged on the `eagle3_gguf.server` logger. With `parallel` N > 1, up to N requests run at
+once, each on a slot of a `slots.SlotPool` (its own KV sequence, n_ctx / N of the context), their target decodes
+sharing one batch; the others queue as above. llama-cpp-python's server keeps its
 model, locks and settings in module globals, so one process serves one app; `build_app` installs its
 request gate and stream publisher into `llama_cpp.server.app` for good.
 
@@ -61,6 +63,7 @@ class ServeConfig:
     interrupt_requests: bool = False  # llama-cpp-python's default (True) ends a running stream for a new request
     spec_sampling: str = "rejection"  # at temperature > 0, as `generate` (--spec-sampling); "match" keeps plain text
     draft_temp_scale: float = DEFAULT_DRAFT_TEMP_SCALE
+    parallel: int = 1  # requests served at once (slots.SlotPool), n_ctx split among them; 1: one at a time
 
     @property
     def model_alias(self) -> str:
@@ -96,16 +99,35 @@ def build_app(config: ServeConfig):
 
     read_pair(config.model, config.draft)  # a mismatched pair fails here with one line, before loading
 
+    def load(settings):
+        llm = LlamaProxy.load_llama_from_model_settings(settings)
+        try:
+            return attach_eagle3(llm, config.draft, draft_max=config.draft_max, draft_p_min=config.draft_p_min,
+                                 draft_policy=config.draft_policy, spec_sampling=config.spec_sampling,
+                                 draft_temp_scale=config.draft_temp_scale)
+        except BaseException:
+            llm.close()
+            raise
+
     class Eagle3LlamaProxy(LlamaProxy):
         def load_llama_from_model_settings(self, settings):
-            llm = LlamaProxy.load_llama_from_model_settings(settings)
+            from .slots import Engine, SlotPool
+
+            SLOTS.close()
+            engine = Engine()  # the model is built, and every graph computed, on the engine's thread
             try:
-                return attach_eagle3(llm, config.draft, draft_max=config.draft_max, draft_p_min=config.draft_p_min,
-                                     draft_policy=config.draft_policy, spec_sampling=config.spec_sampling,
-                                     draft_temp_scale=config.draft_temp_scale)
+                llm = engine.adopt_llama(engine.call(load, settings))
+                try:
+                    if config.parallel > 1:
+                        SLOTS.pool = SlotPool(llm, config.parallel, config.n_ctx, engine)
+                except BaseException:
+                    engine.call(llm.close)
+                    raise
             except BaseException:
-                llm.close()
+                engine.close()
                 raise
+            SLOTS.engine = engine
+            return llm
 
         def __call__(self, model: Optional[str] = None):
             if model is not None and config.strict_model and model not in self._model_settings_dict:
@@ -114,9 +136,13 @@ def build_app(config: ServeConfig):
                     "type": "invalid_request_error", "param": "model", "code": "model_not_found"})
             return super().__call__(model)
 
-    threads = {} if config.n_threads is None else {"n_threads": config.n_threads, "n_threads_batch": config.n_threads}
-    model_settings = ModelSettings(model=str(config.model), model_alias=config.model_alias, n_ctx=config.n_ctx,
-                                   flash_attn=True, type_v=CACHE_TYPES["bf16"], verbose=False, **threads)  # EXACTNESS
+    extra = {} if config.n_threads is None else {"n_threads": config.n_threads, "n_threads_batch": config.n_threads}
+    # parallel: the Eagle3Llama's own context only calibrates; slots keep no logits per row (no logprobs)
+    n_ctx = config.n_ctx // config.parallel
+    if config.parallel > 1:
+        extra["logits_all"] = False
+    model_settings = ModelSettings(model=str(config.model), model_alias=config.model_alias, n_ctx=n_ctx,
+                                   flash_attn=True, type_v=CACHE_TYPES["bf16"], verbose=False, **extra)  # EXACTNESS
     server_settings = ServerSettings(host=config.host, port=config.port, interrupt_requests=config.interrupt_requests)
     plain_proxy = server_app.LlamaProxy
     server_app.LlamaProxy = Eagle3LlamaProxy  # create_app builds its proxy from this module name
@@ -154,9 +180,14 @@ _request_ids = itertools.count(1)
 async def queued_llama_proxy():
     """llama-cpp-python's `get_llama_proxy` (the same two locks, so its other routes share the gate), with
     the queue counted and logged. The outer lock lets a running stream see that another request waits (for
-    `interrupt_requests`); both locks are FIFO, so requests get the model in arrival order."""
+    `interrupt_requests`); both locks are FIFO, so requests get the model in arrival order. With slots
+    (`parallel` > 1) a request gets a free slot instead: slot_llama_proxy."""
     from llama_cpp.server import app as server_app
 
+    if SLOTS.pool is not None:
+        async with contextlib.asynccontextmanager(slot_llama_proxy)() as proxy:
+            yield proxy
+        return
     rid = next(_request_ids)
     ahead = QUEUE.waiting + QUEUE.running
     if ahead:
@@ -187,6 +218,77 @@ async def queued_llama_proxy():
             trim_heap()
         finally:
             inner.release()
+
+
+@dataclass
+class SlotState:
+    """The thread that computes the served model's graphs (slots.Engine): requests run on the server's worker
+    threads, and ggml's OpenMP team belongs to the thread that computes, so decodes from several threads
+    made every one of them ~2x slower on 2 cores (bench/NOTES.md). With `parallel` > 1, the slot pool and
+    the free slots' count too."""
+
+    pool: object = None  # slots.SlotPool
+    engine: object = None  # slots.Engine
+    free: object = None  # asyncio.Semaphore, made in the server's event loop
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        self.pool = self.engine = self.free = None
+
+
+SLOTS = SlotState()
+
+
+class SlotProxy:
+    """What a request's route sees of the model proxy while it holds a slot: the model it gets is the slot
+    (an Eagle3Llama on its own sequence), after the proxy's model-name rule."""
+
+    def __init__(self, proxy, slot):
+        self._proxy = proxy
+        self._current_model = slot
+
+    def __call__(self, model: Optional[str] = None):
+        self._proxy(model)  # strict_model's 404, as without slots
+        return self._current_model
+
+
+async def slot_llama_proxy():
+    """A free slot, first come first served, the queue counted and logged as for one model."""
+    import asyncio
+
+    from llama_cpp.server import app as server_app
+
+    pool = SLOTS.pool
+    if SLOTS.free is None:
+        SLOTS.free = asyncio.Semaphore(len(pool.slots))
+    rid = next(_request_ids)
+    ahead = QUEUE.waiting + QUEUE.running - len(pool.slots) + 1
+    if ahead > 0:
+        log.info("request %d queued: %d ahead (%d running, %d waiting)", rid, ahead, QUEUE.running, QUEUE.waiting)
+    QUEUE.waiting += 1
+    t0 = time.monotonic()
+    try:
+        await SLOTS.free.acquire()
+    finally:
+        QUEUE.waiting -= 1
+    slot = pool.try_acquire()  # the semaphore's permit guarantees one
+    QUEUE.running += 1
+    if ahead > 0:
+        log.info("request %d started after %.2f s in the queue", rid, time.monotonic() - t0)
+    proxy = SlotProxy(server_app._llama_proxy, slot)
+    before = slot.spec_stats
+    try:
+        yield proxy
+    finally:
+        QUEUE.running -= 1
+        QUEUE.served += 1
+        try:
+            record_speculation(proxy, before)
+            trim_heap()
+        finally:
+            pool.release(slot)
+            SLOTS.free.release()
 
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter
@@ -396,8 +498,15 @@ def record_speculation(proxy, before) -> None:
 
 
 async def speculation_stats() -> dict:
-    """GET /v1/eagle3/stats: the last request's speculation (None before the first), and totals."""
-    return SPECULATION.to_dict()
+    """GET /v1/eagle3/stats: the last request's speculation (None before the first), and totals; with slots,
+    what the shared target batches held."""
+    answer = SPECULATION.to_dict()
+    if SLOTS.pool is not None:
+        st = SLOTS.pool.joint.stats
+        answer["slots"] = {"n": len(SLOTS.pool.slots), "decodes": st.decodes, "rows": st.rows,
+                           "sequences_per_decode": st.sequences / st.decodes if st.decodes else 0.0,
+                           "most_sequences": st.most_sequences}
+    return answer
 
 
 class SpeculationReport:

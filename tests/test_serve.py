@@ -194,6 +194,13 @@ def test_bad_pair_is_one_line(tiny_head, smollm2_path):
     (["--draft-temp-scale", "-1"], "--draft-temp-scale cannot be negative (got -1.0)"),
     (["--spec-sampling", "match", "--draft-temp-scale", "0.5"],
      "--draft-temp-scale shapes the rejection rule's draft distribution: it has no effect with --spec-sampling match"),
+    (["--parallel", "0"], "--parallel must be in 1..64 (got 0)"),
+    (["--parallel", "4", "--interrupt-requests"],
+     "--interrupt-requests ends one running stream for the next request: use it with --parallel 1"),
+    (["--parallel", "2", "--draft-max", "0"],
+     "--parallel runs the speculative cycle on every slot: give --draft-max 1 or more"),
+    (["--parallel", "8", "-c", "256"], "-c 256 split over 8 slots leaves 32 tokens each: raise -c to at least 512 or "
+                                      "lower --parallel"),
 ])
 def test_bad_flags_one_line(tiny_target, tiny_head, flags, expected):
     r = subprocess.run([sys.executable, "-m", "eagle3_gguf.cli.main", "serve", "-m", str(tiny_target), "--draft",

@@ -159,3 +159,39 @@ def test_interrupt_requests_flag_keeps_llama_cpp_pythons_behaviour(tiny_target, 
         assert events[-1] == "[DONE]"
         texts = [json.loads(e)["choices"][0]["text"] for e in events[:-1]]
         assert len(texts) + 2 < N_CTX - 10  # cut short
+
+
+@pytest.mark.slow
+def test_parallel_slots_answer_as_alone(tiny_target, tiny_head, plain, tmp_path):
+    """--parallel 4 (a slot of N_CTX each): 10 clients at once (half streaming, chat and completion, 8..300
+    tokens) each get exactly their alone-answer, four at a time in shared target batches while the others
+    queue, and a client that drops its stream frees its slot; then the server still answers."""
+    reqs = [request_for(i) for i in range(10)]
+    want = [alone_answer(plain, r) for r in reqs]
+    log = tmp_path / "serve.log"
+    with serving_logged(tiny_target, tiny_head, log, "-c", str(4 * N_CTX), "--parallel", "4") as (proc, port):
+        conn, dropped = start_stream(port, max_tokens=N_CTX - 8)  # holds a slot while the 10 arrive
+        assert len(read_events(dropped, 2)) == 2
+
+        def drop_once_queued() -> None:
+            deadline = time.monotonic() + 30
+            while log.read_text().count("queued:") < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            conn.close()
+
+        dropper = threading.Thread(target=drop_once_queued)
+        dropper.start()
+        got = run_clients(port, reqs)
+        dropper.join()
+        assert [g if isinstance(g, str) else repr(g) for g in got] == want
+        after = request_for(5)
+        assert ask(openai_client(port), after) == alone_answer(plain, after)
+        with closing(http.client.HTTPConnection("127.0.0.1", port, timeout=10)) as c:
+            c.request("GET", "/v1/eagle3/stats")
+            slots = json.loads(c.getresponse().read())["slots"]
+        assert slots["n"] == 4 and slots["most_sequences"] >= 2 and slots["sequences_per_decode"] > 1, slots
+        assert proc.poll() is None
+    text = log.read_text()
+    assert "queued:" in text and "started after" in text, text
+    assert sum("the client disconnected" in line for line in text.splitlines()) == 1, text
+    assert "Traceback" not in text, text

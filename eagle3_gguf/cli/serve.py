@@ -16,6 +16,25 @@ from .generate import (DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_POL
                        check_decoding_flags, check_spec_sampling)
 
 
+MAX_PARALLEL = 64
+
+
+def check_parallel(parallel: int, n_ctx: int, draft_max: int, interrupt_requests: bool) -> None:
+    from ..slots import MIN_SLOT_CTX
+
+    if not 1 <= parallel <= MAX_PARALLEL:
+        raise Eagle3Error(f"--parallel must be in 1..{MAX_PARALLEL} (got {parallel})")
+    if parallel == 1:
+        return
+    if interrupt_requests:
+        raise Eagle3Error("--interrupt-requests ends one running stream for the next request: use it with --parallel 1")
+    if draft_max < 1:
+        raise Eagle3Error("--parallel runs the speculative cycle on every slot: give --draft-max 1 or more")
+    if n_ctx // parallel < MIN_SLOT_CTX:
+        raise Eagle3Error(f"-c {n_ctx} split over {parallel} slots leaves {n_ctx // parallel} tokens each: raise -c to "
+                          f"at least {MIN_SLOT_CTX * parallel} or lower --parallel")
+
+
 def register(app: typer.Typer) -> None:
     @app.command("serve")
     def serve(
@@ -33,6 +52,7 @@ def register(app: typer.Typer) -> None:
         draft_temp_scale: Optional[float] = typer.Option(None, "--draft-temp-scale", help=f"With --spec-sampling rejection: the head's temperature is the request's times this (default {DEFAULT_DRAFT_TEMP_SCALE:g})."),
         strict_model: bool = typer.Option(False, "--strict-model", help="Answer 404 to requests naming another model (default: llama-cpp-python's rule, the served model answers)."),
         interrupt_requests: bool = typer.Option(False, "--interrupt-requests", help="llama-cpp-python's default: a new request ends the running stream early (its client gets a short answer). Default here: requests queue."),
+        parallel: int = typer.Option(1, "--parallel", "-np", help="Requests served at once, their target decodes in one batch; -c is split among them. 1: one at a time."),
         verbose: bool = typer.Option(False, "-v", "--verbose", help="Show llama.cpp's log and every request."),
     ) -> None:
         """Serve the target with the head through llama-cpp-python's OpenAI-compatible server (/v1/...)."""
@@ -42,12 +62,13 @@ def register(app: typer.Typer) -> None:
                              draft_p_min=draft_p_min, draft_policy=draft_policy, n_ctx=n_ctx, n_threads=threads,
                              alias=alias, strict_model=strict_model, interrupt_requests=interrupt_requests,
                              spec_sampling=spec_sampling, draft_temp_scale=DEFAULT_DRAFT_TEMP_SCALE
-                             if draft_temp_scale is None else draft_temp_scale)
+                             if draft_temp_scale is None else draft_temp_scale, parallel=parallel)
         try:
             check_decoding_flags(n_ctx, threads, draft_max, draft_p_min, draft_policy)
             check_spec_sampling(spec_sampling, draft_temp_scale)
             if not 0 < port < 65536:
                 raise Eagle3Error(f"--port must be in 1..65535 (got {port})")
+            check_parallel(parallel, n_ctx, draft_max, interrupt_requests)
             server = build_app(config)
         except Eagle3Error as e:
             fail(str(e))
@@ -58,7 +79,8 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"serving {config.model_alias} (+ {draft.name}, {draft_policy}, K={draft_max}, p_min {draft_p_min}, "
                    f"{spec_sampling} sampling at temperature > 0)"
                    f" on http://{host}:{port}/v1; concurrent requests "
-                   f"{'interrupt the running stream' if interrupt_requests else 'queue'}", err=True)
+                   f"{'interrupt the running stream' if interrupt_requests else 'queue'}"
+                   f"{f', {parallel} at once' if parallel > 1 else ''}", err=True)
         uvicorn.run(server, host=host, port=port, log_level="info" if verbose else "warning")
         if TERMINATION.received:  # uvicorn shut down gracefully on SIGTERM/SIGINT (running requests finished)
             raise typer.Exit(TERMINATION.code)
