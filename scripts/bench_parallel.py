@@ -4,11 +4,19 @@ one target batch (one row per sequence per step, each its own KV sequence) again
 
     python scripts/bench_parallel.py                      # SmolLM2 Q4_1, N = 1..4, 2 threads
     python scripts/bench_parallel.py --ns 1,2,4,8 --out bench/parallel-cpu
+    python scripts/bench_parallel.py --slots 4 --out bench/parallel-cpu   # serve --parallel's slot pool (eagle3_gguf/slots.py)
+    python scripts/bench_parallel.py --serve 4 --out bench/parallel-cpu   # serve --parallel 4 against --parallel 1
 
 Plain greedy decoding, no head: the question is only whether llama.cpp decodes N rows of N sequences for
 less than N times one row (on a CPU verification is compute-bound, on a GPU nearly free). Every round runs
 each N once, interleaved, from the same prompts (our own, not benchmark text); a setting's figure is the
 median over rounds. Aggregate tok/s = N * steps / seconds; per-sequence tok/s = steps / seconds.
+
+--slots N: the whole path instead (Eagle3Llama + the shipped head, adaptive policy, chat completions of
+--steps tokens at temperature 0): the requests one after another on the Eagle3Llama, against the same
+requests at once from N threads on a SlotPool of N slots, interleaved per round. Reports aggregate tok/s
+of both, their ratio per round, whether every answer equals its alone-answer, and how many sequences the
+shared batches held.
 """
 
 from __future__ import annotations
@@ -64,6 +72,168 @@ def run(ctx: Context, batch: Batch, prompts: list[list[int]], steps: int) -> flo
     return time.perf_counter() - t
 
 
+def run_slots(args) -> None:
+    import threading
+
+    from eagle3_gguf.assets import default_head_path
+    from eagle3_gguf.llama import Eagle3Llama
+    from eagle3_gguf.slots import Engine, SlotPool
+
+    target = args.target or smollm2_path()
+    n = args.slots
+    engine = Engine()  # every graph of both contenders on one thread: ggml's OpenMP team is per thread
+    llm = engine.call(lambda: Eagle3Llama(str(target), default_head_path(), n_ctx=1024, n_threads=args.threads,
+                                          verbose=False))
+    pool = SlotPool(llm, n, 1024 * n, engine)
+    msgs = [[{"role": "user", "content": p}] for p in PROMPTS[:n]]
+
+    def ask(model, m) -> tuple[str, int]:
+        out = model.create_chat_completion(m, max_tokens=args.steps, temperature=0.0, repeat_penalty=1.0)
+        return out["choices"][0]["message"]["content"], out["usage"]["completion_tokens"]
+
+    def in_turn() -> tuple[float, list]:
+        t = time.perf_counter()
+        got = [ask(llm, m) for m in msgs]
+        return time.perf_counter() - t, got
+
+    def at_once() -> tuple[float, list]:
+        got: list = [None] * n
+
+        def one(i: int) -> None:
+            slot = pool.acquire()
+            try:
+                got[i] = ask(slot, msgs[i])
+            finally:
+                pool.release(slot)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        t = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        return time.perf_counter() - t, got
+
+    in_turn()  # warm-up: graphs for each batch shape, the cost curve
+    at_once()
+    pool.joint.stats = type(pool.joint.stats)()
+    rounds, equal = [], True
+    for r in range(args.rounds):
+        (t_seq, want), (t_par, got) = in_turn(), at_once()
+        equal = equal and got == want
+        tokens = sum(k for _, k in want)
+        rounds.append({"in_turn_tok_s": tokens / t_seq, "at_once_tok_s": tokens / t_par, "ratio": t_seq / t_par})
+        print(f"round {r + 1}/{args.rounds}: {rounds[-1]['ratio']:.2f}x", file=sys.stderr)
+    st = pool.joint.stats
+    ratio = statistics.median(x["ratio"] for x in rounds)
+    command = "python scripts/bench_parallel.py " + " ".join(sys.argv[1:])
+    lines = [f"# A slot pool against one request at a time: `{command}`", "",
+             f"{platform.machine()}, {args.threads} threads, {target.name} + the shipped head (adaptive), {n} chat "
+             f"requests of up to {args.steps} tokens at temperature 0, {args.rounds} interleaved rounds.", "",
+             "| | aggregate tok/s (median) |", "|---|---|",
+             f"| one after another (Eagle3Llama) | {statistics.median(x['in_turn_tok_s'] for x in rounds):.1f} |",
+             f"| at once ({n} slots, one shared batch) | {statistics.median(x['at_once_tok_s'] for x in rounds):.1f} |",
+             "", f"At once against one after another, median of per-round ratios: **{ratio:.2f}x** "
+             f"(rounds: {', '.join(format(x['ratio'], '.2f') for x in rounds)}). Every answer equal to its "
+             f"alone-answer: {'yes' if equal else 'NO'}.", "",
+             f"Shared batches: {st.decodes} decodes of {st.rows} rows, {st.sequences / max(st.decodes, 1):.2f} "
+             f"sequences per decode (decodes by sequences: {dict(sorted(st.by_sequences.items()))}); "
+             f"{st.seconds:.2f} s in them."]
+    print("\n".join(lines))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "slots.md").write_text("\n".join(lines) + "\n")
+        (args.out / "slots.json").write_text(json.dumps({"command": command, "rounds": rounds, "equal": equal,
+                                                        "joint": vars(st)}, indent=1))
+    pool.close()
+    engine.call(llm.close)
+    engine.close()
+
+
+def run_serve(args) -> None:
+    """--serve N: `eagle3-gguf serve` with --parallel 1 and with --parallel N, the same N chat requests sent
+    at once to each (half of them streamed), interleaved per round."""
+    import http.client
+    import subprocess
+    import threading
+    from contextlib import ExitStack, closing
+
+    from serving import free_port, stop, wait_ready
+
+    from eagle3_gguf.assets import default_head_path
+
+    target = args.target or smollm2_path()
+    n = args.serve
+    msgs = [[{"role": "user", "content": p}] for p in PROMPTS[:n]]
+
+    def ask(port: int, i: int) -> tuple[str, int]:
+        body = {"messages": msgs[i], "max_tokens": args.steps, "temperature": 0, "repeat_penalty": 1.0,
+                "stream": i % 2 == 1}
+        with closing(http.client.HTTPConnection("127.0.0.1", port, timeout=600)) as c:
+            c.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+            data = c.getresponse().read().decode()
+        if not body["stream"]:
+            answer = json.loads(data)
+            return answer["choices"][0]["message"]["content"], answer["usage"]["completion_tokens"]
+        parts = [json.loads(line[6:])["choices"][0]["delta"].get("content") or "" for line in data.splitlines()
+                 if line.startswith("data: {")]
+        return "".join(parts), sum(1 for x in parts if x)
+
+    def at_once(port: int) -> tuple[float, list]:
+        got: list = [None] * n
+
+        def one(i: int) -> None:
+            got[i] = ask(port, i)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        t = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        return time.perf_counter() - t, got
+
+    with ExitStack() as stack:
+        ports = {}
+        for par in (1, n):
+            port = free_port()
+            cmd = [sys.executable, "-m", "eagle3_gguf.cli.main", "serve", "-m", str(target), "--draft",
+                   str(default_head_path()), "--port", str(port), "-t", str(args.threads), "-c", str(1024 * par),
+                   "--parallel", str(par)]
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stack.callback(stop, proc)
+            wait_ready(proc, port)
+            ports[par] = port
+        for par in ports:  # warm-up
+            at_once(ports[par])
+        rounds, equal = [], True
+        for r in range(args.rounds):
+            (t_one, want), (t_par, got) = at_once(ports[1]), at_once(ports[n])
+            equal = equal and [text for text, _ in got] == [text for text, _ in want]
+            tokens = sum(k for _, k in want)
+            rounds.append({"parallel_1_tok_s": tokens / t_one, f"parallel_{n}_tok_s": tokens / t_par,
+                           "ratio": t_one / t_par})
+            print(f"round {r + 1}/{args.rounds}: {rounds[-1]['ratio']:.2f}x", file=sys.stderr)
+    ratio = statistics.median(x["ratio"] for x in rounds)
+    command = "python scripts/bench_parallel.py " + " ".join(sys.argv[1:])
+    lines = [f"# serve --parallel {n} against --parallel 1: `{command}`", "",
+             f"{platform.machine()}, {args.threads} threads, {target.name} + the shipped head (adaptive), {n} chat "
+             f"requests of up to {args.steps} tokens at temperature 0 sent at once (every other one streamed), "
+             f"{args.rounds} interleaved rounds; a slot's context is 1,024 either way.", "",
+             "| server | aggregate tok/s (median) |", "|---|---|",
+             f"| --parallel 1 (requests queue) | {statistics.median(x['parallel_1_tok_s'] for x in rounds):.1f} |",
+             f"| --parallel {n} | {statistics.median(x[f'parallel_{n}_tok_s'] for x in rounds):.1f} |", "",
+             f"--parallel {n} against --parallel 1, median of per-round ratios: **{ratio:.2f}x** "
+             f"(rounds: {', '.join(format(x['ratio'], '.2f') for x in rounds)}). Every answer the same from both: "
+             f"{'yes' if equal else 'NO'}."]
+    print("\n".join(lines))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "serve.md").write_text("\n".join(lines) + "\n")
+        (args.out / "serve.json").write_text(json.dumps({"command": command, "rounds": rounds, "equal": equal},
+                                                        indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, default=None, help="target GGUF (default: SmolLM2-135M Q4_1)")
@@ -72,8 +242,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None, help="write results.md and results.json here")
+    ap.add_argument("--slots", type=int, default=0, help="measure a SlotPool of this many slots instead")
+    ap.add_argument("--serve", type=int, default=0, help="measure serve --parallel N against --parallel 1 instead")
     args = ap.parse_args()
     install_log_callback()
+    if args.slots:
+        run_slots(args)
+        return
+    if args.serve:
+        run_serve(args)
+        return
     ns = [int(x) for x in args.ns.split(",")]
     target = args.target or smollm2_path()
     model = Model(target)
