@@ -119,7 +119,7 @@ def build_app(config: ServeConfig):
                 llm = engine.adopt_llama(engine.call(load, settings))
                 try:
                     if config.parallel > 1:
-                        SLOTS.pool = SlotPool(llm, config.parallel, config.n_ctx, engine)
+                        SLOTS.pool = SlotPool(llm, config.parallel, engine)
                 except BaseException:
                     engine.call(llm.close)
                     raise
@@ -137,7 +137,8 @@ def build_app(config: ServeConfig):
             return super().__call__(model)
 
     extra = {} if config.n_threads is None else {"n_threads": config.n_threads, "n_threads_batch": config.n_threads}
-    # parallel: the Eagle3Llama's own context only calibrates; slots keep no logits per row (no logprobs)
+    # parallel: every slot gets a context as large as the Eagle3Llama's own (-c / N, padded by llama.cpp as a
+    # lone Llama's is), which only calibrates; slots keep no logits per row (no logprobs)
     n_ctx = config.n_ctx // config.parallel
     if config.parallel > 1:
         extra["logits_all"] = False

@@ -21,7 +21,8 @@ cuts a batch into ubatches with equally many rows per sequence and consecutive s
 inputs come back in ubatch order: so a batch takes the slots handing in as many rows as the longest-waiting
 one, sorted by sequence, and each reads its rows back at its offset.
 
-Limits: a slot's context is the pool's n_ctx / N (llama-server splits its context so too); the adaptive
+Limits: a slot's context is as large as the Eagle3Llama's own (serve makes that -c / N, as llama-server
+splits its context; llama.cpp pads it to a multiple of 256 either way, as a lone Llama's); the adaptive
 policy uses the single-sequence cost curve the Eagle3Llama calibrated; a slot never falls back to plain
 Llama decoding (sequence 0 of the shared context), so draft_max 0, an empty prompt and
 generate(reset=False) are errors there; logits_all and a prompt cache are refused at setup.
@@ -45,7 +46,6 @@ from .session import Eagle3Session
 from .stats import SpecStats
 
 GRACE = 0.25  # how long a batch waits for slots away with a token, in decodes (the last one's time)
-MIN_SLOT_CTX = 64  # fewer cells per slot than this cannot hold a chat prompt and an answer
 
 
 @dataclass(eq=False)
@@ -337,25 +337,22 @@ class SlotLlama(Eagle3Llama):
 
 class SlotPool:
     """N slots over one Eagle3Llama's model and head: `acquire()` a free one, use it as an Eagle3Llama,
-    `release()` it. The target context (n_ctx cells in all, n_ctx // n per slot) and the N head contexts
-    are made here; the Eagle3Llama keeps its own context (its cost calibration ran there). `engine` is the
-    thread the Eagle3Llama was built on (`Engine.call`): every graph of the pool and of the Eagle3Llama's
-    contexts runs there from now on.
+    `release()` it. The target context (a KV stream per slot as large as the Eagle3Llama's context) and the N
+    head contexts are made here; the Eagle3Llama keeps its own context (its cost calibration ran there).
+    `engine` is the thread the Eagle3Llama was built on (`Engine.call`): every graph of the pool and of the
+    Eagle3Llama's contexts runs there from now on.
 
         engine = Engine()
-        llm = engine.call(lambda: Eagle3Llama(model_path=..., draft_model_path=...))
-        pool = SlotPool(llm, 4, 4096, engine)
+        llm = engine.call(lambda: Eagle3Llama(model_path=..., draft_model_path=..., n_ctx=1024))
+        pool = SlotPool(llm, 4, engine)   # 4 slots of 1024
     """
 
-    def __init__(self, llm: Eagle3Llama, n: int, n_ctx: int, engine: Engine):
+    def __init__(self, llm: Eagle3Llama, n: int, engine: Engine):
         if not isinstance(llm, Eagle3Llama) or isinstance(llm, SlotLlama):
             raise Eagle3Error("SlotPool needs an Eagle3Llama")
         if n < 1:
             raise Eagle3Error(f"a slot pool needs at least one slot (got {n})")
-        n_slot = n_ctx // n
-        if n_slot < MIN_SLOT_CTX:
-            raise Eagle3Error(f"a context of {n_ctx} split over {n} slots leaves {n_slot} tokens each: raise -c "
-                              f"to at least {MIN_SLOT_CTX * n} or lower --parallel")
+        n_slot = llm._n_ctx  # the cells llama.cpp gave its context: every slot answers as it would alone
         if llm._logits_all:
             raise Eagle3Error("parallel slots do not keep every row's logits: create the Llama with logits_all=False")
         if llm.cache is not None:

@@ -84,7 +84,7 @@ def run_slots(args) -> None:
     engine = Engine()  # every graph of both contenders on one thread: ggml's OpenMP team is per thread
     llm = engine.call(lambda: Eagle3Llama(str(target), default_head_path(), n_ctx=1024, n_threads=args.threads,
                                           verbose=False))
-    pool = SlotPool(llm, n, 1024 * n, engine)
+    pool = SlotPool(llm, n, engine)
     msgs = [[{"role": "user", "content": p}] for p in PROMPTS[:n]]
 
     def ask(model, m) -> tuple[str, int]:

@@ -17,11 +17,10 @@ from .generate import (DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_POL
 
 
 MAX_PARALLEL = 64
+MIN_SLOT_CTX = 64  # fewer tokens per slot than this cannot hold a chat prompt and an answer
 
 
 def check_parallel(parallel: int, n_ctx: int, draft_max: int, interrupt_requests: bool) -> None:
-    from ..slots import MIN_SLOT_CTX
-
     if not 1 <= parallel <= MAX_PARALLEL:
         raise Eagle3Error(f"--parallel must be in 1..{MAX_PARALLEL} (got {parallel})")
     if parallel == 1:
