@@ -3,6 +3,7 @@
 and checking every answer against the answer a plain `llama_cpp.Llama` gives the same request alone.
 
     python scripts/soak.py serve --requests 1000            # SmolLM2 + the shipped head, 4 clients
+    python scripts/soak.py serve --requests 1000 --parallel 4   # the same, 4 requests at once in one batch
     python scripts/soak.py llama --requests 1000
     python scripts/soak.py serve -m T.gguf --draft H.gguf --requests 120 --json out.json
 
@@ -19,7 +20,9 @@ with a trim every 100 return to the same RSS each time). Raw RSS is reported too
 
 Pass criteria (exit 0 only if all hold): every compared answer equals its alone-answer; memory held at the
 end is within --rss-tolerance (5%) of memory held after warm-up (every distinct request once, or the first --warmup fraction of the requests if more); open fds
-and threads do not grow after warm-up. Figures go to stdout and, with --json, to a file.
+and threads do not grow after warm-up (medians of three samples; against serve by at most one: the server's
+worker threads and connections come and go with how requests overlap). Samples are taken between requests: the
+clients pause until the ones in flight have finished. Figures go to stdout and, with --json, to a file.
 """
 
 from __future__ import annotations
@@ -243,26 +246,36 @@ class Report:
 def run_requests(reqs: list[Request], answer, want: dict[Request, str], pid: int, clients: int, n_warm: int,
                  every: int, report: Report) -> None:
     """Send reqs through `answer(r) -> str` from `clients` threads, sampling process `pid`; the baseline is
-    taken after the first n_warm requests."""
-    lock = threading.Lock()
+    taken after the first n_warm requests. A sample waits for the requests in flight to finish (the clients
+    pause meanwhile), so what they hold for the moment (several at once with serve --parallel) is not
+    counted as memory held."""
+    cond = threading.Condition()
     todo = list(enumerate(reqs))
     todo.reverse()
     t0 = time.monotonic()
-    state = {"done": 0}
+    state = {"done": 0, "busy": 0, "sample_due": False}
     report.samples.append(sample(pid, 0, t0))
 
     def worker() -> None:
         while True:
-            with lock:
+            with cond:
+                while state["sample_due"]:
+                    if state["busy"] == 0:
+                        report.samples.append(sample(pid, state["done"], t0))
+                        state["sample_due"] = False
+                        cond.notify_all()
+                    else:
+                        cond.wait()
                 if not todo:
                     return
                 i, r = todo.pop()
+                state["busy"] += 1
             try:
                 got = answer(r)
                 err = None
             except Exception as e:  # recorded; the soak fails on any
                 got, err = None, f"request {i} {r}: {type(e).__name__}: {e}"
-            with lock:
+            with cond:
                 if err is not None:
                     report.errors.append(err)
                 elif r.drop_after:
@@ -274,10 +287,12 @@ def run_requests(reqs: list[Request], answer, want: dict[Request, str], pid: int
                         report.equal += 1
                     elif len(report.mismatches) < 10:
                         report.mismatches.append({"request": asdict(r), "got": got, "want": want[r]})
+                state["busy"] -= 1
                 state["done"] += 1
                 done = state["done"]
                 if done == n_warm or done % every == 0 or done == len(reqs):
-                    report.samples.append(sample(pid, done, t0))
+                    state["sample_due"] = True
+                cond.notify_all()
 
     threads = [threading.Thread(target=worker) for _ in range(clients)]
     for t in threads:
@@ -296,15 +311,16 @@ def run_requests(reqs: list[Request], answer, want: dict[Request, str], pid: int
     report.rss_growth = round((report.rss_end_mib - report.rss_warm_mib) / report.rss_warm_mib, 4)
     report.raw_rss_warm_mib, report.raw_rss_end_mib = median(warm, "rss_mib"), median(end, "rss_mib")
     report.raw_rss_max_after_warm_mib = max(s.rss_mib for s in after)
-    report.fds_warm, report.fds_end = after[0].fds, after[-1].fds
-    report.threads_warm, report.threads_end = after[0].threads, after[-1].threads
+    report.fds_warm, report.fds_end = median(warm, "fds"), median(end, "fds")
+    report.threads_warm, report.threads_end = median(warm, "threads"), median(end, "threads")
 
 
 def soak_serve(args, reqs, want, report: Report) -> None:
     port = free_port()
     alias = "soak"
     cmd = [sys.executable, "-m", "eagle3_gguf.cli.main", "serve", "-m", args.model, "--draft", args.draft, "--port",
-           str(port), "-c", str(args.ctx), "-t", str(args.threads), "--alias", alias]
+           str(port), "-c", str(args.ctx * args.parallel), "-t", str(args.threads), "--alias", alias,
+           "--parallel", str(args.parallel)]
     log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
     try:
@@ -338,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft", help="head GGUF (default: the shipped head)")
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--clients", type=int, default=4, help="concurrent HTTP clients (serve)")
+    p.add_argument("--parallel", type=int, default=1, help="serve --parallel: slots of -c tokens each (serve)")
     p.add_argument("-c", "--ctx", type=int, default=384)
     p.add_argument("-t", "--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -362,10 +379,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(pool)} distinct requests answered alone in {time.monotonic() - t0:.0f} s", file=sys.stderr)
     report = Report(args.mode, args.model, args.draft, len(reqs), 0, 0, 0)
     (soak_serve if args.mode == "serve" else soak_llama)(args, reqs, want, report)
+    # serve: the server's worker threads and connections come and go with how requests overlap (a leak grows
+    # with the requests)
+    slack = 1 if args.mode == "serve" else 0
     report.passed = (not report.errors and report.equal == report.compared
                      and report.compared + report.dropped == len(reqs)
                      and abs(report.rss_growth) <= args.rss_tolerance
-                     and report.fds_end <= report.fds_warm and report.threads_end <= report.threads_warm)
+                     and report.fds_end <= report.fds_warm + slack
+                     and report.threads_end <= report.threads_warm + slack)
     summary = {k: v for k, v in asdict(report).items() if k != "samples"}
     print(json.dumps(summary, indent=2))
     if args.json:

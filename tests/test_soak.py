@@ -1,5 +1,6 @@
 """The soak (scripts/soak.py), short: >= 100 mixed requests against serve and against one Eagle3Llama on the
-tiny pair; every answer equals its alone-answer, memory after warm-up stays within 5%, no handles leak."""
+tiny pair (serve also with --parallel 4: slots of the same context, answers past its end included); every answer
+equals its alone-answer, memory after warm-up stays within 5%, no handles leak."""
 
 from __future__ import annotations
 
@@ -14,14 +15,14 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, n", [("serve", 100), ("llama", 100)])
-def test_short_soak(tmp_path, tiny_target, tiny_head, mode, n):
+@pytest.mark.parametrize("mode, n, parallel", [("serve", 100, 1), ("serve", 100, 4), ("llama", 100, 1)])
+def test_short_soak(tmp_path, tiny_target, tiny_head, mode, n, parallel):
     if mode == "serve":
         pytest.importorskip("uvicorn")
     out = tmp_path / "soak.json"
     r = subprocess.run([sys.executable, str(SCRIPT), mode, "-m", str(tiny_target), "--draft", str(tiny_head),
                         "--requests", str(n), "-c", "160", "--sample-every", "10", "--drop-rate", "0.05",
-                        "--server-log", str(tmp_path / "serve.log"), "--json", str(out)],
+                        "--server-log", str(tmp_path / "serve.log"), "--json", str(out), "--parallel", str(parallel)],
                        capture_output=True, text=True, timeout=900)
     report = json.loads(out.read_text())
     summary = {k: v for k, v in report.items() if k != "samples"}
