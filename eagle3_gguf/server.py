@@ -263,6 +263,7 @@ async def slot_llama_proxy():
     pool = SLOTS.pool
     if SLOTS.free is None:
         SLOTS.free = asyncio.Semaphore(len(pool.slots))
+    free = SLOTS.free  # this request's, even if the model were loaded again meanwhile
     rid = next(_request_ids)
     ahead = QUEUE.waiting + QUEUE.running - len(pool.slots) + 1
     if ahead > 0:
@@ -270,7 +271,7 @@ async def slot_llama_proxy():
     QUEUE.waiting += 1
     t0 = time.monotonic()
     try:
-        await SLOTS.free.acquire()
+        await free.acquire()
     finally:
         QUEUE.waiting -= 1
     slot = pool.try_acquire()  # the semaphore's permit guarantees one
@@ -289,7 +290,7 @@ async def slot_llama_proxy():
             trim_heap()
         finally:
             pool.release(slot)
-            SLOTS.free.release()
+            free.release()
 
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter

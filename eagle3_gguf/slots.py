@@ -30,6 +30,7 @@ generate(reset=False) are errors there; logits_all and a prompt cache are refuse
 
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 import time
@@ -59,6 +60,7 @@ class _Rows:
     seconds: float = 0.0  # how long the shared decode took
     error: BaseException | None = None
     done: bool = False
+    alone: bool = False  # a shared decode with it failed: it goes again by itself
 
 
 @dataclass
@@ -79,6 +81,7 @@ class Engine:
 
     def __init__(self):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
         self._thread = threading.Thread(target=self._serve, name="eagle3-engine", daemon=True)
         self._thread.start()
 
@@ -89,21 +92,31 @@ class Engine:
             except BaseException as e:  # the caller's
                 job.error = e
             job.done.release()
+            del job  # nothing of the last job (its result may be a model) outlives it here
 
     def call(self, fn, *args):
         if threading.current_thread() is self._thread:  # already here (a graph call inside a called function)
             return fn(*args)
+        if not self._thread.is_alive() or self._closed:
+            raise Eagle3Error("the engine thread is closed")
         job = _Job(fn, args)
         self._jobs.put(job)
-        job.done.acquire()
+        try:
+            job.done.acquire()
+        except BaseException:  # interrupted: the engine still runs it, on memory the caller may free next
+            job.done.acquire()
+            raise
         if job.error is not None:
             raise job.error
         return job.result
 
     def adopt(self, ctx: Context) -> Context:
-        """Run ctx's graphs (decode, encode, process) on this thread."""
+        """Run ctx's graphs (decode, encode, process) on this thread (once: adopting again does nothing)."""
+        if getattr(ctx, "_engine", None) is self:
+            return ctx
         run = ctx._run
         ctx._run = lambda graph, *args: self.call(run, graph, *args)
+        ctx._engine = self
         return ctx
 
     def adopt_llama(self, llm: Eagle3Llama) -> Eagle3Llama:
@@ -112,12 +125,16 @@ class Engine:
         self.adopt(llm._e3_pair.target)
         self.adopt(llm._e3_pair.head)
         ctx = llm._ctx
-        for name in ("decode", "encode"):
-            method = getattr(ctx, name)
-            setattr(ctx, name, lambda batch, method=method: self.call(method, batch))
+        if getattr(ctx, "_engine", None) is not self:
+            for name in ("decode", "encode"):
+                method = getattr(ctx, name)
+                setattr(ctx, name, lambda batch, method=method: self.call(method, batch))
+            ctx._engine = self
         return llm
 
     def close(self) -> None:
+        """Stop the thread once the jobs handed in so far have run."""
+        self._closed = True
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join()
@@ -146,37 +163,34 @@ class JointTarget:
         self.batch = Batch(capacity)
         self.stats = JointStats()
         self._cond = threading.Condition()
-        self._members = 0  # slots inside a generation
-        self._present = 0  # of them, those not away with a token
+        self._present = 0  # slots generating and not away with a token
+        self._away: dict[int, float] = {}  # slots generating but away with a token: sequence -> since when
         self._waiting: list[_Rows] = []
         self._busy = False  # a decode runs (outside the lock)
-        self._last_seconds = 0.0  # the last decode's time: how long a batch waits for slots that are away
+        self._seconds: dict[int, float] = {}  # the last decode's time by rows per slot: how long to wait
 
     def close(self) -> None:
         self.batch.close()
 
-    def begin(self) -> None:
-        """A slot's generation starts."""
-        with self._cond:
-            self._members += 1
-
-    def end(self) -> None:
-        """A slot's generation ends (it has left already)."""
-        with self._cond:
-            self._members -= 1
-            self._cond.notify_all()
-
-    def enter(self) -> None:
+    def enter(self, seq: int) -> None:
         """A slot starts or resumes generating: batches wait for its rows."""
         with self._cond:
             while self._busy:  # its work would compete with the decode for the cores
                 self._cond.wait()
+            self._away.pop(seq, None)
             self._present += 1
 
-    def leave(self) -> None:
-        """A slot yields a token to its caller, or ends: batches no longer wait for it."""
+    def leave(self, seq: int) -> None:
+        """A slot yields a token to its caller (it is away), or ends (end() follows)."""
         with self._cond:
             self._present -= 1
+            self._away[seq] = time.perf_counter()
+            self._cond.notify_all()
+
+    def end(self, seq: int) -> None:
+        """A slot's generation is over: batches no longer wait for it."""
+        with self._cond:
+            self._away.pop(seq, None)
             self._cond.notify_all()
 
     def seq_rm(self, seq: int, p0: int, p1: int) -> bool:
@@ -193,29 +207,52 @@ class JointTarget:
         rows = _Rows(seq, batch, since=time.perf_counter())
         with self._cond:
             self._waiting.append(rows)
-            while not rows.done:
-                if self._busy or len(self._waiting) < self._present:
-                    self._cond.wait()
-                    continue
-                # every present slot is waiting; one that is away with a token comes back within a fraction
-                # of a decode (its caller's work on a token) and is worth waiting for, up to a quarter of one
-                late = self._waiting[0].since + GRACE * self._last_seconds - time.perf_counter()
-                if len(self._waiting) < self._members and late > 0:
-                    self._cond.wait(late)
-                    continue
-                self._lead()
+            try:
+                while not rows.done:
+                    if self._busy or len(self._waiting) < self._present:
+                        self._cond.wait()
+                        continue
+                    late = self._late()
+                    if late > 0:
+                        self._cond.wait(late)
+                        continue
+                    self._lead()
+            except BaseException:  # interrupted while waiting: its rows must not go in a later batch
+                if rows in self._waiting:
+                    self._waiting.remove(rows)
+                    self._cond.notify_all()
+                raise
         if rows.error is not None:
             raise rows.error
         return rows.row0, rows.seconds
+
+    def _late(self) -> float:
+        """How much longer the batch of the longest-waiting rows waits for slots that are away with a token
+        (0: go). A slot's caller usually hands it back within a fraction of a decode, and its rows are worth
+        a quarter of one; one that has been away longer than a decode (a slow client) is not waited for."""
+        first = self._waiting[0]
+        decode = self._seconds.get(first.batch.n_rows, 0.0)
+        now = time.perf_counter()
+        if not any(now - since < decode for since in self._away.values()):
+            return 0.0
+        return first.since + GRACE * decode - now
 
     def _lead(self) -> None:
         """Decode the waiting slots that hand in as many rows as the longest-waiting one, in order of
         sequence (called holding the lock; decodes without). Each sequence has its own KV stream, and
         llama.cpp splits such a batch into ubatches of equally many rows per sequence and of consecutive
         sequence ids: with equal counts, sorted, the batch is one ubatch (or one per run of consecutive
-        ids), and the layer inputs come back in batch order, where each slot reads them."""
-        m = self._waiting[0].batch.n_rows
-        take = [rows for rows in self._waiting if rows.batch.n_rows == m][:self.batch.capacity // m]
+        ids), and the layer inputs come back in batch order, where each slot reads them. (So llama.cpp has
+        no outputs to reorder either: the slots read their logits concurrently, and a reorder would move
+        them in place.) Rows whose shared decode failed go again one slot at a time (`alone`), so an error
+        reaches only the slot it belongs to."""
+        first = self._waiting[0]
+        m = first.batch.n_rows
+        if first.alone:
+            take = [first]
+        else:
+            take = [rows for rows in self._waiting if rows.batch.n_rows == m and not rows.alone]
+            take = take[:self.batch.capacity // m]
         take.sort(key=lambda rows: rows.seq)
         for i, rows in enumerate(take):
             rows.row0 = i * m
@@ -230,12 +267,18 @@ class JointTarget:
             self.batch.finish_rows(n)
             t = time.perf_counter()
             self.target.decode(self.batch)
-            seconds = self._last_seconds = time.perf_counter() - t
-        except BaseException as e:  # every slot in this batch gets it
+            seconds = self._seconds[m] = time.perf_counter() - t
+        except BaseException as e:
             error = e
         finally:
             self._cond.acquire()
         self._busy = False
+        if error is not None and len(take) > 1:  # whose rows failed: each goes again alone, first in line
+            for rows in take:
+                rows.row0, rows.alone = -1, True
+            self._waiting[:0] = take
+            self._cond.notify_all()
+            return
         for rows in take:
             rows.seconds, rows.error, rows.done = seconds, error, True
         st = self.stats
@@ -252,18 +295,19 @@ class _SlotTurn:
     """A slot's generation lock (Eagle3Llama's `_e3_running`): holding it is being present in the joint
     batch, so _Turn's take/release around every yield are also the slot's enter/leave."""
 
-    def __init__(self, joint: JointTarget):
+    def __init__(self, joint: JointTarget, seq: int):
         self.joint = joint
+        self.seq = seq
         self._lock = threading.Lock()
 
     def acquire(self, blocking: bool = True) -> bool:
         if not self._lock.acquire(blocking):
             return False
-        self.joint.enter()
+        self.joint.enter(self.seq)
         return True
 
     def release(self) -> None:
-        self.joint.leave()
+        self.joint.leave(self.seq)
         self._lock.release()
 
 
@@ -274,7 +318,7 @@ class SlotSpeculator(Speculator):
         super().__init__(joint.target, session, joint.batch.capacity, base.cost_tag)
         self.joint = joint
         self.seq = seq
-        self.costs = base.costs
+        self.costs = copy.deepcopy(base.costs)  # each slot's policy refines its own
         self.t_target = 0.0  # seconds of the shared decodes this slot's rows were in
         self._decode = self._joint_decode
         self.logits_ith = lambda i: self.target.logits_ith(self.row0 + i)
@@ -322,13 +366,11 @@ class SlotLlama(Eagle3Llama):
         return self._n_ctx
 
     def generate(self, *args, **kwargs):
-        """Eagle3Llama.generate, counted as a member of the joint batch while it runs."""
-        joint = self._e3_spec.joint
-        joint.begin()
+        """Eagle3Llama.generate; when it is over, batches stop waiting for this slot."""
         try:
             return (yield from super().generate(*args, **kwargs))
         finally:
-            joint.end()
+            self._e3_spec.joint.end(self._e3_spec.seq)
 
     def _plain_generate(self, tokens, reset, stopping_criteria, sampling) -> Iterator[int]:
         raise Eagle3Error(f"a parallel slot cannot decode plainly ({self.spec_fallback}): give it a prompt, "
@@ -402,13 +444,14 @@ class SlotPool:
         slot.__dict__.update(llm.__dict__)  # settings, model, tokenizer, chat handler: shared, read only
         slot._ctx = _CtxView(spec.target.ptr)
         slot._n_ctx = self.n_slot_ctx
+        slot.verbose = False  # llama-cpp-python's timings are per context: not a slot's
         slot.input_ids = np.zeros(self.n_slot_ctx, dtype=np.intc)  # [n_slot_ctx]
         slot.n_tokens = 0
         slot._sampler = None
         slot._e3_spec = spec
         slot._e3_pair = None
         slot._e3_head_tokens = []
-        slot._e3_running = _SlotTurn(self.joint)
+        slot._e3_running = _SlotTurn(self.joint, spec.seq)
         slot._e3_generation = 0
         slot._e3_unfinished = False
         slot._e3_budget = None

@@ -123,3 +123,34 @@ def test_engine_computes_every_adopted_graph_on_its_thread(llm, engine, monkeypa
     assert llm.spec_fallback == "draft_max is 0"
     assert decoding == {"eagle3-engine"}
     assert text == llm.create_completion(PROMPTS[0], **plain)["choices"][0]["text"]
+
+
+def test_a_failed_shared_decode_fails_only_its_own_slot(llm, engine):
+    """One slot decodes past its context's end (its KV stream is full) while another answers: the shared batch
+    fails, its rows go again one slot at a time, and only the slot that overflowed gets the error."""
+    want = answer(llm, PROMPTS[2], stream=False)
+    pool = SlotPool(llm, 2, engine)
+    a, b = pool.acquire(), pool.acquire()
+    b.draft_p_min = 0.999  # (this slot only) b's cycles are mostly one row, as a's last ones: they share batches
+    long_prompt = a.tokenize(b"A list of fruits:" * 200)[:a.n_ctx() - 8]
+    got: dict = {}
+
+    def overflow() -> None:
+        try:
+            for _ in a.generate(long_prompt, temp=0.0):
+                pass
+        except Eagle3Error as e:
+            got["a"] = e
+
+    def answers() -> None:
+        got["b"] = answer(b, PROMPTS[2], stream=False)
+
+    threads = [threading.Thread(target=overflow), threading.Thread(target=answers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert "llama_decode failed" in str(got["a"])
+    assert got["b"][0] == want[0]  # its text (it drafted less)
+    pool.release(a)
+    pool.release(b)
