@@ -179,35 +179,25 @@ _request_ids = itertools.count(1)
 
 
 async def queued_llama_proxy():
-    """llama-cpp-python's `get_llama_proxy` (the same two locks, so its other routes share the gate), with
-    the queue counted and logged. The outer lock lets a running stream see that another request waits (for
-    `interrupt_requests`); both locks are FIFO, so requests get the model in arrival order. With slots
-    (`parallel` > 1) a request gets a free slot instead: slot_llama_proxy."""
+    """llama-cpp-python's `get_llama_proxy` with the queue counted and logged: the model (one request at a
+    time, `_take_model`), or with slots (`parallel` > 1) a free slot (`_take_slot`), first come first served."""
     from llama_cpp.server import app as server_app
 
-    if SLOTS.pool is not None:
-        async with contextlib.asynccontextmanager(slot_llama_proxy)() as proxy:
-            yield proxy
-        return
+    pool = SLOTS.pool
+    places = len(pool.slots) if pool is not None else 1
     rid = next(_request_ids)
-    ahead = QUEUE.waiting + QUEUE.running
-    if ahead:
+    ahead = QUEUE.waiting + QUEUE.running - places + 1
+    if ahead > 0:
         log.info("request %d queued: %d ahead (%d running, %d waiting)", rid, ahead, QUEUE.running, QUEUE.waiting)
     QUEUE.waiting += 1
     t0 = time.monotonic()
-    outer, inner = server_app.llama_outer_lock, server_app.llama_inner_lock
     try:
-        await outer.acquire()
-        try:
-            await inner.acquire()
-        finally:
-            outer.release()
+        proxy, release = await (_take_slot(server_app, pool) if pool is not None else _take_model(server_app))
     finally:
         QUEUE.waiting -= 1
     QUEUE.running += 1
-    if ahead:
+    if ahead > 0:
         log.info("request %d started after %.2f s in the queue", rid, time.monotonic() - t0)
-    proxy = server_app._llama_proxy
     before = _spec_stats(proxy)
     try:
         yield proxy
@@ -218,7 +208,37 @@ async def queued_llama_proxy():
             record_speculation(proxy, before)
             trim_heap()
         finally:
-            inner.release()
+            release()
+
+
+async def _take_model(server_app):
+    """The model, through llama-cpp-python's two locks (so its other routes share the gate). The outer one
+    lets a running stream see that another request waits (for `interrupt_requests`); both are FIFO, so
+    requests get the model in arrival order. Returns the proxy and how to give it back."""
+    outer, inner = server_app.llama_outer_lock, server_app.llama_inner_lock
+    await outer.acquire()
+    try:
+        await inner.acquire()
+    finally:
+        outer.release()
+    return server_app._llama_proxy, inner.release
+
+
+async def _take_slot(server_app, pool):
+    """A free slot of the pool, as a proxy whose model is the slot. Returns it and how to give it back."""
+    import asyncio
+
+    if SLOTS.free is None:
+        SLOTS.free = asyncio.Semaphore(len(pool.slots))
+    free = SLOTS.free  # this request's, even if the model were loaded again meanwhile
+    await free.acquire()
+    slot = pool.try_acquire()  # the semaphore's permit guarantees one
+
+    def release() -> None:
+        pool.release(slot)
+        free.release()
+
+    return SlotProxy(server_app._llama_proxy, slot), release
 
 
 @dataclass
@@ -252,45 +272,6 @@ class SlotProxy:
     def __call__(self, model: Optional[str] = None):
         self._proxy(model)  # strict_model's 404, as without slots
         return self._current_model
-
-
-async def slot_llama_proxy():
-    """A free slot, first come first served, the queue counted and logged as for one model."""
-    import asyncio
-
-    from llama_cpp.server import app as server_app
-
-    pool = SLOTS.pool
-    if SLOTS.free is None:
-        SLOTS.free = asyncio.Semaphore(len(pool.slots))
-    free = SLOTS.free  # this request's, even if the model were loaded again meanwhile
-    rid = next(_request_ids)
-    ahead = QUEUE.waiting + QUEUE.running - len(pool.slots) + 1
-    if ahead > 0:
-        log.info("request %d queued: %d ahead (%d running, %d waiting)", rid, ahead, QUEUE.running, QUEUE.waiting)
-    QUEUE.waiting += 1
-    t0 = time.monotonic()
-    try:
-        await free.acquire()
-    finally:
-        QUEUE.waiting -= 1
-    slot = pool.try_acquire()  # the semaphore's permit guarantees one
-    QUEUE.running += 1
-    if ahead > 0:
-        log.info("request %d started after %.2f s in the queue", rid, time.monotonic() - t0)
-    proxy = SlotProxy(server_app._llama_proxy, slot)
-    before = slot.spec_stats
-    try:
-        yield proxy
-    finally:
-        QUEUE.running -= 1
-        QUEUE.served += 1
-        try:
-            record_speculation(proxy, before)
-            trim_heap()
-        finally:
-            pool.release(slot)
-            free.release()
 
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter
