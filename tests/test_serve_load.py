@@ -110,6 +110,26 @@ def run_clients(port: int, reqs: list[dict]) -> list[str | BaseException]:
     return results
 
 
+def answers_while_a_stream_drops(port: int, log: Path, reqs: list[dict], stream_tokens: int,
+                                 queued: int) -> list[str]:
+    """A streaming client holds the model (or a slot) while `reqs` arrive at once from their own clients; it
+    drops its stream once `queued` of them are logged as queued. Each request's answer, or repr of its error."""
+    conn, dropped = start_stream(port, max_tokens=stream_tokens)
+    assert len(read_events(dropped, 2)) == 2
+
+    def drop_once_queued() -> None:  # gone mid-stream, with requests queued behind it
+        deadline = time.monotonic() + 30
+        while log.read_text().count("queued:") < queued and time.monotonic() < deadline:
+            time.sleep(0.01)
+        conn.close()
+
+    dropper = threading.Thread(target=drop_once_queued)
+    dropper.start()
+    got = run_clients(port, reqs)
+    dropper.join()
+    return [g if isinstance(g, str) else repr(g) for g in got]
+
+
 @pytest.mark.slow
 def test_sixteen_concurrent_clients_and_a_dropped_stream(tiny_target, tiny_head, plain, tmp_path):
     """16 clients at once (half streaming, chat and completion, 8..300 tokens) each get exactly the greedy answer
@@ -118,20 +138,7 @@ def test_sixteen_concurrent_clients_and_a_dropped_stream(tiny_target, tiny_head,
     want = [alone_answer(plain, r) for r in reqs]
     log = tmp_path / "serve.log"
     with serving_logged(tiny_target, tiny_head, log, "-c", str(LONG_CTX)) as (proc, port):
-        conn, dropped = start_stream(port, max_tokens=LONG_CTX)  # holds the model while the 16 arrive
-        assert len(read_events(dropped, 2)) == 2
-
-        def drop_once_queued() -> None:  # gone mid-stream, with the 16 queued behind it
-            deadline = time.monotonic() + 30
-            while log.read_text().count("queued:") < 8 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            conn.close()
-
-        dropper = threading.Thread(target=drop_once_queued)
-        dropper.start()
-        got = run_clients(port, reqs)
-        dropper.join()
-        assert [g if isinstance(g, str) else repr(g) for g in got] == want
+        assert answers_while_a_stream_drops(port, log, reqs, stream_tokens=LONG_CTX, queued=8) == want
         after = request_for(3)
         assert ask(openai_client(port), after) == alone_answer(plain, after)
         assert proc.poll() is None
@@ -170,20 +177,7 @@ def test_parallel_slots_answer_as_alone(tiny_target, tiny_head, plain, tmp_path)
     want = [alone_answer(plain, r) for r in reqs]
     log = tmp_path / "serve.log"
     with serving_logged(tiny_target, tiny_head, log, "-c", str(4 * N_CTX), "--parallel", "4") as (proc, port):
-        conn, dropped = start_stream(port, max_tokens=N_CTX - 8)  # holds a slot while the 10 arrive
-        assert len(read_events(dropped, 2)) == 2
-
-        def drop_once_queued() -> None:
-            deadline = time.monotonic() + 30
-            while log.read_text().count("queued:") < 4 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            conn.close()
-
-        dropper = threading.Thread(target=drop_once_queued)
-        dropper.start()
-        got = run_clients(port, reqs)
-        dropper.join()
-        assert [g if isinstance(g, str) else repr(g) for g in got] == want
+        assert answers_while_a_stream_drops(port, log, reqs, stream_tokens=N_CTX - 8, queued=4) == want
         after = request_for(5)
         assert ask(openai_client(port), after) == alone_answer(plain, after)
         with closing(http.client.HTTPConnection("127.0.0.1", port, timeout=10)) as c:
