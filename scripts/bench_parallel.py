@@ -17,6 +17,9 @@ median over rounds. Aggregate tok/s = N * steps / seconds; per-sequence tok/s = 
 requests at once from N threads on a SlotPool of N slots, interleaved per round. Reports aggregate tok/s
 of both, their ratio per round, whether every answer equals its alone-answer, and how many sequences the
 shared batches held.
+
+--serve N: `eagle3-gguf serve --parallel N` against `serve --parallel 1`, the same N chat requests sent to
+each at once (every other one streamed), interleaved per round: aggregate tok/s of both and their ratio.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import json
 import platform
 import statistics
 import sys
+import threading
 import time
+from typing import Callable
 from pathlib import Path
 
 import numpy as np
@@ -72,9 +77,61 @@ def run(ctx: Context, batch: Batch, prompts: list[list[int]], steps: int) -> flo
     return time.perf_counter() - t
 
 
-def run_slots(args) -> None:
-    import threading
+def at_once(one: Callable[[int], tuple[str, int]], n: int) -> tuple[float, list]:
+    """one(0), ..., one(n - 1) from n threads started together: the seconds until all are done, and their
+    answers (text, tokens) in order."""
+    got: list = [None] * n
 
+    def run_one(i: int) -> None:
+        got[i] = one(i)
+
+    threads = [threading.Thread(target=run_one, args=(i,)) for i in range(n)]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return time.perf_counter() - t, got
+
+
+def interleave(first, second, keys: tuple[str, str], rounds: int) -> tuple[list[dict], bool]:
+    """first() then second() (each: seconds, answers) every round: each one's aggregate tok/s (the tokens of
+    first's answers) under its key, first's time over second's as the ratio; and whether they always agreed."""
+    out, equal = [], True
+    for r in range(rounds):
+        (t_first, want), (t_second, got) = first(), second()
+        equal = equal and got == want
+        tokens = sum(k for _, k in want)
+        out.append({keys[0]: tokens / t_first, keys[1]: tokens / t_second, "ratio": t_first / t_second})
+        print(f"round {r + 1}/{rounds}: {out[-1]['ratio']:.2f}x", file=sys.stderr)
+    return out, equal
+
+
+def contest_lines(rounds: list[dict], keys: tuple[str, str], labels: tuple[str, str], column: str,
+                  versus: str, agreed: str, equal: bool) -> list[str]:
+    """The table of both contenders' median aggregate tok/s and the sentence on their per-round ratios."""
+    ratio = statistics.median(x["ratio"] for x in rounds)
+    return [f"|{f' {column}' if column else ''} | aggregate tok/s (median) |", "|---|---|",
+            *(f"| {label} | {statistics.median(x[key] for x in rounds):.1f} |" for key, label in zip(keys, labels)),
+            "", f"{versus}, median of per-round ratios: **{ratio:.2f}x** "
+            f"(rounds: {', '.join(format(x['ratio'], '.2f') for x in rounds)}). Every answer {agreed}: "
+            f"{'yes' if equal else 'NO'}."]
+
+
+def publish(args, name: str, lines: list[str], payload: dict) -> None:
+    """Print the report; with --out, write it as NAME.md and the figures as NAME.json."""
+    print("\n".join(lines))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
+        (args.out / f"{name}.json").write_text(json.dumps(payload, indent=1))
+
+
+def command() -> str:
+    return "python scripts/bench_parallel.py " + " ".join(sys.argv[1:])
+
+
+def run_slots(args) -> None:
     from eagle3_gguf.assets import default_head_path
     from eagle3_gguf.llama import Eagle3Llama
     from eagle3_gguf.slots import Engine, SlotPool
@@ -96,55 +153,28 @@ def run_slots(args) -> None:
         got = [ask(llm, m) for m in msgs]
         return time.perf_counter() - t, got
 
-    def at_once() -> tuple[float, list]:
-        got: list = [None] * n
-
-        def one(i: int) -> None:
-            slot = pool.acquire()
-            try:
-                got[i] = ask(slot, msgs[i])
-            finally:
-                pool.release(slot)
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-        t = time.perf_counter()
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        return time.perf_counter() - t, got
+    def on_a_slot(i: int) -> tuple[str, int]:
+        slot = pool.acquire()
+        try:
+            return ask(slot, msgs[i])
+        finally:
+            pool.release(slot)
 
     in_turn()  # warm-up: graphs for each batch shape, the cost curve
-    at_once()
+    at_once(on_a_slot, n)
     pool.joint.stats = type(pool.joint.stats)()
-    rounds, equal = [], True
-    for r in range(args.rounds):
-        (t_seq, want), (t_par, got) = in_turn(), at_once()
-        equal = equal and got == want
-        tokens = sum(k for _, k in want)
-        rounds.append({"in_turn_tok_s": tokens / t_seq, "at_once_tok_s": tokens / t_par, "ratio": t_seq / t_par})
-        print(f"round {r + 1}/{args.rounds}: {rounds[-1]['ratio']:.2f}x", file=sys.stderr)
+    keys = ("in_turn_tok_s", "at_once_tok_s")
+    rounds, equal = interleave(in_turn, lambda: at_once(on_a_slot, n), keys, args.rounds)
     st = pool.joint.stats
-    ratio = statistics.median(x["ratio"] for x in rounds)
-    command = "python scripts/bench_parallel.py " + " ".join(sys.argv[1:])
-    lines = [f"# A slot pool against one request at a time: `{command}`", "",
+    lines = [f"# A slot pool against one request at a time: `{command()}`", "",
              f"{platform.machine()}, {args.threads} threads, {target.name} + the shipped head (adaptive), {n} chat "
              f"requests of up to {args.steps} tokens at temperature 0, {args.rounds} interleaved rounds.", "",
-             "| | aggregate tok/s (median) |", "|---|---|",
-             f"| one after another (Eagle3Llama) | {statistics.median(x['in_turn_tok_s'] for x in rounds):.1f} |",
-             f"| at once ({n} slots, one shared batch) | {statistics.median(x['at_once_tok_s'] for x in rounds):.1f} |",
-             "", f"At once against one after another, median of per-round ratios: **{ratio:.2f}x** "
-             f"(rounds: {', '.join(format(x['ratio'], '.2f') for x in rounds)}). Every answer equal to its "
-             f"alone-answer: {'yes' if equal else 'NO'}.", "",
+             *contest_lines(rounds, keys, ("one after another (Eagle3Llama)", f"at once ({n} slots, one shared batch)"),
+                            "", "At once against one after another", "equal to its alone-answer", equal), "",
              f"Shared batches: {st.decodes} decodes of {st.rows} rows, {st.sequences / max(st.decodes, 1):.2f} "
              f"sequences per decode (decodes by sequences: {dict(sorted(st.by_sequences.items()))}); "
              f"{st.seconds:.2f} s in them."]
-    print("\n".join(lines))
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "slots.md").write_text("\n".join(lines) + "\n")
-        (args.out / "slots.json").write_text(json.dumps({"command": command, "rounds": rounds, "equal": equal,
-                                                        "joint": vars(st)}, indent=1))
+    publish(args, "slots", lines, {"command": command(), "rounds": rounds, "equal": equal, "joint": vars(st)})
     pool.close()
     engine.call(llm.close)
     engine.close()
@@ -155,7 +185,6 @@ def run_serve(args) -> None:
     at once to each (half of them streamed), interleaved per round."""
     import http.client
     import subprocess
-    import threading
     from contextlib import ExitStack, closing
 
     from serving import free_port, stop, wait_ready
@@ -179,19 +208,8 @@ def run_serve(args) -> None:
                  if line.startswith("data: {")]
         return "".join(parts), sum(1 for x in parts if x)
 
-    def at_once(port: int) -> tuple[float, list]:
-        got: list = [None] * n
-
-        def one(i: int) -> None:
-            got[i] = ask(port, i)
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-        t = time.perf_counter()
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        return time.perf_counter() - t, got
+    def server(par: int):
+        return lambda: at_once(lambda i: ask(ports[par], i), n)
 
     with ExitStack() as stack:
         ports = {}
@@ -205,33 +223,16 @@ def run_serve(args) -> None:
             wait_ready(proc, port)
             ports[par] = port
         for par in ports:  # warm-up
-            at_once(ports[par])
-        rounds, equal = [], True
-        for r in range(args.rounds):
-            (t_one, want), (t_par, got) = at_once(ports[1]), at_once(ports[n])
-            equal = equal and [text for text, _ in got] == [text for text, _ in want]
-            tokens = sum(k for _, k in want)
-            rounds.append({"parallel_1_tok_s": tokens / t_one, f"parallel_{n}_tok_s": tokens / t_par,
-                           "ratio": t_one / t_par})
-            print(f"round {r + 1}/{args.rounds}: {rounds[-1]['ratio']:.2f}x", file=sys.stderr)
-    ratio = statistics.median(x["ratio"] for x in rounds)
-    command = "python scripts/bench_parallel.py " + " ".join(sys.argv[1:])
-    lines = [f"# serve --parallel {n} against --parallel 1: `{command}`", "",
+            server(par)()
+        keys = ("parallel_1_tok_s", f"parallel_{n}_tok_s")
+        rounds, equal = interleave(server(1), server(n), keys, args.rounds)
+    lines = [f"# serve --parallel {n} against --parallel 1: `{command()}`", "",
              f"{platform.machine()}, {args.threads} threads, {target.name} + the shipped head (adaptive), {n} chat "
              f"requests of up to {args.steps} tokens at temperature 0 sent at once (every other one streamed), "
              f"{args.rounds} interleaved rounds; a slot's context is 1,024 either way.", "",
-             "| server | aggregate tok/s (median) |", "|---|---|",
-             f"| --parallel 1 (requests queue) | {statistics.median(x['parallel_1_tok_s'] for x in rounds):.1f} |",
-             f"| --parallel {n} | {statistics.median(x[f'parallel_{n}_tok_s'] for x in rounds):.1f} |", "",
-             f"--parallel {n} against --parallel 1, median of per-round ratios: **{ratio:.2f}x** "
-             f"(rounds: {', '.join(format(x['ratio'], '.2f') for x in rounds)}). Every answer the same from both: "
-             f"{'yes' if equal else 'NO'}."]
-    print("\n".join(lines))
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "serve.md").write_text("\n".join(lines) + "\n")
-        (args.out / "serve.json").write_text(json.dumps({"command": command, "rounds": rounds, "equal": equal},
-                                                        indent=1))
+             *contest_lines(rounds, keys, ("--parallel 1 (requests queue)", f"--parallel {n}"), "server",
+                            f"--parallel {n} against --parallel 1", "the same from both", equal)]
+    publish(args, "serve", lines, {"command": command(), "rounds": rounds, "equal": equal})
 
 
 def main() -> None:
@@ -278,20 +279,14 @@ def main() -> None:
         per_seq = statistics.median(args.steps / s for s in seconds[n])
         rows.append({"n": n, "per_sequence_tok_s": per_seq, "aggregate_tok_s": n * per_seq,
                      "aggregate_vs_one": n * per_seq / one, "step_cost_vs_one": one / per_seq})
-    command = "python scripts/bench_parallel.py " + " ".join(sys.argv[1:])
-    lines = [f"# Parallel sequences in one batch: `{command}`", "",
+    lines = [f"# Parallel sequences in one batch: `{command()}`", "",
              f"{platform.machine()}, {args.threads} threads, {target.name}, {args.steps} greedy steps, median of "
              f"{args.rounds} interleaved rounds.", "",
              "| sequences | step cost (x one) | per sequence tok/s | aggregate tok/s | aggregate (x one) |",
              "|---|---|---|---|---|"]
     lines += [f"| {r['n']} | {r['step_cost_vs_one']:.2f} | {r['per_sequence_tok_s']:.1f} | {r['aggregate_tok_s']:.1f} "
               f"| {r['aggregate_vs_one']:.2f}x |" for r in rows]
-    print("\n".join(lines))
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.md").write_text("\n".join(lines) + "\n")
-        (args.out / "results.json").write_text(json.dumps({"command": command, "rows": rows, "seconds": seconds},
-                                                          indent=1))
+    publish(args, "results", lines, {"command": command(), "rows": rows, "seconds": seconds})
 
 
 if __name__ == "__main__":
