@@ -101,9 +101,9 @@ class Speculator:
         self.target = target
         self.session = session
         self.batch = Batch(n_batch)
-        self.seq = 0  # the target sequence this speculator decodes (scripts/slot_pool.py runs one per sequence)
+        self.seq = 0  # the target sequence this speculator decodes (slots.py runs one per sequence)
         self.row0 = 0  # where its rows start in the target's last batch (0 unless sequences share it)
-        self._decode = target.decode  # decodes self.batch (slot_pool: in a batch shared with other sequences)
+        self._decode = target.decode  # decodes self.batch (slots.py: in a batch shared with other sequences)
         self.logits_ith = target.logits_ith  # row i of its rows
         self.k_limit = n_batch - 1  # drafts that fit in one verify batch
         self.cost_tag = cost_tag
@@ -173,7 +173,7 @@ class Speculator:
                 for i in range(n):
                     int(np.argmax(logits[i]))
             t = time.perf_counter() - t
-            target.seq_rm(0, 0, -1)
+            self.seq_rm(0)
             return t
 
         def run_draft(steps: int) -> float:

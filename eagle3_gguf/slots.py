@@ -406,25 +406,27 @@ class SlotPool:
         spec = llm._e3_spec
         if spec.costs is None and llm.draft_policy == "adaptive":  # pragma: no cover - setup calibrates
             raise Eagle3Error("the Eagle3Llama has no cost curve yet")
-        base_target, head = spec.target, llm._e3_pair.head
+        self.engine = engine
         engine.adopt_llama(llm)
         cp = llm.context_params
+        # llama-cpp-python's class for the slots: a subclass of Llama stays one
+        self._slot_class = (SlotLlama if type(llm) is Eagle3Llama
+                            else type(f"Slot{type(llm).__name__}", (SlotLlama, type(llm)), {}))
         self._owned: list = []
         self.slots: list[SlotLlama] = []
         try:
-            target = Context(base_target.model, n_ctx=n_slot * n, n_batch=llm.n_batch, n_ubatch=llm.n_batch,
+            target = Context(spec.target.model, n_ctx=n_slot * n, n_batch=llm.n_batch, n_ubatch=llm.n_batch,
                              n_threads=cp.n_threads, n_seq_max=n, kv_unified=False, type_k=cp.type_k,
                              type_v=cp.type_v)
             self._owned.append(target)
-            self.engine = engine
             engine.adopt(target)
             self.joint = JointTarget(target, llm.n_batch)
             self._owned.append(self.joint)
             for seq in range(n):
-                draft = Context(head.model, n_ctx=n_slot, n_batch=llm.n_batch, n_threads=cp.n_threads,
+                draft = Context(llm._e3_pair.head.model, n_ctx=n_slot, n_batch=llm.n_batch, n_threads=cp.n_threads,
                                 ctx_other=target)
                 self._owned.append(draft)
-                self.engine.adopt(draft)
+                engine.adopt(draft)
                 session = Eagle3Session(target, draft)
                 self._owned.append(session)
                 slot_spec = SlotSpeculator(self.joint, seq, session, spec)
@@ -439,8 +441,7 @@ class SlotPool:
 
     def _slot(self, spec: SlotSpeculator) -> SlotLlama:
         llm = self.llm
-        slot = object.__new__(SlotLlama if type(llm) is Eagle3Llama
-                              else type(f"Slot{type(llm).__name__}", (SlotLlama, type(llm)), {}))
+        slot = object.__new__(self._slot_class)
         slot.__dict__.update(llm.__dict__)  # settings, model, tokenizer, chat handler: shared, read only
         slot._ctx = _CtxView(spec.target.ptr)
         slot._n_ctx = self.n_slot_ctx
