@@ -233,14 +233,14 @@ class Speculator:
             st.t_target += t_verify
             st.n_target_forwards += 1
             if session is not None:
-                st.record_cycle(0, 0)
+                st.accept_hist[0] += 1  # st.record_cycle(0, 0)
                 t = time.perf_counter()
                 if policy.keep_rows:
                     session.keep(rows, pos)
                 else:
                     session.skip(rows, pos)
                 st.t_process += time.perf_counter() - t
-                policy.observe([], 0, 0, 0, t_verify, 0.0, 1)
+                policy.observe_plain(t_verify)
             return Cycle(rows, out, 0)
         drafts: list[int] = []
         n_steps, t_draft = 0, 0.0

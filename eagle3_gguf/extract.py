@@ -35,6 +35,7 @@ class TargetFeatures:
         self.row0 = 0  # where this sequence's rows start in the last decode (slots share a target batch)
         self._parts = [(functools.partial(target.layer_inp, lid) if lid < self.n_layer else target.nextn,
                         slice(i * self.n_embd, (i + 1) * self.n_embd)) for i, lid in enumerate(self.layers)]
+        self._layer_ids = tuple(self.layers)
 
     @property
     def width(self) -> int:
@@ -53,3 +54,8 @@ class TargetFeatures:
                 full = full[r0:]
             out[:, cols] = full if rows is None else full[rows]
         return out
+
+    def gather_one(self, dst: int) -> None:
+        """gather(1) into the float32 feature row at address `dst` (3 * n_embd_tgt wide), for the one row a
+        plain cycle sets aside."""
+        self.target.copy_row(self.row0, self._layer_ids, dst)

@@ -54,6 +54,8 @@ class RowsAside:
         self.feat = np.zeros((capacity, width), np.float32)  # [capacity, 3 * n_embd_tgt]
         self.start = self.end = 0  # live rows: start..end-1
         self.pos0 = 0  # head position of the first live row
+        self._addr = self.feat.ctypes.data  # where feat's rows start (push_one copies a row there)
+        self._row_bytes = width * 4
 
     def __len__(self) -> int:
         return self.end - self.start
@@ -80,9 +82,21 @@ class RowsAside:
             tok[:live] = self.tok[self.start:self.end]
             feat[:live] = self.feat[self.start:self.end]
             self.tok, self.feat, self.start, self.end = tok, feat, 0, live
+            self._addr = feat.ctypes.data
         a = self.end
         self.end = e = a + n
         return self.tok[a:e], self.feat[a:e]
+
+    def push_one(self, token: int) -> int:
+        """Room for one more row at the end, its token set: the address of its feature row, to be filled
+        (extend(1) without the two array views)."""
+        if self.end == len(self.tok):
+            self.extend(1)
+            self.end -= 1
+        a = self.end
+        self.tok[a] = token
+        self.end = a + 1
+        return self._addr + a * self._row_bytes
 
     def drop_back(self, n: int) -> None:
         """Take back the last n rows (rows extend() made room for that were never filled)."""
@@ -202,19 +216,27 @@ class Eagle3Session:
                               f"{aside.pos0 + have + self.shift}")
         if not have:
             aside.pos0 = h0
-        tok, feat = aside.extend(n)  # [n], [n, 3 * n_embd_tgt]
-        try:
-            if n == 1:  # a plain cycle's row: numpy's conversion of a one-item list costs it ~8 us, cache-cold
-                tok[0] = tokens[0]
-            else:
+        if n == 1 and feats is None:  # a plain cycle's row: copied straight from llama.cpp's buffers
+            dst = aside.push_one(tokens[0])
+            try:
+                self.extract.gather_one(dst)
+                if self.norms is not None:  # EAGLE 3.1 fc_norm, slice by slice
+                    row = aside.feat[aside.end - 1:aside.end]  # [1, 3 * n_embd_tgt]
+                    row[:] = self.norms.apply_features(row)
+            except BaseException:
+                aside.drop_back(1)  # no half-filled rows stay aside
+                raise
+        else:
+            tok, feat = aside.extend(n)  # [n], [n, 3 * n_embd_tgt]
+            try:
                 tok[:] = tokens
-            if feats is None:
-                self.features(n, out=feat)
-            else:
-                feat[:] = feats
-        except BaseException:
-            aside.drop_back(n)  # no half-filled rows stay aside
-            raise
+                if feats is None:
+                    self.features(n, out=feat)
+                else:
+                    feat[:] = feats
+            except BaseException:
+                aside.drop_back(n)  # no half-filled rows stay aside
+                raise
         if trim and have + n > self.window:
             self._trim(have + n - self.window)
 
@@ -233,6 +255,13 @@ class Eagle3Session:
         aside = self.aside
         have = aside.end - aside.start
         if not have:  # a plain cycle's rows, nothing aside: they only become (or extend) a gap
+            gaps = self.gaps
+            if gaps and not self._open:
+                t0, e = gaps[-1]
+                if t0 + e == pos0:  # they follow the last gap (a plain streak): _gap(), inlined
+                    gaps[-1] = (t0, e + n)
+                    self.shift += n
+                    return
             self._gap(pos0 - self.shift, int(tokens[0]), n)
             return
         if aside.pos0 + have != pos0 - self.shift:

@@ -277,3 +277,38 @@ def test_drafting_times_a_plain_cycle_now_and_then():
     assert 1 <= len([i for i in plain if i < 3 * CHECK_MIN]) <= 3
     assert len(plain) <= 3 + 2000 // CHECK_MAX + 6, plain
     assert max(b - a for a, b in zip(plain, plain[1:])) == CHECK_MAX + 1
+
+
+def test_a_plain_streak_learns_what_cycle_by_cycle_learning_would():
+    """Where nothing can pay even at plain decoding's own rate, plan() runs the plain cycles up to the next
+    probe's catch-up window as a streak and learns their timings at its end: the same cycles are plain,
+    rows are kept for the same cycles, the probe comes at the same cycle, and the costs, rate and
+    statistics come out exactly as learning cycle by cycle would leave them."""
+    rng = np.random.default_rng(1)
+    times = list(CPU[0] * (1.0 + 0.2 * rng.random(200)))  # plain cycles of varying speed
+    runs = []
+    class CycleByCycle(AdaptivePolicy):
+        def _streak_length(self) -> int:
+            return 0
+
+    for streaks in (True, False):
+        policy = (AdaptivePolicy if streaks else CycleByCycle)(CostCurve(list(CPU), 0.05, source="given"), 4)
+        policy.begin()
+        policy.probe_gap = policy.probe_wait = PROBE_MAX  # past the first probe, backed off
+        plan = []
+        for t in times:
+            k = policy.plan(4)
+            plan.append((k, policy.keep_rows, policy._deferring))
+            if k:
+                policy.observe([0.05], 0, 0, 1, t, 0.05, 1)  # the probe finds nothing
+            else:
+                policy.observe_plain(t)
+        st = policy.finish_stats()
+        runs.append(([(k, keep) for k, keep, _ in plan], policy.costs.scale, policy.rate,
+                     policy.costs.now_s, st.chosen, st.trace, st.predicted_s, st.probes))
+        if streaks:
+            assert sum(d for _, _, d in plan) >= 0.7 * len(times)  # most cycles were in a streak
+    assert runs[0] == runs[1]
+    keeps = [i for i, (k, keep) in enumerate(runs[0][0]) if keep]
+    probes = [i for i, (k, _) in enumerate(runs[0][0]) if k]
+    assert probes and all(i - 8 in keeps for i in probes if i >= 8)  # the window opens 8 cycles before a probe

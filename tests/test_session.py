@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from eagle3_gguf.decode import Decoder, GenerateConfig, Sampler
+from eagle3_gguf.errors import Eagle3Error
+from eagle3_gguf.native import Batch
 from eagle3_gguf.pair import PairConfig, load_pair
 from eagle3_gguf.session import Eagle3Session, RowsAside
 from eagle3_gguf.tokens import Message, apply_chat_template, tokenize
@@ -202,3 +204,29 @@ def test_rows_that_fail_to_be_kept_do_not_stay_aside(tiny_pair):
         assert s.aside.tokens.tolist() == [1, 2] and np.array_equal(s.aside.feats, np.ones((2, width), np.float32))
         s.keep([3], 2, np.full((1, width), 2.0, np.float32))  # the next rows follow on at position 2
         assert s.aside.tokens.tolist() == [1, 2, 3]
+
+
+def test_a_plain_cycles_row_is_set_aside_bit_for_bit(tiny_pair):
+    """keep() of one row copies it straight out of llama.cpp's buffers (Context.copy_row): the same bytes as
+    the numpy gather of several rows, at every row of a batch, and rows past a shared batch's row0 too."""
+    target = tiny_pair.target
+    with Eagle3Session(target, tiny_pair.head) as s, Batch(8) as b:
+        target.clear()
+        b.set([5, 6, 7, 8], 0, logits="all")
+        target.decode(b)
+        whole = s.extract.gather(4)  # [4, 3 * n_embd_tgt]
+        for r in range(4):
+            row = np.full(s.extract.width, np.nan, np.float32)
+            target.copy_row(r, tuple(s.layers), row.ctypes.data)
+            assert row.tobytes() == whole[r].tobytes()
+        s.extract.row0 = 2  # slots.py: this sequence's rows start at row 2 of the shared batch
+        try:
+            s.keep([7], 2)
+        finally:
+            s.extract.row0 = 0
+        assert s.aside.feats.tobytes() == whole[2:3].tobytes() and s.aside.tokens.tolist() == [7]
+        missing = [lid for lid in range(target.model.n_layer) if lid not in s.layers]
+        assert missing  # a layer that is not extracted: llama.cpp would abort on it, copy_row() refuses it
+        with pytest.raises(Eagle3Error, match=f"layer {missing[0]} input was not extracted"):
+            target.copy_row(0, (missing[0],), row.ctypes.data)
+        target.clear()
