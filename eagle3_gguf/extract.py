@@ -30,12 +30,11 @@ class TargetFeatures:
                 target.set_nextn(True, masked=False)
             else:
                 raise Eagle3Error(f"target layer id {lid} is outside 0..{self.n_layer} for this target")
+        self.row0 = 0  # where this sequence's rows start in the last decode (slots share a target batch)
         # per layer: where its rows come from and which columns of a feature row they fill (gather() runs
         # once a cycle, right after the target's graph: it looks up as little as it can)
-        self.row0 = 0  # where this sequence's rows start in the last decode (slots share a target batch)
         self._parts = [(functools.partial(target.layer_inp, lid) if lid < self.n_layer else target.nextn,
                         slice(i * self.n_embd, (i + 1) * self.n_embd)) for i, lid in enumerate(self.layers)]
-        self._layer_ids = tuple(self.layers)
 
     @property
     def width(self) -> int:
@@ -58,4 +57,4 @@ class TargetFeatures:
     def gather_one(self, dst: int) -> None:
         """gather(1) into the float32 feature row at address `dst` (3 * n_embd_tgt wide), for the one row a
         plain cycle sets aside."""
-        self.target.copy_row(self.row0, self._layer_ids, dst)
+        self.target.copy_row(self.row0, self.layers, dst)

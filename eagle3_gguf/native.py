@@ -484,32 +484,24 @@ class Context(_Owner):
 
     def layer_inp(self, lid: int, n_tokens: int) -> np.ndarray:
         """Layer `lid`'s input rows of the last decode.  # [n_tokens, n_embd] (view)"""
+        return self._view(self._layer_inp_addr(lid), (n_tokens, self.model.n_embd))
+
+    def _layer_inp_addr(self, lid: int) -> int:
         if lid not in self._layer_inp or not self._decoded:
             raise Eagle3Error(f"layer {lid} input was not extracted: call set_layer_inp({lid}) and decode first")
         addr = llama_get_embeddings_layer_inp(self._live(), lid)
         if not addr:
             raise Eagle3Error(f"llama.cpp returned no input rows for layer {lid}")
-        return self._view(addr, (n_tokens, self.model.n_embd))
+        return addr
 
-    def copy_row(self, row: int, layers: tuple[int, ...], dst: int) -> None:
+    def copy_row(self, row: int, layers: list[int], dst: int) -> None:
         """Row `row` of the last decode's extracted hidden states, one block of n_embd float32 per layer id
         (an id < n_layer: that layer's input; n_layer: the pre-norm output), side by side into the buffer
         at address `dst`: what layer_inp() and nextn() give, without numpy views, for the one row a plain
         cycle sets aside (it runs cache-cold after the target's graph: 26 us through the views, measured)."""
-        ctx, model = self._live(), self.model
-        n_layer, size = model.n_layer, model.n_embd * 4
-        if not self._decoded:
-            raise Eagle3Error("no hidden states: decode first")
+        n_layer, size = self.model.n_layer, self.model.n_embd * 4
         for lid in layers:
-            if lid < n_layer:
-                if lid not in self._layer_inp:
-                    raise Eagle3Error(f"layer {lid} input was not extracted: call set_layer_inp({lid}) and "
-                                      "decode first")
-                addr = llama_get_embeddings_layer_inp(ctx, lid)
-            else:
-                addr = llama_get_embeddings_nextn(ctx) if self._nextn else None
-            if not addr:
-                raise Eagle3Error(f"llama.cpp returned no rows for layer {lid}")
+            addr = self._layer_inp_addr(lid) if lid < n_layer else self._nextn_addr()
             ctypes.memmove(dst, addr + row * size, size)
             dst += size
 
@@ -522,12 +514,15 @@ class Context(_Owner):
 
     def nextn(self, n_rows: int) -> np.ndarray:
         """All pre-norm rows of the last graph.  # [n_rows, n_embd] (view)"""
+        return self._view(self._nextn_addr(), (n_rows, self.model.n_embd))
+
+    def _nextn_addr(self) -> int:
         if not self._nextn or not self._decoded:
             raise Eagle3Error("pre-norm hidden states were not requested: call set_nextn() and run a graph first")
         addr = llama_get_embeddings_nextn(self._live())
         if not addr:
             raise Eagle3Error("llama.cpp returned no pre-norm hidden states")
-        return self._view(addr, (n_rows, self.model.n_embd))
+        return addr
 
     def nextn_ith(self, i: int) -> np.ndarray:
         """The pre-norm row of batch row i.  # [n_embd] (view)"""

@@ -183,8 +183,12 @@ class Eagle3Session:
     def features(self, n_rows: int, out: np.ndarray | None = None) -> np.ndarray:
         """The three extracted target layers of the last target decode's first n_rows rows,
         concatenated as the head's encoder expects (into `out` when given).  # [n_rows, 3 * n_embd_tgt]"""
-        feats = self.extract.gather(n_rows, out=out)
-        if self.norms is not None:  # EAGLE 3.1 fc_norm, slice by slice
+        return self._fc_norm(self.extract.gather(n_rows, out=out))
+
+    def _fc_norm(self, feats: np.ndarray) -> np.ndarray:
+        """EAGLE 3.1's fc_norm, slice by slice, in place (nothing for an EAGLE-3 head).
+        # [n, 3 * n_embd_tgt]"""
+        if self.norms is not None:
             feats[:] = self.norms.apply_features(feats)
         return feats
 
@@ -220,9 +224,8 @@ class Eagle3Session:
             dst = aside.push_one(tokens[0])
             try:
                 self.extract.gather_one(dst)
-                if self.norms is not None:  # EAGLE 3.1 fc_norm, slice by slice
-                    row = aside.feat[aside.end - 1:aside.end]  # [1, 3 * n_embd_tgt]
-                    row[:] = self.norms.apply_features(row)
+                if self.norms is not None:
+                    self._fc_norm(aside.feat[aside.end - 1:aside.end])  # [1, 3 * n_embd_tgt]
             except BaseException:
                 aside.drop_back(1)  # no half-filled rows stay aside
                 raise

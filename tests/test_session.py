@@ -217,7 +217,7 @@ def test_a_plain_cycles_row_is_set_aside_bit_for_bit(tiny_pair):
         whole = s.extract.gather(4)  # [4, 3 * n_embd_tgt]
         for r in range(4):
             row = np.full(s.extract.width, np.nan, np.float32)
-            target.copy_row(r, tuple(s.layers), row.ctypes.data)
+            target.copy_row(r, s.layers, row.ctypes.data)
             assert row.tobytes() == whole[r].tobytes()
         s.extract.row0 = 2  # slots.py: this sequence's rows start at row 2 of the shared batch
         try:
@@ -228,5 +228,5 @@ def test_a_plain_cycles_row_is_set_aside_bit_for_bit(tiny_pair):
         missing = [lid for lid in range(target.model.n_layer) if lid not in s.layers]
         assert missing  # a layer that is not extracted: llama.cpp would abort on it, copy_row() refuses it
         with pytest.raises(Eagle3Error, match=f"layer {missing[0]} input was not extracted"):
-            target.copy_row(0, (missing[0],), row.ctypes.data)
+            target.copy_row(0, [missing[0]], row.ctypes.data)
         target.clear()
