@@ -196,17 +196,22 @@ class Speculator:
         save_costs(key, curve)
         return curve
 
-    def prefill(self, tokens: list[int], pos0: int, feed_head: bool, whole: bool = True) -> int:
+    def prefill(self, tokens: list[int], pos0: int, feed_head: bool, whole: bool = True, logits: str = "last",
+                on_chunk: Callable[[list[int], int], None] | None = None) -> int:
         """Decode tokens at pos0.. in n_batch chunks (each chunk's rows go to the head when feed_head:
         all of them when `whole`, else only the last `window` rows, set aside for the first draft).
+        `logits` is the batch's output rows ("last" or "all"); `on_chunk(chunk, pos)` runs right after each
+        chunk's decode (the drop-in keeps llama-cpp-python's token and score arrays with it).
         Returns the size of the last chunk (its last row holds the next token's logits)."""
         n_batch = self.batch.capacity
         m = 0
         for i in range(0, len(tokens), n_batch):
             chunk = tokens[i:i + n_batch]
             m = len(chunk)
-            self.batch.set(chunk, pos0 + i, logits="last")
+            self.batch.set(chunk, pos0 + i, logits=logits)
             self._decode(self.batch)
+            if on_chunk is not None:
+                on_chunk(chunk, pos0 + i)
             if feed_head and whole:
                 self.session.process(chunk, pos0 + i)
             elif feed_head:

@@ -525,25 +525,17 @@ class Eagle3Llama(Llama):
         when `whole`, else the last `window` rows are set aside for the first draft (the policy does not
         expect drafting to pay yet, and reading the whole prompt costs one or two target steps). Returns
         the last chunk's size (its last row holds the next token's logits)."""
-        spec, session = self._e3_spec, self._e3_session
-        target, batch = spec.target, spec.batch
-        m = 0
-        for i in range(0, len(tokens), self.n_batch):
-            chunk = tokens[i:i + self.n_batch]
-            m = len(chunk)
-            pos0 = self.n_tokens
-            batch.set(chunk, pos0, logits="all" if self._logits_all else "last")
-            spec._decode(batch)
+        spec = self._e3_spec
+
+        def mirror(chunk: list[int], pos0: int) -> None:  # llama-cpp-python's view of the context
             self.input_ids[pos0:pos0 + len(chunk)] = chunk
             if self._logits_all:
-                self.scores[pos0:pos0 + len(chunk), :] = target.logits(len(chunk))
+                self.scores[pos0:pos0 + len(chunk), :] = spec.target.logits(len(chunk))
             self.n_tokens = pos0 + len(chunk)
-            if whole:
-                session.process(chunk, pos0)
-            else:
-                session.keep(chunk, pos0)
             self._e3_head_tokens[pos0:] = chunk
-        return m
+
+        return spec.prefill(tokens, self.n_tokens, feed_head=True, whole=whole,
+                            logits="all" if self._logits_all else "last", on_chunk=mirror)
 
 
 def attach_eagle3(llm: Llama, head_path: str | Path, *, draft_max: int = DEFAULT_DRAFT_MAX,
