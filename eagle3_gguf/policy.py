@@ -540,7 +540,7 @@ class AdaptivePolicy:
         st.chosen[0] += 1
         st.trace.append(0)
         st.plain_cycles += 1
-        one = costs.scale * costs.now_s[0]  # costs.verify(1)
+        one = costs.verify(1)
         st.predicted_tokens += 1.0
         st.predicted_s += one
         if self.checking:

@@ -258,13 +258,6 @@ class Eagle3Session:
         aside = self.aside
         have = aside.end - aside.start
         if not have:  # a plain cycle's rows, nothing aside: they only become (or extend) a gap
-            gaps = self.gaps
-            if gaps and not self._open:
-                t0, e = gaps[-1]
-                if t0 + e == pos0:  # they follow the last gap (a plain streak): _gap(), inlined
-                    gaps[-1] = (t0, e + n)
-                    self.shift += n
-                    return
             self._gap(pos0 - self.shift, int(tokens[0]), n)
             return
         if aside.pos0 + have != pos0 - self.shift:
@@ -287,11 +280,13 @@ class Eagle3Session:
             self._open = False
         t0 = start + self.shift
         gaps = self.gaps
-        if gaps and gaps[-1][0] + gaps[-1][1] == t0:  # it follows the last gap: that one grows
-            gaps[-1] = (gaps[-1][0], gaps[-1][1] + e)
-        else:
-            gaps.append((t0, e))
         self.shift += e
+        if gaps:
+            g0, ge = gaps[-1]
+            if g0 + ge == t0:  # it follows the last gap (a plain streak's rows): that one grows
+                gaps[-1] = (g0, ge + e)
+                return
+        gaps.append((t0, e))
 
     def _queue_pair(self, token: int, pos: int, g: np.ndarray) -> None:
         self._set_queue(np.append(self._q_tok, np.int32(token)), np.append(self._q_pos, np.int32(pos)),
