@@ -241,7 +241,8 @@ def first_prompts(json_path: str | Path, cfg: FilterConfig, exclude: list[str], 
                   split: str = "train") -> list[Prompt]:
     """The first user turn of every kept conversation in `split` ("train" or "val"), in file order, at most
     `limit`: real requests for the target to answer itself (self-distillation, `data.generate_data`), from
-    the same conversations, filters, benchmark check and split as `prepare`'s teacher-forced records."""
+    the same filters, benchmark check and split as `prepare`'s teacher-forced records (which also drop the
+    few whose answers do not fit `max_tokens` once tokenized: that check needs the model)."""
     st = PrepareStats(str(json_path))
     out: list[Prompt] = []
     for conv in kept_conversations(json_path, cfg, exclude, st):
