@@ -112,8 +112,7 @@ def train(run: Path, regime: str, v: Variant, minutes: float) -> Path:
 
     from eagle3_gguf.assets import smollm2_path
     from eagle3_gguf.train.data import load_dataset
-    from eagle3_gguf.train.export import (convert_to_gguf, export_safeai, export_speculators, read_target,
-                                          read_token_embeddings)
+    from eagle3_gguf.train.export import convert_to_gguf, export_checkpoint, read_target, read_token_embeddings
     from eagle3_gguf.train.loop import TrainConfig, train_head
     from eagle3_gguf.train.model import HeadConfig
     from eagle3_gguf.train.vocab import DraftVocab, answer_token_counts, build_draft_vocab
@@ -142,10 +141,7 @@ def train(run: Path, regime: str, v: Variant, minutes: float) -> Path:
     ev = res.evals[-1] if res.evals else None
     log(f"{regime}/{v.name}: {res.steps} steps in {res.seconds:.0f} s; held-out top-1 by step "
         + (" / ".join(f"{t:.1%}" for t in ev.top1) if ev else "-"))
-    if v.eagle31:
-        ckpt = export_speculators(head, vocab, LAYERS, out / "checkpoint", verifier=target.name)
-    else:
-        ckpt = export_safeai(head, vocab, LAYERS, tgt.n_layer, out / "checkpoint")
+    ckpt = export_checkpoint(head, vocab, LAYERS, tgt.n_layer, out / "checkpoint", verifier=target.name)
     return convert_to_gguf(ckpt, tgt, gguf, LAYERS, outtype="q8_0", fc_type="q4_0",
                            name=f"{target.stem}-eagle3-{regime}-{v.name}").out
 

@@ -310,8 +310,7 @@ def v2(args) -> int:
     from eagle3_gguf.assets import smollm2_path
     from eagle3_gguf.errors import Eagle3Error
     from eagle3_gguf.train.data import DataConfig, load_dataset, teacher_forced_data
-    from eagle3_gguf.train.export import (convert_to_gguf, export_safeai, export_speculators, read_target,
-                                          read_token_embeddings)
+    from eagle3_gguf.train.export import convert_to_gguf, export_checkpoint, read_target, read_token_embeddings
     from eagle3_gguf.train.loop import TrainConfig, train_head
     from eagle3_gguf.train.model import HeadConfig
     from eagle3_gguf.train.vocab import DraftVocab, answer_token_counts, build_draft_vocab
@@ -370,10 +369,7 @@ def v2(args) -> int:
         if res.paused:
             log("training not finished: rerun to continue")
             return MORE
-        if args.eagle31:
-            ckpt = export_speculators(head, vocab, LAYERS, out / f"checkpoint{suffix}", verifier=target.name)
-        else:
-            ckpt = export_safeai(head, vocab, LAYERS, tgt.n_layer, out / f"checkpoint{suffix}")
+        ckpt = export_checkpoint(head, vocab, LAYERS, tgt.n_layer, out / f"checkpoint{suffix}", verifier=target.name)
         conv = convert_to_gguf(ckpt, tgt, out / V2_HEAD.replace(".gguf", f"{suffix}.gguf"), LAYERS,
                                outtype="q8_0", fc_type="q4_0", name=f"{target.stem}-eagle3-v2{suffix}")
     except Eagle3Error as e:

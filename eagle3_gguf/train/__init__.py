@@ -77,7 +77,7 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
 
     from ..convert.layouts import default_layer_ids
     from .data import DataConfig, generate_data, load_dataset
-    from .export import convert_to_gguf, export_safeai, export_speculators, read_target, read_token_embeddings
+    from .export import convert_to_gguf, export_checkpoint, read_target, read_token_embeddings
     from .loop import TrainConfig, train_head
     from .model import HeadConfig
     from .prompts import MIXES, build_prompts, source
@@ -138,10 +138,7 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
     head, result = train_head(data, vocab, head_cfg, embed, out / "train", cfg.train or TrainConfig(),
                               resume=cfg.resume, progress=lambda r: emit("train", r))
 
-    if cfg.eagle31:
-        ckpt_dir = export_speculators(head, vocab, layers, out / "checkpoint", verifier=Path(target).name)
-    else:
-        ckpt_dir = export_safeai(head, vocab, layers, tgt.n_layer, out / "checkpoint")
+    ckpt_dir = export_checkpoint(head, vocab, layers, tgt.n_layer, out / "checkpoint", verifier=Path(target).name)
     conv = convert_to_gguf(ckpt_dir, tgt, out / "head.gguf", layers, outtype=cfg.outtype, fc_type=cfg.fc_type,
                            name=f"{Path(target).stem}-eagle3")
     emit("convert", conv)

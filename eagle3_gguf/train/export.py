@@ -135,6 +135,16 @@ def export_speculators(head, vocab: DraftVocab, layer_ids: list[int], out_dir: s
     return out_dir
 
 
+def export_checkpoint(head, vocab: DraftVocab, layer_ids: list[int], n_layer_target: int, out_dir: str | Path,
+                      verifier: str = "target") -> Path:
+    """The head's checkpoint in the layout it needs: vLLM speculators for an EAGLE 3.1 head (its norm flags
+    have no SafeAILab form), SafeAILab otherwise; returns out_dir."""
+    c = head.c
+    if c.fc_norm or c.norm_output or c.norm_before_fc:
+        return export_speculators(head, vocab, layer_ids, out_dir, verifier=verifier)
+    return export_safeai(head, vocab, layer_ids, n_layer_target, out_dir)
+
+
 def _llama_config(c) -> dict:
     """The one-layer llama config of a HeadConfig (both layouts carry it)."""
     return {
