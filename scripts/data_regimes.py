@@ -32,7 +32,7 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,9 +131,7 @@ def train(run: Path, regime: str, v: Variant, minutes: float) -> Path:
         vocab = build_draft_vocab(answer_token_counts(data, tgt.n_vocab), v.draft_vocab)
         vocab.save(vocab_path)
     log(f"{regime}/{v.name}: draft vocab {vocab.size} covers {vocab.coverage:.1%} of its labels")
-    head_cfg = HeadConfig.for_target(tgt, vocab.size, N_FF)
-    if v.eagle31:
-        head_cfg = replace(head_cfg, fc_norm=True, norm_output=True)
+    head_cfg = HeadConfig.for_target(tgt, vocab.size, N_FF, eagle31=v.eagle31)
     tcfg = TrainConfig(n_unroll=v.unroll, epochs=8.0, batch_tokens=BATCH_TOKENS, lr=v.lr, n_threads=TORCH_THREADS,
                        max_minutes=minutes * v.train_scale, ckpt_every=25, bf16=True, soft_labels=v.soft_labels)
     embed = torch.from_numpy(read_token_embeddings(tgt))  # [n_vocab, n_embd]

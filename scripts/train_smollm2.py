@@ -50,7 +50,6 @@ measured on, the shipped Q4_1 target and its Q4_0 requantization.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shutil
 import subprocess
@@ -354,9 +353,7 @@ def v2(args) -> int:
             vocab = build_draft_vocab(answer_token_counts(data, tgt.n_vocab), n_vocab)
             vocab.save(vocab_path)
         log(f"draft vocab {vocab.size}: covers {vocab.coverage:.1%} of the target's choices")
-        head_cfg = HeadConfig.for_target(tgt, vocab.size, N_FF)
-        if args.eagle31:
-            head_cfg = dataclasses.replace(head_cfg, fc_norm=True, norm_output=True)
+        head_cfg = HeadConfig.for_target(tgt, vocab.size, N_FF, eagle31=args.eagle31)
         tcfg = TrainConfig(n_unroll=args.unroll or size.unroll, epochs=size.epochs, max_steps=size.max_steps,
                            lr=args.lr or size.lr, batch_tokens=size.batch_tokens_gpu if gpu else size.batch_tokens_cpu,
                            n_threads=None if gpu else TORCH_THREADS, bf16=True, ckpt_every=25,

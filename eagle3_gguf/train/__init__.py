@@ -16,7 +16,6 @@ Stages, each in its own place under the run folder OUT/ and each resumable:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -131,9 +130,7 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
         vocab.save(vocab_path)
     emit("vocab", {"size": vocab.size, "coverage": vocab.coverage, "curve": coverage})  # in-sample, held-out
 
-    head_cfg = HeadConfig.for_target(tgt, vocab.size, cfg.n_ff)
-    if cfg.eagle31:
-        head_cfg = dataclasses.replace(head_cfg, fc_norm=True, norm_output=True)
+    head_cfg = HeadConfig.for_target(tgt, vocab.size, cfg.n_ff, eagle31=cfg.eagle31)
     embed = torch.from_numpy(read_token_embeddings(tgt))  # [n_vocab, n_embd]
     head, result = train_head(data, vocab, head_cfg, embed, out / "train", cfg.train or TrainConfig(),
                               resume=cfg.resume, progress=lambda r: emit("train", r))

@@ -51,14 +51,14 @@ class HeadConfig:
     norm_output: bool = False  # feed norm(h) back across draft steps
 
     @classmethod
-    def for_target(cls, tgt, draft_vocab: int, n_ff: int | None = None) -> "HeadConfig":
+    def for_target(cls, tgt, draft_vocab: int, n_ff: int | None = None, eagle31: bool = False) -> "HeadConfig":
         """The head for a target (a gguf_file.TargetInfo, as export.read_target checks it): its widths,
         attention heads, norm epsilon, RoPE and context (2048 where the GGUF has none); the MLP as wide as
-        the target's unless n_ff says otherwise."""
+        the target's unless n_ff says otherwise. eagle31: the EAGLE 3.1 head we train, fc_norm + norm_output."""
         return cls(n_embd=tgt.n_embd, n_ff=n_ff or int(tgt.n_ff), n_head=int(tgt.n_head),
                    n_head_kv=int(tgt.n_head_kv), n_embd_tgt=tgt.n_embd, n_vocab=tgt.n_vocab, draft_vocab=draft_vocab,
                    rms_eps=float(tgt.rms_eps), rope_theta=float(tgt.rope_theta),
-                   max_position=tgt.n_ctx_train or 2048)
+                   max_position=tgt.n_ctx_train or 2048, fc_norm=eagle31, norm_output=eagle31)
 
     @property
     def head_dim(self) -> int:
