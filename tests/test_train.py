@@ -20,7 +20,8 @@ from eagle3_gguf.session import Eagle3Session  # noqa: E402
 from eagle3_gguf.train import PipelineConfig, run_training  # noqa: E402
 from eagle3_gguf.tokens import chat_tokens  # noqa: E402
 from eagle3_gguf.train.data import DataConfig, generate_data, load_dataset  # noqa: E402
-from eagle3_gguf.train.export import convert_to_gguf, export_safeai, read_target, read_token_embeddings  # noqa: E402
+from eagle3_gguf.train.export import convert_to_gguf, export_checkpoint, export_safeai, read_head_gguf, read_target, \
+    read_token_embeddings  # noqa: E402
 from eagle3_gguf.train.loop import TrainConfig  # noqa: E402
 from eagle3_gguf.train.model import Eagle3Head, HeadConfig  # noqa: E402
 from eagle3_gguf.train.prompts import build_prompts  # noqa: E402
@@ -227,6 +228,63 @@ def test_fine_tune_from_a_checkpoint_on_two_data_folders(tmp_path, tiny_target):
         train_head(both, DraftVocab(np.arange(1, 257, dtype=np.int64), tgt.n_vocab, 0.0), head.c, embed,
                    tmp_path / "c", dataclasses.replace(cfg, init_from=str(tmp_path / "a" / "ckpt.pt")))
     assert str(e.value) == f"{tmp_path / 'a' / 'ckpt.pt'}: checkpoint was trained with another head config or draft vocab"
+
+
+def test_a_head_gguf_reads_back_and_fine_tunes(tmp_path, tiny_target, tiny_data):
+    """read_head_gguf undoes export + convert: an f32 GGUF gives back the head's config, draft vocab and exact
+    weights (q/k rows back in rotate-half order), for an EAGLE 3.0 and an EAGLE 3.1 head; a quantized one
+    gives back weights that convert again to the same bytes; train_head starts from a GGUF (lr 0 keeps it) and
+    refuses one of another draft vocab."""
+    from eagle3_gguf.train.loop import train_head
+
+    tgt, head = _head_for(tiny_target)
+    vocab = build_draft_vocab(answer_token_counts(tiny_data, tgt.n_vocab), 512)
+    for eagle31 in (False, True):
+        h = head
+        if eagle31:
+            h = Eagle3Head(dataclasses.replace(head.c, fc_norm=True, norm_output=True), head.embed)
+            h.load_state_dict(head.state_dict(), strict=False)
+            with torch.no_grad():
+                for norm in h.fc_norm:
+                    norm.weight.uniform_(0.5, 1.5)
+        ckpt = export_checkpoint(h, vocab, LAYERS, tgt.n_layer, tmp_path / f"ckpt-{eagle31}")
+        path = convert_to_gguf(ckpt, tiny_target, tmp_path / f"head-{eagle31}.gguf", LAYERS, outtype="f32",
+                               fc_type="f32").out
+        back = read_head_gguf(path)
+        assert back.config == h.c and np.array_equal(back.vocab.ids, vocab.ids)
+        want = {k: v.numpy() for k, v in h.state_dict().items()}
+        assert sorted(back.state) == sorted(want)
+        for name, w in want.items():
+            assert np.array_equal(back.state[name], w), name
+
+    quantized = convert_to_gguf(export_safeai(head, vocab, LAYERS, tgt.n_layer, tmp_path / "q"), tiny_target,
+                                tmp_path / "q.gguf", LAYERS, outtype="q8_0", fc_type="q4_0").out
+    back = read_head_gguf(quantized)
+    again = Eagle3Head(back.config, head.embed)
+    again.load_state_dict({k: torch.from_numpy(v) for k, v in back.state.items()})
+    requantized = convert_to_gguf(export_safeai(again, back.vocab, LAYERS, tgt.n_layer, tmp_path / "q2"),
+                                  tiny_target, tmp_path / "q2.gguf", LAYERS, outtype="q8_0", fc_type="q4_0").out
+    one, two = read_gguf(quantized).raw, read_gguf(requantized).raw
+    assert [t.name for t in one.tensors] == [t.name for t in two.tensors]
+    for t in one.tensors:
+        assert np.array_equal(one.tensor_data(t.name), two.tensor_data(t.name)), t.name
+
+    cfg = TrainConfig(n_unroll=2, max_steps=1, batch_tokens=256, held_out=0.0, n_threads=2, lr=0.0,
+                      init_from=str(quantized))
+    tuned, _ = train_head(tiny_data, back.vocab, back.config, head.embed, tmp_path / "tune", cfg)
+    for name, w in tuned.state_dict().items():
+        assert np.array_equal(w.numpy(), back.state[name]), name
+    other = type(vocab)(np.arange(512, dtype=np.int64), tgt.n_vocab, 0.0)
+    with pytest.raises(Eagle3Error) as e:
+        train_head(tiny_data, other, back.config, head.embed, tmp_path / "other", cfg)
+    assert str(e.value) == f"{quantized}: head GGUF has another head config or draft vocab than this training"
+
+
+def test_read_head_gguf_refuses_a_head_without_a_draft_vocab(tiny_head):
+    with pytest.raises(Eagle3Error) as e:
+        read_head_gguf(tiny_head)
+    assert str(e.value) == (f"{tiny_head.name}: the head drafts over the target's vocab (no d2t or no output.weight); "
+                            "only a head with its own draft vocab can be fine-tuned")
 
 
 def test_learning_rate_schedule_follows_a_time_budget():

@@ -1,6 +1,7 @@
 """From a target GGUF to a trained head and back: read the target (a gguf_file.TargetInfo) and its frozen
 token embeddings; export the head as a SafeAILab-layout checkpoint (model.safetensors + config.json, so the
-same head runs in vLLM / SGLang); convert that with our converter into a GGUF for llama.cpp.
+same head runs in vLLM / SGLang); convert that with our converter into a GGUF for llama.cpp; and read a head
+GGUF back into training's form (`read_head_gguf`: fine-tune a head whose float checkpoint is gone).
 
 SafeAILab layout: `fc.weight`, `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`,
 `midlayer.self_attn.{q,k,v,o}_proj.weight`, `midlayer.mlp.{gate,up,down}_proj.weight`, `norm.weight`,
@@ -15,14 +16,19 @@ config `Eagle3Speculator` with a nested `transformer_layer_config` and the three
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .. import keys
 from ..errors import Eagle3Error
-from ..gguf_file import TargetInfo, read_gguf, read_tensor_data
+from ..gguf_file import HeadInfo, TargetInfo, read_gguf, read_tensor_data
 from .vocab import DraftVocab
+
+if TYPE_CHECKING:
+    from .model import HeadConfig
 
 
 def read_target(path: str | Path) -> TargetInfo:
@@ -163,6 +169,92 @@ def _llama_config(c) -> dict:
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
     }
+
+
+# The head's parameter names (model.py) → the tensor names our converter writes into a head GGUF
+_GGUF_NAMES = {
+    "fc.weight": keys.T_FC,
+    "input_layernorm.weight": keys.blk(keys.T_ATTN_NORM),
+    "hidden_norm.weight": keys.blk(keys.T_ATTN_NORM_2),
+    "attn.q_proj.weight": keys.blk(keys.T_ATTN_Q),
+    "attn.k_proj.weight": keys.blk(keys.T_ATTN_K),
+    "attn.v_proj.weight": keys.blk(keys.T_ATTN_V),
+    "attn.o_proj.weight": keys.blk(keys.T_ATTN_OUT),
+    "post_attention_layernorm.weight": keys.blk(keys.T_FFN_NORM),
+    "gate_proj.weight": keys.blk(keys.T_FFN_GATE),
+    "up_proj.weight": keys.blk(keys.T_FFN_UP),
+    "down_proj.weight": keys.blk(keys.T_FFN_DOWN),
+    "norm.weight": keys.T_OUTPUT_NORM,
+    "lm_head.weight": keys.T_OUTPUT,
+}
+
+
+@dataclass
+class HeadWeights:
+    """A head GGUF in training's form: its config, its draft vocab and its weights, dequantized."""
+
+    config: HeadConfig
+    vocab: DraftVocab  # coverage unknown (nan): the GGUF does not record its data
+    state: dict[str, np.ndarray]  # model.py's parameter names → float32 in PyTorch order
+
+
+def read_head_gguf(path: str | Path) -> HeadWeights:
+    """The inverse of export + convert for a head of our training's shape (one decoder layer, its own
+    lm_head over a draft vocab, the target's token embeddings, no RoPE scaling): quantized tensors are
+    dequantized, q/k rows put back in HF's rotate-half order. Fine-tuning starts from these weights."""
+    from .model import HeadConfig
+
+    g = read_gguf(path)
+    info = HeadInfo.from_gguf(g)
+    name = g.path.name
+    if info.draft_vocab is None or not info.own_output:
+        raise Eagle3Error(f"{name}: the head drafts over the target's vocab (no d2t or no output.weight); "
+                          "only a head with its own draft vocab can be fine-tuned")
+    if info.own_token_embd or g.tensor(keys.T_ROPE_FREQS) is not None or g.tensor(keys.blk(keys.T_ATTN_Q, 1)):
+        raise Eagle3Error(f"{name}: its token embeddings, RoPE scaling or extra layers are not a head our training "
+                          "builds: fine-tune it with the framework that trained it")
+    fc = g.tensor(keys.T_FC)
+    if fc is None or fc.shape[0] != 3 * info.target_hidden_size:
+        raise Eagle3Error(f"{name}: fc is not [3 x {info.target_hidden_size}] wide: convert the head again")
+    config = HeadConfig(n_embd=info.n_embd, n_ff=info.n_ff, n_head=info.n_head, n_head_kv=info.n_head_kv,
+                        n_embd_tgt=info.target_hidden_size, n_vocab=info.n_vocab, draft_vocab=info.draft_vocab,
+                        rms_eps=float(g.get(keys.KEY_RMS_EPS, 1e-5)),
+                        rope_theta=float(g.get(keys.KEY_ROPE_FREQ_BASE, 10000.0)),
+                        norm_before_residual=info.norm_before_residual,
+                        max_position=int(g.get(keys.KEY_CONTEXT_LENGTH, 0)) or 2048,
+                        norm_before_fc=info.norm_before_fc, fc_norm=info.fc_norm is not None,
+                        norm_output=info.norm_output)
+    state = {}
+    for param, tensor in _GGUF_NAMES.items():
+        state[param] = _dequantized(g, tensor)
+    state["attn.q_proj.weight"] = _unpermute_rope_rows(state["attn.q_proj.weight"], config.n_head)
+    state["attn.k_proj.weight"] = _unpermute_rope_rows(state["attn.k_proj.weight"], config.n_head_kv)
+    if config.norm_before_fc:
+        state["input_norm.weight"] = _dequantized(g, keys.T_ENC_OUTPUT_NORM)
+    if config.fc_norm:
+        weights = np.asarray(g.metadata[keys.KEY_FC_NORM_WEIGHT], dtype=np.float32).reshape(3, -1)
+        state.update({f"fc_norm.{i}.weight": w for i, w in enumerate(weights)})
+    ids = np.asarray(read_tensor_data(g.path, g.raw.tensor(keys.T_D2T)).view(np.int64)).reshape(-1)
+    if np.any(np.diff(ids) <= 0) or ids[0] < 0 or ids[-1] >= info.n_vocab:
+        raise Eagle3Error(f"{name}: d2t is not ascending target ids below {info.n_vocab}: convert the head again")
+    return HeadWeights(config, DraftVocab(ids.astype(np.int64), info.n_vocab, float("nan")), state)
+
+
+def _dequantized(g, name: str) -> np.ndarray:
+    """A tensor of the head GGUF as float32 in PyTorch order.  # [rows, row length]"""
+    from gguf.quants import dequantize
+
+    t = g.raw.tensor(name)
+    if t is None:
+        raise Eagle3Error(f"{g.path.name}: no {name} tensor: convert the head again")
+    w = np.asarray(dequantize(read_tensor_data(g.path, t), t.ggml_type), dtype=np.float32)
+    return w.reshape(*reversed([int(n) for n in t.shape])).copy()  # writable: torch.from_numpy shares it
+
+
+def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's interleaved q/k rows → HF's rotate-half order (the converter's permute_rope_rows undone)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def convert_to_gguf(checkpoint_dir: str | Path, target: str | Path | TargetInfo, out: str | Path,

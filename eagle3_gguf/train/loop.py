@@ -54,8 +54,8 @@ class TrainConfig:
     max_minutes: float | None = None  # training wall-time budget: the schedule decays by then, then stops
     ckpt_every: int = 200  # optimizer steps
     bf16: bool = False  # bf16 autocast (fp32 master weights): faster on CPUs with AVX512-BF16/AMX and on GPUs
-    init_from: str | None = None  # start from this ckpt.pt's weights (same head config and draft vocab), with a
-    #                               fresh optimizer and schedule: fine-tuning on new data
+    init_from: str | None = None  # start from this ckpt.pt's or head GGUF's weights (same head config and draft
+    #                               vocab), with a fresh optimizer and schedule: fine-tuning on new data
     soft_labels: bool = True  # learn the target's top-k distribution where the data has one
     pause_after_s: float | None = None  # this call stops (checkpointed) after this long; resuming continues the
     #                                     same schedule: training in steps shorter than a machine's call limit
@@ -266,6 +266,19 @@ def load_checkpoint(path: Path, device: torch.device, head_config: HeadConfig, v
     return state
 
 
+def initial_weights(path: Path, device: torch.device, head_config: HeadConfig, vocab: DraftVocab) -> dict:
+    """The weights a fine-tune starts from: a ckpt.pt's, or a head GGUF's (dequantized: export.read_head_gguf),
+    after checking they are a head of this shape and draft vocab."""
+    if path.suffix != ".gguf":
+        return load_checkpoint(path, device, head_config, vocab)["model"]
+    from .export import read_head_gguf
+
+    h = read_head_gguf(path)
+    if h.config != head_config or not np.array_equal(h.vocab.ids, vocab.ids):
+        raise Eagle3Error(f"{path}: head GGUF has another head config or draft vocab than this training")
+    return {k: torch.from_numpy(v).to(device) for k, v in h.state.items()}
+
+
 def train_head(data: Dataset, vocab: DraftVocab, head_config: HeadConfig, embed: torch.Tensor, run_dir: str | Path,
                cfg: TrainConfig, resume: bool = False,
                progress: Callable[[TrainReport], None] | None = None) -> tuple[Eagle3Head, TrainResult]:
@@ -296,7 +309,7 @@ def train_head(data: Dataset, vocab: DraftVocab, head_config: HeadConfig, embed:
         result.evals = [EvalResult(**e) for e in state.get("evals", [])]
         result.seconds = state.get("seconds", 0.0)
     elif cfg.init_from:
-        head.load_state_dict(load_checkpoint(Path(cfg.init_from), device, head_config, vocab)["model"])
+        head.load_state_dict(initial_weights(Path(cfg.init_from), device, head_config, vocab))
 
     def save() -> None:
         tmp = ckpt_path.with_suffix(".tmp")
