@@ -115,7 +115,7 @@ def train(run: Path, regime: str, v: Variant, minutes: float) -> Path:
     from eagle3_gguf.train.export import convert_to_gguf, export_checkpoint, read_target, read_token_embeddings
     from eagle3_gguf.train.loop import TrainConfig, train_head
     from eagle3_gguf.train.model import HeadConfig
-    from eagle3_gguf.train.vocab import DraftVocab, answer_token_counts, build_draft_vocab
+    from eagle3_gguf.train.vocab import cached_draft_vocab
 
     out = run / regime / v.name
     gguf = out / "head.gguf"
@@ -124,12 +124,7 @@ def train(run: Path, regime: str, v: Variant, minutes: float) -> Path:
     target = Path(smollm2_path())
     tgt = read_target(target)
     data = load_dataset(run / regime / "data")
-    vocab_path = run / regime / f"vocab-{v.draft_vocab}.npz"
-    if vocab_path.is_file():
-        vocab = DraftVocab.load(vocab_path, tgt.n_vocab)
-    else:
-        vocab = build_draft_vocab(answer_token_counts(data, tgt.n_vocab), v.draft_vocab)
-        vocab.save(vocab_path)
+    vocab = cached_draft_vocab(data, tgt.n_vocab, v.draft_vocab, run / regime / f"vocab-{v.draft_vocab}.npz")
     log(f"{regime}/{v.name}: draft vocab {vocab.size} covers {vocab.coverage:.1%} of its labels")
     head_cfg = HeadConfig.for_target(tgt, vocab.size, N_FF, eagle31=v.eagle31)
     tcfg = TrainConfig(n_unroll=v.unroll, epochs=8.0, batch_tokens=BATCH_TOKENS, lr=v.lr, n_threads=TORCH_THREADS,

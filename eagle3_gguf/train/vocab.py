@@ -71,6 +71,15 @@ def build_draft_vocab(counts: np.ndarray, size: int) -> DraftVocab:
     return DraftVocab(ids, n_vocab, cov)
 
 
+def cached_draft_vocab(data: Dataset, n_vocab: int, size: int, path: Path) -> DraftVocab:
+    """build_draft_vocab over `data`'s labels, made once and kept at `path`: a resumed run reads it back."""
+    if path.is_file():
+        return DraftVocab.load(path, n_vocab)
+    vocab = build_draft_vocab(answer_token_counts(data, n_vocab), size)
+    vocab.save(path)
+    return vocab
+
+
 def heldout_coverage(data: Dataset, n_vocab: int, sizes: list[int], every: int = 10) -> dict[int, float]:
     """Coverage measured honestly: vocabularies built from all records but every `every`-th, measured
     on the answers of those left-out records (what an unseen prompt's answer looks like)."""
