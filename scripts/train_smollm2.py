@@ -459,14 +459,13 @@ def main() -> int | None:
     if args.v2 or args.smoke:
         return v2(args)
     build_upstream()  # returns at once when the tools are built
+    shipped = ROOT / "eagle3_gguf" / "heads" / "smollm2-135m-instruct-eagle3.gguf"
     if args.stage3:
-        stage3(ROOT / "eagle3_gguf" / "heads" / "smollm2-135m-instruct-eagle3.gguf", args.data_minutes,
-               args.train_minutes)
+        stage3(shipped, args.data_minutes, args.train_minutes)
         return
     if args.measure_vocab:
         measure_vocab()
         return
-    shipped = ROOT / "eagle3_gguf" / "heads" / "smollm2-135m-instruct-eagle3.gguf"
     if not args.measure_only:
         train()
         shutil.copyfile(prose_stage(RUN / "train" / "ckpt.pt"), shipped)

@@ -224,9 +224,7 @@ def read_head_gguf(path: str | Path) -> HeadWeights:
                         max_position=int(g.get(keys.KEY_CONTEXT_LENGTH, 0)) or 2048,
                         norm_before_fc=info.norm_before_fc, fc_norm=info.fc_norm is not None,
                         norm_output=info.norm_output)
-    state = {}
-    for param, tensor in _GGUF_NAMES.items():
-        state[param] = _dequantized(g, tensor)
+    state = {param: _dequantized(g, tensor) for param, tensor in _GGUF_NAMES.items()}
     state["attn.q_proj.weight"] = _unpermute_rope_rows(state["attn.q_proj.weight"], config.n_head)
     state["attn.k_proj.weight"] = _unpermute_rope_rows(state["attn.k_proj.weight"], config.n_head_kv)
     if config.norm_before_fc:
@@ -234,7 +232,7 @@ def read_head_gguf(path: str | Path) -> HeadWeights:
     if config.fc_norm:
         weights = np.asarray(g.metadata[keys.KEY_FC_NORM_WEIGHT], dtype=np.float32).reshape(3, -1)
         state.update({f"fc_norm.{i}.weight": w for i, w in enumerate(weights)})
-    ids = np.asarray(read_tensor_data(g.path, g.raw.tensor(keys.T_D2T)).view(np.int64)).reshape(-1)
+    ids = g.raw.tensor_data(keys.T_D2T).view(np.int64).reshape(-1)  # [draft_vocab]
     if np.any(np.diff(ids) <= 0) or ids[0] < 0 or ids[-1] >= info.n_vocab:
         raise Eagle3Error(f"{name}: d2t is not ascending target ids below {info.n_vocab}: convert the head again")
     return HeadWeights(config, DraftVocab(ids.astype(np.int64), info.n_vocab, float("nan")), state)
