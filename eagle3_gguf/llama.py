@@ -46,6 +46,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -53,18 +54,17 @@ import llama_cpp
 import numpy as np
 from llama_cpp import Llama
 
-from .decode import GenerateConfig, Speculator, spec_sampling_label
+from .config import DraftConfig
+from .decode import spec_sampling_label
 from .errors import Eagle3Error
 from .native import CACHE_TYPES, Context, Model, batch_invariant_cache
 from .pair import Pair, PairConfig, load_pair
-from .policy import POLICIES
 from .session import Eagle3Session
-from .spec_sampling import DEFAULT_DRAFT_TEMP_SCALE, SPEC_SAMPLING, RejectionSampler, Transform
-from .stats import SpecStats, StageClock
-from .tokens import eog_check
+from .spec_sampling import RejectionSampler, Transform
+from .speculator import Cycle, RunHooks, Speculator
+from .stats import SpecStats
 
-DEFAULT_DRAFT_MAX = 4
-MAX_DRAFT_MAX = 32
+_LIBRARY = DraftConfig()  # the knobs' library defaults
 
 # EXACTNESS: the verify batch computes each row as one-token decoding does, bit for bit, only where
 # llama.cpp's kernels are batch-invariant. On CPU that takes flash attention (the non-flash path sums a
@@ -75,18 +75,6 @@ MAX_DRAFT_MAX = 32
 INEXACT_WARNING = ("{what}: the speculative verify batch is not bit-identical to one-token decoding on this "
                    "llama.cpp path, so rare near-ties may resolve differently from plain Llama; Eagle3Llama's "
                    "defaults (flash_attn=True, type_v=30, bf16) give identical output")
-
-
-class _SharedModel(Model):
-    """A native Model over the llama_model that llama_cpp.Llama owns: never freed here."""
-
-    def __init__(self, llm: Llama):
-        self.path = Path(llm.model_path)
-        self.ptr = llm._model.model
-        self.vocab = llama_cpp.llama_model_get_vocab(self.ptr)
-
-    def _free(self, ptr) -> None:
-        pass
 
 
 BUSY = ("this Eagle3Llama is generating in another thread: use one Eagle3Llama per thread, or a lock around "
@@ -141,19 +129,21 @@ class Eagle3Llama(Llama):
     """`llama_cpp.Llama(model_path=..., **kwargs)` plus an EAGLE-3 head (`draft_model_path`)."""
 
     def __init__(self, model_path: str, draft_model_path: str | Path | None = None, *,
-                 draft_max: int = DEFAULT_DRAFT_MAX, draft_p_min: float = 0.0, draft_policy: str = "adaptive",
-                 spec_sampling: str = "match", draft_temp_scale: float = DEFAULT_DRAFT_TEMP_SCALE,
-                 **kwargs: Any):
+                 draft_max: int = _LIBRARY.draft_max, draft_p_min: float = _LIBRARY.draft_p_min,
+                 draft_policy: str = _LIBRARY.draft_policy, spec_sampling: str = _LIBRARY.spec_sampling,
+                 draft_temp_scale: float = _LIBRARY.draft_temp_scale, **kwargs: Any):
+        """The drafting knobs are config.DraftConfig's (checked before anything loads); `draft_config` holds
+        them afterwards."""
         if draft_model_path is None:
             raise Eagle3Error("Eagle3Llama needs the EAGLE-3 head: Eagle3Llama(model_path=..., draft_model_path=HEAD.gguf)")
         if kwargs.get("draft_model") is not None:
             raise Eagle3Error("draft_model (prompt lookup) and an EAGLE-3 head cannot be combined: drop draft_model")
+        config = DraftConfig(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale)
         kwargs.setdefault("flash_attn", True)  # see EXACTNESS
         kwargs.setdefault("type_v", CACHE_TYPES["bf16"])
         super().__init__(model_path=model_path, **kwargs)
         try:
-            self._eagle3_setup(draft_model_path, draft_max, draft_p_min, draft_policy, spec_sampling,
-                               draft_temp_scale)
+            self._eagle3_setup(draft_model_path, config)
         except BaseException:
             self.close()
             raise
@@ -174,9 +164,7 @@ class Eagle3Llama(Llama):
             scores[:self.scores.shape[0]] = self.scores
             self.scores = scores
 
-    def _eagle3_setup(self, head_path: str | Path, draft_max: int, draft_p_min: float, draft_policy: str,
-                      spec_sampling: str = "match",
-                      draft_temp_scale: float = DEFAULT_DRAFT_TEMP_SCALE) -> None:
+    def _eagle3_setup(self, head_path: str | Path, config: DraftConfig) -> None:
         if self.draft_model is not None:
             raise Eagle3Error("this Llama already has a draft_model (prompt lookup); create it without one")
         if self.context_params.embeddings:
@@ -190,11 +178,7 @@ class Eagle3Llama(Llama):
             warnings.warn(INEXACT_WARNING.format(what=f"KV cache type_k={cp.type_k}, type_v={cp.type_v}"),
                           RuntimeWarning, stacklevel=3)
         self._fit_rows_to_context()
-        self.draft_max = draft_max
-        self.draft_p_min = draft_p_min
-        self.draft_policy = draft_policy
-        self.spec_sampling = spec_sampling
-        self.draft_temp_scale = draft_temp_scale
+        self._draft_config = config
         self.spec_stats = SpecStats()
         self.spec_fallback: str | None = None
         self._e3_head_path = Path(head_path)
@@ -202,22 +186,21 @@ class Eagle3Llama(Llama):
         self._e3_running = threading.Lock()  # held by the generation that is running (see _Turn)
         self._e3_generation = 0  # generations started so far; the latest is the current one
         self._e3_unfinished = False  # a generation started and has not ended
-        model = _SharedModel(self)
-        target = Context.borrow(self._ctx.ctx, model)
-        config = PairConfig(n_ctx=self._n_ctx, n_batch=self.n_batch, n_threads=self.context_params.n_threads,
-                            n_gpu_layers=max(self.model_params.n_gpu_layers, 0))
-        self._e3_pair: Pair | None = load_pair(self.model_path, head_path, config, target_model=model,
+        n_gpu_layers = max(self.model_params.n_gpu_layers, 0)
+        model = Model(self.model_path, n_gpu_layers=n_gpu_layers, borrowed=self._model.model)
+        target = Context(model, n_ctx=self._n_ctx, n_batch=self.n_batch, n_threads=cp.n_threads, type_k=cp.type_k,
+                         type_v=cp.type_v, flash_attn=cp.flash_attn_type, borrowed=self._ctx.ctx)
+        pair_config = PairConfig(n_ctx=self._n_ctx, n_batch=self.n_batch, n_threads=cp.n_threads,
+                                 n_gpu_layers=n_gpu_layers)
+        self._e3_pair: Pair | None = load_pair(self.model_path, head_path, pair_config, target_model=model,
                                                target_ctx=target)
         self._e3_spec: Speculator | None = None
         try:
-            session = Eagle3Session(self._e3_pair.target, self._e3_pair.head)
-            cost_tag = f"kv {cp.type_k}/{cp.type_v} ngl {config.n_gpu_layers} fa {cp.flash_attn_type}"
-            self._e3_spec = Speculator(target, session, self.n_batch, cost_tag)
+            self._e3_spec = self._e3_pair.speculator()
         except BaseException:
             self._eagle3_close()
             raise
         self._e3_head_tokens: list[int] = []  # target rows the head has processed, in order
-        self._e3_is_end = eog_check(model)  # remembers per token across generations
         self._stack.callback(self._eagle3_close)  # runs before Llama frees its context and model
         self._calibrate_if_needed()
 
@@ -232,8 +215,7 @@ class Eagle3Llama(Llama):
         self._e3_spec.session = session
 
     def _eagle3_close(self) -> None:
-        session = self._e3_session
-        for owner in (self._e3_spec, session, getattr(self, "_e3_pair", None)):
+        for owner in (self._e3_spec, getattr(self, "_e3_pair", None)):  # the speculator closes its session
             if owner is not None:
                 owner.close()
         self._e3_spec = self._e3_pair = None
@@ -243,70 +225,28 @@ class Eagle3Llama(Llama):
             super().close()
 
     def __getstate__(self):
-        return {**super().__getstate__(), "draft_model_path": str(self._e3_head_path),
-                "draft_max": self.draft_max, "draft_p_min": self.draft_p_min, "draft_policy": self.draft_policy,
-                "spec_sampling": self.spec_sampling, "draft_temp_scale": self.draft_temp_scale}
+        return {**super().__getstate__(), "draft_model_path": str(self._e3_head_path), **asdict(self.draft_config)}
 
     @property
-    def draft_max(self) -> int:
-        return self._draft_max
+    def draft_config(self) -> DraftConfig:
+        """The drafting knobs of the next generation (config.DraftConfig)."""
+        return self._draft_config
 
-    @draft_max.setter
-    def draft_max(self, k: int) -> None:
-        if not isinstance(k, int) or not 0 <= k <= MAX_DRAFT_MAX:
-            raise Eagle3Error(f"draft_max must be an integer between 0 and {MAX_DRAFT_MAX} (got {k!r})")
-        self._draft_max = k
-
-    @property
-    def draft_p_min(self) -> float:
-        return self._draft_p_min
-
-    @draft_p_min.setter
-    def draft_p_min(self, p: float) -> None:
-        if not 0.0 <= p < 1.0:
-            raise Eagle3Error(f"draft_p_min must be in [0, 1) (got {p})")
-        self._draft_p_min = float(p)
-
-    @property
-    def draft_policy(self) -> str:
-        return self._draft_policy
-
-    @draft_policy.setter
-    def draft_policy(self, name: str) -> None:
-        if name not in POLICIES:
-            raise Eagle3Error(f"draft_policy must be one of {', '.join(POLICIES)} (got {name!r})")
-        self._draft_policy = name
-
-    @property
-    def spec_sampling(self) -> str:
-        return self._spec_sampling
-
-    @spec_sampling.setter
-    def spec_sampling(self, name: str) -> None:
-        if name not in SPEC_SAMPLING:
-            raise Eagle3Error(f"spec_sampling must be one of {', '.join(SPEC_SAMPLING)} (got {name!r})")
-        self._spec_sampling = name
-
-    @property
-    def draft_temp_scale(self) -> float:
-        return self._draft_temp_scale
-
-    @draft_temp_scale.setter
-    def draft_temp_scale(self, scale: float) -> None:
-        if not scale >= 0.0:
-            raise Eagle3Error(f"draft_temp_scale must be >= 0 (got {scale})")
-        self._draft_temp_scale = float(scale)
-
-    def _config(self) -> GenerateConfig:
-        return GenerateConfig(draft_max=self.draft_max, draft_p_min=self.draft_p_min, draft_policy=self.draft_policy)
+    @draft_config.setter
+    def draft_config(self, config: DraftConfig) -> None:
+        if not isinstance(config, DraftConfig):
+            raise Eagle3Error(f"draft_config must be an eagle3_gguf.config.DraftConfig (got {type(config).__name__})")
+        self._draft_config = config
+        self._calibrate_if_needed()
 
     def _calibrate_if_needed(self) -> None:
         """The adaptive policy's cost curve (cached, or measured in a fraction of a second): measuring
         clears the caches, so the state that says what they hold is cleared with them."""
-        if self.draft_max > 0 and self._e3_spec.needs_calibration(self._config()):
+        config = self.draft_config
+        if config.draft_max > 0 and self._e3_spec.needs_calibration(config):
             self.n_tokens = 0
             self._e3_head_tokens.clear()
-            self._e3_spec.policy_for(self._config())
+            self._e3_spec.policy_for(config)
 
     # -- completion budget hint -----------------------------------------------------------------------
     def _create_completion(self, *args, **kwargs):
@@ -369,7 +309,7 @@ class Eagle3Llama(Llama):
         return super().generate(tokens, reset=reset, stopping_criteria=stopping_criteria, **sampling)
 
     def _fallback_reason(self, tokens: list[int], reset: bool) -> str | None:
-        if self.draft_max == 0:
+        if self.draft_config.draft_max == 0:
             return "draft_max is 0"
         if not tokens:
             return "empty prompt"
@@ -398,94 +338,62 @@ class Eagle3Llama(Llama):
         """Rejection sampling for this call, or None: greedy, the "match" rule, or a chain that is not
         a closed per-position distribution (`not_closed` names its parts)."""
         temp = sampling["temp"]
-        if temp == 0.0 or self.spec_sampling != "rejection" or not_closed:
+        if temp == 0.0 or self.draft_config.spec_sampling != "rejection" or not_closed:
             return None
         # llama-cpp-python's chain: top-k, typical, top-p, min-p, temperature, dist; temp < 0: dist alone
         transform = (Transform(temp, sampling["top_k"], sampling["top_p"], sampling["min_p"]) if temp > 0.0
                      else Transform(1.0, 0, 1.0, 0.0))
-        return RejectionSampler(transform, self.draft_temp_scale, np.random.default_rng(self._seed))
+        return RejectionSampler(transform, self.draft_config.draft_temp_scale, np.random.default_rng(self._seed))
 
     def _speculate(self, prompt: list[int], sampling: dict, stopping_criteria, turn: _Turn) -> Iterator[int]:
-        spec = self._e3_spec
-        target = spec.target
-        self._calibrate_if_needed()
-        policy = spec.policy_for(self._config())
-        st = self.spec_stats = SpecStats(draft_max=policy.k_max, n_prompt=len(prompt))
-        not_closed = self._not_closed_form(sampling) if self.spec_sampling == "rejection" else ""
+        """The one run (Speculator.run), its tokens handed out one at a time as plain decoding does: a stop
+        check or a caller who stops reading inside a cycle cuts the caches back to that token."""
+        spec, config = self._e3_spec, self.draft_config
+        not_closed = self._not_closed_form(sampling) if config.spec_sampling == "rejection" else ""
         rejection = self._rejection_sampler(sampling, not_closed)
-        st.spec_sampling = spec_sampling_label(sampling["temp"], self.spec_sampling, self.draft_temp_scale,
-                                               not_closed)
+        label = spec_sampling_label(sampling["temp"], config.spec_sampling, config.draft_temp_scale, not_closed)
         self._mirostat_mu = ctypes.c_float(2.0 * sampling["mirostat_tau"])
         self._sampler = self._init_sampler(**sampling)
-        n_ctx = self._n_ctx
-        is_end = self._e3_is_end
-        clock = StageClock(st, spec.native_time)
-        self._rewind(prompt)
-        m = self._prefill(prompt[self.n_tokens:], whole=policy.wants_prompt())
-        clock.prefilled()
-        pos = self.n_tokens  # where id_last goes
+        run = spec.run(prompt, _DropInHooks(self, rejection), config, rejection, label,
+                       keep=self._reusable_prefix(prompt))
+        st = self.spec_stats = run.stats
         last = -1
         try:
-            if rejection is None:
-                id_last = self._sampler.sample(self._ctx, spec.row0 + m - 1)
-            else:
-                id_last = rejection.target(spec.logits_ith(m - 1)).sample(rejection.rng.random())
-            st.n_target_forwards = 1
-            if self._stop_requested(stopping_criteria, pos):
-                st.stop_reason = "stopping_criteria"
-                return
-            st.n_generated, last = 1, id_last
-            self._check_sent((yield id_last))
-            while True:
-                k = n_ctx - pos - 1
-                if self._e3_budget is not None:
-                    k = min(k, self._e3_budget - st.n_generated - 1)
-                cyc = spec.cycle(policy, id_last, pos, k, lambda rows, i: self._sample_row(rows, pos, i), st,
-                                 stop=is_end, rejection=rejection)
-                out, n_acc, rows = cyc.out, cyc.n_acc, cyc.rows
-                if rejection is not None:  # Llama's chain sampled no row: the kept rows, as plain decoding has them
-                    self.input_ids[pos:pos + n_acc + 1] = rows[:n_acc + 1]
-                if self._logits_all:
-                    self.scores[pos:pos + n_acc + 1, :] = target.logits(len(rows))[:n_acc + 1]
-                self._e3_head_tokens[pos:] = rows[:n_acc + 1]
-                for j, tok in enumerate(out):
+            for cyc in run:
+                pos = cyc.pos
+                for j, tok in enumerate(cyc.out):
                     self.n_tokens = pos + j + 1  # plain decoding's state when it emits out[j]
                     if self._stop_requested(stopping_criteria, pos + j + 1):
-                        self._cut(pos + j + 1)
-                        st.cut_cycle(n_acc, j)
+                        self._end_inside(cyc, j, emitted=j)
                         st.stop_reason = "stopping_criteria"
                         return
-                    st.n_generated, last = st.n_generated + 1, tok
+                    last = tok
                     try:
                         sent = yield tok
                     except GeneratorExit:  # the caller is done (stop string, max_tokens, closed stream)
                         if turn.current:  # else a newer generation owns the caches now
-                            self._cut(pos + j + 1)
-                            st.cut_cycle(n_acc, j)
+                            self._end_inside(cyc, j, emitted=j + 1)
                         raise
                     self._check_sent(sent)
-                self.n_tokens = pos + n_acc + 1
-                pos += n_acc + 1
-                id_last = out[-1]
+                self.n_tokens = pos + cyc.n_acc + 1
         except GeneratorExit:
-            st.stop_reason = "eos" if is_end(last) else "caller stopped"
+            st.stop_reason = "eos" if spec.is_end(last) else "caller stopped"
             raise
         except BaseException:
             self._e3_head_tokens.clear()  # the head's state is unknown: the next call starts it afresh
             raise
         finally:
             self._requires_eval = True  # the last decode's last row may not be row n_tokens - 1
-            clock.finished()
-            st.policy = policy.finish_stats()
+            run.close()
 
     # -- helpers -------------------------------------------------------------------------------------------
-    def _sample_row(self, rows: list[int], pos: int, i: int) -> int:
-        """Llama's sampler on verify row i, with input_ids/n_tokens describing row i's context as plain
-        decoding has it when sampling (the rows' tokens are in input_ids from `pos` on)."""
-        if i == 0:
-            self.input_ids[pos:pos + len(rows)] = rows
-        self.n_tokens = pos + i + 1
-        return self._sampler.sample(self._ctx, self._e3_spec.row0 + i)
+    def _end_inside(self, cyc: Cycle, j: int, emitted: int) -> None:
+        """The generation ends at cyc.out[j], `emitted` of the cycle's tokens handed out: the caches keep
+        the rows up to it, and the statistics count the cycle as accepting j drafts."""
+        self._cut(cyc.pos + j + 1)
+        st = self.spec_stats
+        st.cut_cycle(cyc.n_acc, j)
+        st.n_generated -= len(cyc.out) - emitted
 
     def _check_sent(self, sent) -> None:
         if sent is not None:
@@ -503,55 +411,86 @@ class Eagle3Llama(Llama):
             return False
         return bool(stopping_criteria(self.input_ids[:n_ctx_rows], self.scores[0, :]))
 
-    def _rewind(self, prompt: list[int]) -> None:
-        """Keep the longest prefix that both the target's cache and the head's state hold for this prompt,
-        always re-decoding at least the last prompt token (for fresh logits and features).
+    def _reusable_prefix(self, prompt: list[int]) -> int:
+        """The longest prefix that both the target's cache and the head's state hold for this prompt,
+        always leaving the last prompt token to decode again (for fresh logits and features).
 
         The head stores at position p the pair (token p+1, features of row p), so the pairs up to T-1 are
         valid for the prompt when the head processed prompt[:T+1]; they stay, and the head resumes at T."""
         n_target = self.longest_token_prefix(self.input_ids[:self.n_tokens].tolist(), prompt)
         n_head = self.longest_token_prefix(self._e3_head_tokens, prompt)
-        keep = max(min(n_target, n_head - 1, len(prompt) - 1), 0)
-        spec, session = self._e3_spec, self._e3_session
-        if not (keep > 0 and spec.seq_rm(keep) and session.truncate(keep)):
-            keep = 0
-            spec.clear_target()
-            session.reset()
-        self.n_tokens = keep
-        del self._e3_head_tokens[keep:]
-
-    def _prefill(self, tokens: list[int], whole: bool) -> int:
-        """Decode tokens after n_tokens in n_batch chunks; each chunk's rows go to the head: all of them
-        when `whole`, else the last `window` rows are set aside for the first draft (the policy does not
-        expect drafting to pay yet, and reading the whole prompt costs one or two target steps). Returns
-        the last chunk's size (its last row holds the next token's logits)."""
-        spec = self._e3_spec
-
-        def mirror(chunk: list[int], pos0: int) -> None:  # llama-cpp-python's view of the context
-            self.input_ids[pos0:pos0 + len(chunk)] = chunk
-            if self._logits_all:
-                self.scores[pos0:pos0 + len(chunk), :] = spec.target.logits(len(chunk))
-            self.n_tokens = pos0 + len(chunk)
-            self._e3_head_tokens[pos0:] = chunk
-
-        return spec.prefill(tokens, self.n_tokens, feed_head=True, whole=whole,
-                            logits="all" if self._logits_all else "last", on_chunk=mirror)
+        return max(min(n_target, n_head - 1, len(prompt) - 1), 0)
 
 
-def attach_eagle3(llm: Llama, head_path: str | Path, *, draft_max: int = DEFAULT_DRAFT_MAX,
-                  draft_p_min: float = 0.0, draft_policy: str = "adaptive", spec_sampling: str = "match",
-                  draft_temp_scale: float = DEFAULT_DRAFT_TEMP_SCALE) -> Eagle3Llama:
+class _DropInHooks(RunHooks):
+    """The drop-in's side of the one run: llama-cpp-python's sampler chain picks each row (or, at T > 0 with
+    rejection, the run's rule does), with input_ids / n_tokens describing that row's context as plain decoding
+    has them; the kept rows are mirrored into input_ids (and scores, with logits_all) and into the record of
+    what the head has processed."""
+
+    def __init__(self, llm: Eagle3Llama, rejection: RejectionSampler | None):
+        self.llm = llm
+        self.spec = llm._e3_spec
+        self.rejection = rejection
+        self.prefill_logits = "all" if llm._logits_all else "last"
+
+    def first_token(self, row: int) -> int:
+        llm, rejection = self.llm, self.rejection
+        if rejection is None:
+            return llm._sampler.sample(llm._ctx, self.spec.batch_row(row))
+        return rejection.target(self.spec.logits_ith(row)).sample(rejection.rng.random())
+
+    def pick(self, rows: list[int], pos: int, i: int) -> int:
+        llm = self.llm
+        if i == 0:
+            llm.input_ids[pos:pos + len(rows)] = rows
+        llm.n_tokens = pos + i + 1
+        return llm._sampler.sample(llm._ctx, self.spec.batch_row(i))
+
+    def budget(self, pos: int, st: SpecStats) -> int:
+        """Never ends the run (the caller stops reading); drafts only what fits and what the completion
+        still wants (max_tokens, a hint)."""
+        k = self.llm._n_ctx - pos - 1
+        want = self.llm._e3_budget
+        return k if want is None else min(k, want - st.n_generated - 1)
+
+    def on_rewind(self, pos0: int) -> None:
+        self.llm.n_tokens = pos0
+        del self.llm._e3_head_tokens[pos0:]
+
+    def on_prefill(self, chunk: list[int], pos0: int) -> None:
+        llm = self.llm
+        llm.input_ids[pos0:pos0 + len(chunk)] = chunk
+        if llm._logits_all:
+            llm.scores[pos0:pos0 + len(chunk), :] = self.spec.target.logits(len(chunk))
+        llm.n_tokens = pos0 + len(chunk)
+        llm._e3_head_tokens[pos0:] = chunk
+
+    def on_cycle(self, cyc: Cycle) -> None:
+        llm, pos, kept = self.llm, cyc.pos, cyc.n_acc + 1
+        if self.rejection is not None:  # Llama's chain sampled no row: the kept rows, as plain decoding has them
+            llm.input_ids[pos:pos + kept] = cyc.rows[:kept]
+        if llm._logits_all:
+            llm.scores[pos:pos + kept, :] = self.spec.target.logits(len(cyc.rows))[:kept]
+        llm._e3_head_tokens[pos:] = cyc.rows[:kept]
+
+
+def attach_eagle3(llm: Llama, head_path: str | Path, *, draft_max: int = _LIBRARY.draft_max,
+                  draft_p_min: float = _LIBRARY.draft_p_min, draft_policy: str = _LIBRARY.draft_policy,
+                  spec_sampling: str = _LIBRARY.spec_sampling,
+                  draft_temp_scale: float = _LIBRARY.draft_temp_scale) -> Eagle3Llama:
     """Give an existing `llama_cpp.Llama` an EAGLE-3 head, in place: the same object becomes an
     Eagle3Llama (its class changes; everything it was configured with stays). Returns it."""
     if isinstance(llm, Eagle3Llama):
         raise Eagle3Error("this Llama already has an EAGLE-3 head")
     if not isinstance(llm, Llama):
         raise Eagle3Error(f"attach_eagle3 needs a llama_cpp.Llama, not {type(llm).__name__}")
+    config = DraftConfig(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale)
     cls = type(llm)
     new_cls = Eagle3Llama if cls is Llama else type(f"Eagle3{cls.__name__}", (Eagle3Llama, cls), {})
     llm.__class__ = new_cls
     try:
-        llm._eagle3_setup(head_path, draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale)
+        llm._eagle3_setup(head_path, config)
     except BaseException:
         llm.__class__ = cls
         raise

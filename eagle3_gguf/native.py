@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import logging
 import os
 import time
@@ -170,6 +171,17 @@ CACHE_TYPES = {name: int(GGMLQuantizationType[name.upper()])
 _F16, _F32 = CACHE_TYPES["f16"], CACHE_TYPES["f32"]
 
 
+def flash_attn_type(enabled: bool) -> int:
+    """llama.cpp's flash_attn_type for on / off."""
+    return C.LLAMA_FLASH_ATTN_TYPE_ENABLED if enabled else C.LLAMA_FLASH_ATTN_TYPE_DISABLED
+
+
+@functools.cache
+def backend_fingerprint() -> str:
+    """A short digest of llama.cpp's backends and CPU features in this process (they change row costs)."""
+    return hashlib.sha256(C.llama_print_system_info() or b"").hexdigest()[:12]
+
+
 def _type_name(t: int) -> str:
     return next((n for n, v in CACHE_TYPES.items() if v == t), str(t))
 
@@ -232,21 +244,26 @@ class _Owner:
 class Model(_Owner):
     """A llama_model loaded from a GGUF file."""
 
-    def __init__(self, path: str | Path, *, n_gpu_layers: int = 0, use_mmap: bool = True):
+    def __init__(self, path: str | Path, *, n_gpu_layers: int = 0, use_mmap: bool = True, borrowed=None):
+        """borrowed: a llama_model someone else owns (llama_cpp.Llama's) to wrap; close() won't free it."""
         self.path = Path(path)
-        if not self.path.is_file():
-            raise Eagle3Error(f"{self.path}: no such file")
-        params = C.llama_model_default_params()
-        params.n_gpu_layers = n_gpu_layers
-        params.use_mmap = use_mmap
-        ptr = C.llama_model_load_from_file(str(self.path).encode(), params)
-        if not ptr:
-            raise Eagle3Error(f"{self.path}: llama.cpp could not load it (run with -v to see why)")
-        self.ptr = ptr
-        self.vocab = C.llama_model_get_vocab(ptr)
+        self.n_gpu_layers = n_gpu_layers
+        self._owned = borrowed is None
+        if borrowed is None:
+            if not self.path.is_file():
+                raise Eagle3Error(f"{self.path}: no such file")
+            params = C.llama_model_default_params()
+            params.n_gpu_layers = n_gpu_layers
+            params.use_mmap = use_mmap
+            borrowed = C.llama_model_load_from_file(str(self.path).encode(), params)
+            if not borrowed:
+                raise Eagle3Error(f"{self.path}: llama.cpp could not load it (run with -v to see why)")
+        self.ptr = borrowed
+        self.vocab = C.llama_model_get_vocab(borrowed)
 
     def _free(self, ptr) -> None:
-        C.llama_model_free(ptr)
+        if self._owned:
+            C.llama_model_free(ptr)
 
     @functools.cached_property
     def n_embd(self) -> int:
@@ -290,11 +307,14 @@ class Context(_Owner):
 
     def __init__(self, model: Model, *, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int | None = None,
                  n_threads: int | None = None, ctx_other: "Context | None" = None, n_seq_max: int = 1,
-                 kv_unified: bool = True, type_k: int | None = None, type_v: int | None = None):
+                 kv_unified: bool = True, type_k: int | None = None, type_v: int | None = None,
+                 flash_attn: int | None = None, borrowed=None):
         """kv_unified=False gives every sequence its own KV stream (n_ctx / n_seq_max cells): a row attends
         over its own sequence only, but llama.cpp then orders a batch's rows by sequence id in its ubatches
         (so layer-input rows come out in that order: keep batches sorted by sequence). type_k/type_v: the
-        KV cache's ggml types (`cache_type`); llama.cpp's default is f16 for both."""
+        KV cache's ggml types (`cache_type`); llama.cpp's default is f16 for both. flash_attn: llama.cpp's
+        flash_attn_type (default: auto). borrowed: a llama_context someone else owns (`llama_cpp.Llama._ctx.ctx`)
+        to wrap, made with these settings; close() won't free it."""
         self.model = model
         self.ctx_other = ctx_other  # keeps the target alive while the head borrows from it
         threads = n_threads or default_threads()
@@ -310,35 +330,33 @@ class Context(_Owner):
             params.type_k = type_k
         if type_v is not None:
             params.type_v = type_v
+        if flash_attn is not None:
+            params.flash_attn_type = flash_attn
         params.n_threads = threads
         params.n_threads_batch = threads
         params.no_perf = True
         if ctx_other is not None:
             params.ctx_other = ctx_other._live()
-        ptr = C.llama_init_from_model(model._live(), params)
+        # what the cost of a row depends on besides the files and threads (policy.CostKey)
+        self.kv_types = (int(params.type_k), int(params.type_v))
+        self.flash_attn = int(params.flash_attn_type)
+        self._owned = borrowed is None
+        ptr = borrowed if borrowed is not None else C.llama_init_from_model(model._live(), params)
         if not ptr:
             cache = "" if type_k is None and type_v is None else (
                 f", KV cache {_type_name(params.type_k)}/{_type_name(params.type_v)}")
             raise Eagle3Error(f"{model.path}: llama.cpp could not create a context (n_ctx={n_ctx}{cache}; "
                               "-v shows why)")
         self.ptr = ptr
-        self._owned = True
+        # how this context's graphs are called: runner(graph_call) in this thread by default; slots.Engine
+        # passes its own, which runs every graph on one thread
+        self.runner: Callable[..., int] | None = None
         self.t_native = 0.0  # seconds spent inside llama_decode / llama_process (for overhead figures)
         self._views: dict[tuple, np.ndarray] = {}
         self._layer_inp: set[int] = set()
         self._nextn = False
         self._decoded = False
         self._greedy: GreedySampler | None = None
-
-    @classmethod
-    def borrow(cls, ptr, model: Model) -> "Context":
-        """Wrap a context someone else owns (e.g. `llama_cpp.Llama._ctx.ctx`); close() won't free it."""
-        self = cls.__new__(cls)
-        self.model, self.ctx_other, self.ptr, self._owned = model, None, ptr, False
-        self._layer_inp, self._nextn, self._decoded, self.t_native = set(), False, False, 0.0
-        self._views = {}
-        self._greedy = None
-        return self
 
     def _free(self, ptr) -> None:
         if self._owned:
@@ -375,8 +393,14 @@ class Context(_Owner):
 
     # -- running graphs ----------------------------------------------------------------------------
     def _run(self, graph, *args) -> int:
-        """Run one of llama.cpp's graph calls on this context, timed into t_native up to llama_synchronize
-        (the backend may still be copying outputs: that is llama.cpp's time too). Returns its rc."""
+        """Run one of llama.cpp's graph calls on this context (through `runner` where one is set), timed
+        into t_native up to llama_synchronize (the backend may still be copying outputs: that is llama.cpp's
+        time too). Returns its rc."""
+        if self.runner is not None:
+            return self.runner(self._call, graph, *args)
+        return self._call(graph, *args)
+
+    def _call(self, graph, *args) -> int:
         t = time.perf_counter()
         rc = graph(self._live(), *args)
         C.llama_synchronize(self.ptr)

@@ -14,7 +14,9 @@ import numpy as np
 from . import keys
 from .errors import Eagle3Error
 from .gguf_file import HeadInfo, TargetInfo, read_gguf
-from .native import Context, Model, cache_type, default_threads
+from .native import Context, Model, cache_type, default_threads, flash_attn_type
+from .session import Eagle3Session
+from .speculator import Speculator
 
 
 @dataclass
@@ -31,6 +33,7 @@ class PairConfig:
     # accumulator (f16 V accumulates in f16), and costs ~4% of target-only speed here (96 vs 100 tok/s).
     cache_type_k: str = "f16"
     cache_type_v: str = "bf16"
+    flash_attn: bool = True  # batch-invariant rows need it on CPU (README, exactness)
 
 
 def check_pair(target: TargetInfo, head: HeadInfo, d2t: np.ndarray | None = None) -> None:
@@ -89,6 +92,10 @@ class Pair:
     head_model: Model
     head: Context
 
+    def speculator(self) -> Speculator:
+        """The speculative cycle on this pair: a Speculator with a head session of its own (closed with it)."""
+        return Speculator(self.target, Eagle3Session(self.target, self.head))
+
     def close(self) -> None:
         for owner in (self.head, self.head_model, self.target, self.target_model):
             owner.close()
@@ -114,7 +121,7 @@ def load_pair(target_path: str | Path, head_path: str | Path, config: PairConfig
             opened.append(target_model)
         if target_ctx is None:
             target_ctx = Context(target_model, n_ctx=config.n_ctx, n_batch=config.n_batch, n_threads=threads,
-                                 type_k=type_k, type_v=type_v)
+                                 type_k=type_k, type_v=type_v, flash_attn=flash_attn_type(config.flash_attn))
             opened.append(target_ctx)
         head_model = Model(head_path, n_gpu_layers=config.n_gpu_layers)
         opened.append(head_model)

@@ -140,17 +140,28 @@ class CostKey:
     target: str  # path, size, mtime
     head: str
     n_threads: int
-    tag: str  # the rest of how they run: KV cache types, GPU layers
+    setup: str  # the rest of how they run: KV cache types, flash attention, layers offloaded
     n_batch: int
-    machine: str
+    machine: str  # CPU, core count and llama.cpp's backends and CPU features
 
     @classmethod
-    def for_files(cls, target: Path, head: Path, n_threads: int, tag: str, n_batch: int) -> "CostKey":
+    def for_files(cls, target: Path, head: Path, n_threads: int, setup: str, n_batch: int) -> "CostKey":
+        from .native import backend_fingerprint  # here: the CLI imports this module before it needs llama.cpp
+
         def ident(p: Path) -> str:
             st = Path(p).stat()
             return f"{Path(p).resolve()}:{st.st_size}:{st.st_mtime_ns}"
 
-        return cls(ident(target), ident(head), n_threads, tag, n_batch, f"{os.uname().machine}:{os.cpu_count()}")
+        return cls(ident(target), ident(head), n_threads, setup, n_batch,
+                   f"{os.uname().machine}:{os.cpu_count()}:{backend_fingerprint()}")
+
+    @classmethod
+    def for_contexts(cls, target, head, n_batch: int) -> "CostKey":
+        """The key of a target context and a head context (native.Context) verifying n_batch rows at most:
+        the same set-up gives the same key on every surface."""
+        setup = (f"kv {target.kv_types[0]}/{target.kv_types[1]} fa {target.flash_attn} "
+                 f"ngl {target.model.n_gpu_layers}/{head.model.n_gpu_layers}")
+        return cls.for_files(target.model.path, head.model.path, target.n_threads, setup, n_batch)
 
     def path(self) -> Path:
         base = Path(os.environ.get("EAGLE3_GGUF_CACHE", Path.home() / ".cache" / "eagle3-gguf"))

@@ -34,12 +34,12 @@ import json
 import logging
 import time
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .config import COMMAND_LINE, DraftConfig
 from .errors import Eagle3Error
-from .spec_sampling import DEFAULT_DRAFT_TEMP_SCALE
 
 SERVER_EXTRA_HINT = "pip install 'eagle3-gguf[server]'"
 SERVER_MODULES = ("fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings")
@@ -51,9 +51,7 @@ log = logging.getLogger(__name__)
 class ServeConfig:
     model: Path
     draft: Path
-    draft_max: int
-    draft_p_min: float
-    draft_policy: str
+    drafting: DraftConfig = COMMAND_LINE  # as `generate`: rejection sampling at temperature > 0
     host: str = "127.0.0.1"
     port: int = 8000
     n_ctx: int = 4096
@@ -61,8 +59,6 @@ class ServeConfig:
     alias: str | None = None  # the model name clients send; default: the target's file name without .gguf
     strict_model: bool = False  # 404 for other model names (llama-cpp-python answers them with its model)
     interrupt_requests: bool = False  # llama-cpp-python's default (True) ends a running stream for a new request
-    spec_sampling: str = "rejection"  # at temperature > 0, as `generate` (--spec-sampling); "match" keeps plain text
-    draft_temp_scale: float = DEFAULT_DRAFT_TEMP_SCALE
     parallel: int = 1  # requests served at once (slots.SlotPool), n_ctx split among them; 1: one at a time
 
     @property
@@ -102,9 +98,7 @@ def build_app(config: ServeConfig):
     def load(settings):
         llm = LlamaProxy.load_llama_from_model_settings(settings)
         try:
-            return attach_eagle3(llm, config.draft, draft_max=config.draft_max, draft_p_min=config.draft_p_min,
-                                 draft_policy=config.draft_policy, spec_sampling=config.spec_sampling,
-                                 draft_temp_scale=config.draft_temp_scale)
+            return attach_eagle3(llm, config.draft, **asdict(config.drafting))
         except BaseException:
             llm.close()
             raise

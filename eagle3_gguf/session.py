@@ -31,6 +31,7 @@ The API takes target positions; `pending_pos` and the queues are in the head's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -114,6 +115,16 @@ class RowsAside:
         self.start = self.end = 0
 
 
+@dataclass(slots=True)
+class Draft:
+    """What one draft() made: the tokens to verify and what the head said at every step it ran (a step's
+    token may be cut, so confs can be longer than tokens)."""
+
+    tokens: list[int] = field(default_factory=list)
+    confs: list[float] = field(default_factory=list)  # the head's top probability, one per step
+    qs: list[Dist] = field(default_factory=list)  # q, one per step (drafts drawn from q; empty for argmax drafts)
+
+
 class Eagle3Session:
     def __init__(self, target: Context, draft: Context, target_layers: list[int] | None = None,
                  window: int = CATCH_UP_WINDOW):
@@ -142,8 +153,6 @@ class Eagle3Session:
         self._q_pos = np.zeros(0, np.int32)  # [n_q]
         self._q_g = np.zeros((0, self.n_embd), np.float32)  # [n_q, n_embd]
         self._vocab: np.ndarray | None = None  # draft-vocab ids inside the full logits row, once known
-        self.confs: list[float] = []  # the last draft's top probabilities, one per step
-        self.qs: list[Dist] = []  # the last sampled draft's q, one per step (drafts drawn from q)
 
     def close(self) -> None:
         self.enc_batch.close()
@@ -340,9 +349,9 @@ class Eagle3Session:
             return logits[self._vocab], self._vocab
         return logits, None
 
-    def _choose(self, logits: np.ndarray, sampler: RejectionSampler | None) -> tuple[int, float]:
-        """One draft step's token and the head's top probability: the argmax, or a draw from q (kept in
-        self.qs). The draft-vocab logits are gathered once for both: right after a decode the row is out of
+    def _choose(self, logits: np.ndarray, sampler: RejectionSampler | None, qs: list[Dist]) -> tuple[int, float]:
+        """One draft step's token and the head's top probability: the argmax, or a draw from q (appended to
+        qs). The draft-vocab logits are gathered once for both: right after a decode the row is out of
         cache, and a second gather cost ~0.1 ms a step (a third of rejection sampling's extra Python).
         # logits: [n_vocab], -inf outside the draft vocab"""
         z, ids = self._draft_logits(logits)  # [n_draft_vocab], [n_draft_vocab] or None
@@ -354,23 +363,21 @@ class Eagle3Session:
         if sampler is None:
             return (int(ids[j]) if ids is not None else j), conf
         token, q = sampler.draft(z, ids)
-        self.qs.append(q)
+        qs.append(q)
         return token, conf
 
     def draft(self, id_last: int, n_max: int, judge: Callable[[list[float], int], int] | None = None,
-              p_min: float = 0.0, sampler: RejectionSampler | None = None) -> list[int]:
+              p_min: float = 0.0, sampler: RejectionSampler | None = None) -> Draft:
         """Draft up to n_max tokens that follow id_last (the target's newest token). After each step,
         `judge(confs, n_max)` (confs: the top probabilities so far) returns -1 to go on or j >= 0 to stop
-        and return the first j drafts; without a judge, drafting stops where the top probability falls
-        under p_min. `self.confs` keeps every step's top probability.
+        and keep the first j drafts; without a judge, drafting stops where the top probability falls
+        under p_min. The Draft holds every step's top probability.
 
         Greedy drafts are the head's argmax. With a `sampler` (rejection sampling) each draft is drawn
         from the head's distribution q over the target vocab (its draft vocab mapped through d2t, zero
-        elsewhere; the sampler's transform), and `self.qs` keeps each step's q."""
-        self.confs = []
-        self.qs = []
+        elsewhere; the sampler's transform), and the Draft holds each step's q."""
         if n_max <= 0:
-            return []
+            return Draft()
         self.catch_up()
         if self.pending_pos < 0:
             raise Eagle3Error("draft() before process(): feed the head the prompt first")
@@ -389,18 +396,18 @@ class Eagle3Session:
         g = np.concatenate([self._q_g, self.pending_g[None]])  # [q + 1, n_embd]
         self._set_queue(self._q_tok[:0], self._q_pos[:0], self._q_g[:0])
         self._open = False  # the seed step writes the deferred pair
-        out: list[int] = []
+        out, confs, qs = [], [], []
         batch = self.dec_batch
         batch.set_embd(g, pos, tok)  # the seed step, with the queued pairs
         row, p = q, self.pending_pos
         while True:
             ctx.decode(batch)
-            token, conf = self._choose(ctx.logits_ith(row), sampler)
+            token, conf = self._choose(ctx.logits_ith(row), sampler, qs)
             out.append(token)
-            self.confs.append(conf)
-            keep = judge(self.confs, n_max)
+            confs.append(conf)
+            keep = judge(confs, n_max)
             if keep >= 0:
-                return out[:keep]
+                return Draft(out[:keep], confs, qs)
             h = ctx.nextn_ith(row)  # [n_embd] pre-norm hidden state → next step's g
             if self.norms is not None:  # EAGLE 3.1 norm_output: output_norm(h) instead
                 h = self.norms.feedback(h)

@@ -3,7 +3,7 @@
 A `SlotPool` turns one Eagle3Llama into N slot objects. Each slot IS an Eagle3Llama (llama-cpp-python's
 completion, chat, streaming, stop strings and sampler chains, unchanged) on its own KV sequence of one
 shared target context, with its own head context and session, prompt state and statistics; its cycle is
-the one every loop runs (decode.Speculator, on sequence `seq`, reading its rows from `row0`). Only the
+the one run every surface drives (speculator.Speculator, on sequence `seq`, reading its rows from `row0`). Only the
 target's decode is shared: `JointTarget.decode` puts the rows of the slots that are generating into one
 batch. A batch goes when every slot that is generating and not away with a token for its caller has handed
 in its rows (one that is away is waited for up to a quarter of a decode); the slot that completes the set
@@ -39,11 +39,11 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .decode import Speculator
 from .errors import Eagle3Error
 from .llama import Eagle3Llama
 from .native import Batch, Context
 from .session import Eagle3Session
+from .speculator import Speculator
 from .stats import SpecStats
 
 GRACE = 0.25  # how long a batch waits for slots away with a token, in decodes (the last one's time)
@@ -111,12 +111,8 @@ class Engine:
         return job.result
 
     def adopt(self, ctx: Context) -> Context:
-        """Run ctx's graphs (decode, encode, process) on this thread (once: adopting again does nothing)."""
-        if getattr(ctx, "_engine", None) is self:
-            return ctx
-        run = ctx._run
-        ctx._run = lambda graph, *args: self.call(run, graph, *args)
-        ctx._engine = self
+        """Run ctx's graphs (decode, encode, process) on this thread (its `runner`)."""
+        ctx.runner = self.call
         return ctx
 
     def adopt_llama(self, llm: Eagle3Llama) -> Eagle3Llama:
@@ -315,15 +311,13 @@ class SlotSpeculator(Speculator):
     """The speculative cycle on sequence `seq` of the joint target."""
 
     def __init__(self, joint: JointTarget, seq: int, session: Eagle3Session, base: Speculator):
-        super().__init__(joint.target, session, joint.batch.capacity, base.cost_tag)
+        super().__init__(joint.target, session, joint.batch.capacity)
         self.joint = joint
         self.seq = seq
         self.costs = copy.deepcopy(base.costs)  # each slot's policy refines its own
         self.t_target = 0.0  # seconds of the shared decodes this slot's rows were in
-        self._decode = self._joint_decode
-        self.logits_ith = lambda i: self.target.logits_ith(self.row0 + i)
 
-    def _joint_decode(self, batch: Batch) -> None:
+    def decode(self, batch: Batch) -> None:
         row0, seconds = self.joint.decode(self.seq, batch)
         self.row0 = self.session.extract.row0 = row0
         self.t_target += seconds
@@ -399,12 +393,12 @@ class SlotPool:
             raise Eagle3Error("parallel slots do not keep every row's logits: create the Llama with logits_all=False")
         if llm.cache is not None:
             raise Eagle3Error("parallel slots cannot share a prompt cache: create the Llama without set_cache()")
-        if llm.draft_max < 1:
+        if llm.draft_config.draft_max < 1:
             raise Eagle3Error("parallel slots speculate: draft_max must be at least 1")
         self.llm = llm
         self.n_slot_ctx = n_slot
         spec = llm._e3_spec
-        if spec.costs is None and llm.draft_policy == "adaptive":  # pragma: no cover - setup calibrates
+        if spec.costs is None and llm.draft_config.draft_policy == "adaptive":  # pragma: no cover - setup calibrates
             raise Eagle3Error("the Eagle3Llama has no cost curve yet")
         self.engine = engine
         engine.adopt_llama(llm)
@@ -427,9 +421,7 @@ class SlotPool:
                                 ctx_other=target)
                 self._owned.append(draft)
                 engine.adopt(draft)
-                session = Eagle3Session(target, draft)
-                self._owned.append(session)
-                slot_spec = SlotSpeculator(self.joint, seq, session, spec)
+                slot_spec = SlotSpeculator(self.joint, seq, Eagle3Session(target, draft), spec)  # closes the session
                 self._owned.append(slot_spec)
                 self.slots.append(self._slot(slot_spec))
         except BaseException:

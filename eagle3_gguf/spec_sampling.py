@@ -30,11 +30,6 @@ import numpy as np
 from .errors import Eagle3Error
 
 SPEC_SAMPLING = ("rejection", "match")
-# q's temperature / p's. Measured on all 80 MT-bench prompts (SmolLM2 + the shipped head, K=4), twice: tokens per
-# forward at T=0.7 / 1.0 with 1x 1.407 / 1.392 and 1.414 / 1.395 (bench/sampling-cpu/), with 0.75x 1.420 / 1.378
-# and 1.408 / 1.386, match 1.381 / 1.344 and 1.387 / 1.329. 1x is ahead in three of four and on speed in the second
-# run (1.020x / 1.031x match, 0.75x: 0.985x / 1.012x); it keeps q under the same transform as p.
-DEFAULT_DRAFT_TEMP_SCALE = 1.0
 
 
 @dataclass

@@ -37,7 +37,7 @@ import bench_data  # noqa: E402
 from build_upstream import bin_dir, requantized  # noqa: E402
 
 from eagle3_gguf.assets import default_head_path, smollm2_path  # noqa: E402
-from eagle3_gguf.decode import Decoder, GenerateConfig  # noqa: E402
+from eagle3_gguf.decode import Runner, GenerateConfig  # noqa: E402
 from eagle3_gguf.native import install_log_callback  # noqa: E402
 from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
 from eagle3_gguf.session import Eagle3Session  # noqa: E402
@@ -161,7 +161,7 @@ def bench_target(quant: str, target: Path, head: Path, args, tools: Path | None)
     with load_pair(target, head, PairConfig(n_ctx=4096, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers)) as pair:
         model = pair.target_model
         with Eagle3Session(pair.target, pair.head) as session, \
-                Decoder(pair.target, session, f"ngl {args.n_gpu_layers}") as dec:
+                Runner(pair.target, session) as dec:
             def ours(contender: str, config: GenerateConfig, base_tokens: list[int]) -> Run:
                 r = dec.generate(prompt, config)
                 st, pol = r.stats, r.stats.policy

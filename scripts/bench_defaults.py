@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eagle3_gguf.assets import default_head_path, smollm2_path  # noqa: E402
-from eagle3_gguf.decode import Decoder, GenerateConfig  # noqa: E402
+from eagle3_gguf.decode import Runner, GenerateConfig  # noqa: E402
 from eagle3_gguf.native import install_log_callback  # noqa: E402
 from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
 from eagle3_gguf.session import Eagle3Session  # noqa: E402
@@ -61,7 +61,7 @@ def run_grid(quants: list[str], ks: list[int], p_mins: list[float], head: Path, 
             target = requantized(target, "Q4_0")
         grid = {(k, p): Setting(q, k, p, [], [], 0, 0) for k in ks for p in p_mins}
         with load_pair(target, head, PairConfig(n_ctx=2048, n_threads=threads)) as pair, \
-                Eagle3Session(pair.target, pair.head) as sess, Decoder(pair.target, sess) as dec:
+                Eagle3Session(pair.target, pair.head) as sess, Runner(pair.target, sess) as dec:
             for text in EVAL_PROMPTS:
                 prompt = chat_tokens(pair.target_model, text)
                 base = dec.generate(prompt, GenerateConfig(n_predict=n_predict), speculative=False)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from eagle3_gguf.assets import default_head_path, smollm2_path
 from eagle3_gguf.benchmarks import load
-from eagle3_gguf.decode import Decoder, GenerateConfig, Sampler
+from eagle3_gguf.decode import Runner, GenerateConfig, Sampler
 from eagle3_gguf.native import install_log_callback
 from eagle3_gguf.pair import PairConfig, load_pair
 from eagle3_gguf.session import Eagle3Session
@@ -69,7 +69,7 @@ class Row:
         return self.contender
 
 
-def run_one(decoder: Decoder, prompt: list[int], pid: str, contender: str, temp: float, scale: float,
+def run_one(decoder: Runner, prompt: list[int], pid: str, contender: str, temp: float, scale: float,
             args) -> Run:
     config = GenerateConfig(n_predict=args.n_predict, draft_max=args.k, draft_p_min=args.p_min,
                             draft_policy=args.policy,
@@ -164,7 +164,7 @@ def main() -> None:
     t0 = time.perf_counter()
     with load_pair(smollm2_path(), default_head_path(), PairConfig(n_ctx=2048, n_threads=args.threads)) as pair, \
             Eagle3Session(pair.target, pair.head) as session, \
-            Decoder(pair.target, session, "kv f16/bf16 ngl 0") as decoder:
+            Runner(pair.target, session) as decoder:
         model = pair.target_model
         for n, p in enumerate(prompts):
             toks = tokenize(model, apply_chat_template(model, [Message("user", p.text)]), add_special=False)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
-from eagle3_gguf.session import Eagle3Session
+from eagle3_gguf.session import Draft, Eagle3Session
 
 
 class OracleSession(Eagle3Session):
@@ -20,14 +21,14 @@ class OracleSession(Eagle3Session):
         self.schedule = itertools.cycle(schedule)
         self.confident = confident
 
-    def draft(self, id_last: int, n_max: int, judge=None, p_min: float = 0.0) -> list[int]:
+    def draft(self, id_last: int, n_max: int, judge=None, p_min: float = 0.0, sampler=None) -> Draft:
         if self.confident and judge is not None:
             policy_judge = judge
             judge = lambda confs, n: policy_judge([0.99] * len(confs), n)  # noqa: E731
-        real = super().draft(id_last, n_max, judge, p_min)
-        if self.confident:
-            self.confs = [0.99] * len(self.confs)
+        real = super().draft(id_last, n_max, judge, p_min, sampler)
+        confs = [0.99] * len(real.confs) if self.confident else real.confs
         start = self.pending_pos + self.shift + 2  # id_last sits at target position pending_pos + shift + 1
         good = next(self.schedule)
-        future = self.truth[start:start + len(real)]
-        return [t if i < good else (t + 1) % 49152 for i, t in enumerate(future)]
+        future = self.truth[start:start + len(real.tokens)]
+        tokens = [t if i < good else (t + 1) % 49152 for i, t in enumerate(future)]
+        return dataclasses.replace(real, tokens=tokens, confs=confs)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from eagle3_gguf.assets import default_head_path
-from eagle3_gguf.decode import Decoder, GenerateConfig
+from eagle3_gguf.decode import Runner, GenerateConfig
 from eagle3_gguf.pair import PairConfig, load_pair
 from eagle3_gguf.policy import CostCurve
 from eagle3_gguf.session import Eagle3Session
@@ -38,13 +38,13 @@ def test_agreeing_head_drafts_k_max(smollm2_path, k, costs):
     with load_pair(smollm2_path, default_head_path(), PairConfig(n_ctx=1024, n_threads=2)) as pair:
         prompt = chat_tokens(pair.target_model, PROMPT)
         config = GenerateConfig(n_predict=200, draft_max=k, draft_policy="adaptive")
-        with Decoder(pair.target) as plain:
+        with Runner(pair.target) as plain:
             base = plain.generate(prompt, config, speculative=False)
         # long enough for the figures below; the target may end it at EOS before n_predict (191 tokens on a
         # 2-core AMD EPYC host, 200 on others: the CPU's kernels decide near-ties)
         assert len(base.tokens) >= 150
         with OracleSession(pair.target, pair.head, truth=prompt + base.tokens, schedule=[k], confident=True) as s, \
-                Decoder(pair.target, s) as d:
+                Runner(pair.target, s) as d:
             if costs == "gpu-like":
                 step = d.spec.calibrate(k).verify_s[0]
                 d.spec.costs = CostCurve([step * (1 + 0.02 * n) for n in range(k + 1)], 0.02 * step, 0.05 * step,
@@ -60,7 +60,7 @@ def test_agreeing_head_drafts_k_max(smollm2_path, k, costs):
 
 def test_random_head_settles_on_plain_decoding(smollm2_path, random_head):
     with load_pair(smollm2_path, random_head, PairConfig(n_ctx=1024, n_threads=2)) as pair, \
-            Eagle3Session(pair.target, pair.head) as s, Decoder(pair.target, s) as d:
+            Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
         prompt = chat_tokens(pair.target_model, PROMPT)
         config = GenerateConfig(n_predict=160, draft_max=4, draft_policy="adaptive")
         base = d.generate(prompt, config, speculative=False)
@@ -92,7 +92,7 @@ def test_plain_cycles_keep_rows_only_within_the_sessions_window(smollm2_path, ra
     kept = {}
     for window in (3, 8):
         with load_pair(smollm2_path, random_head, PairConfig(n_ctx=1024, n_threads=2)) as pair, \
-                CountingSession(pair.target, pair.head, window=window) as s, Decoder(pair.target, s) as d:
+                CountingSession(pair.target, pair.head, window=window) as s, Runner(pair.target, s) as d:
             prompt = chat_tokens(pair.target_model, PROMPT)
             pol = d.generate(prompt, GenerateConfig(n_predict=160, draft_max=4)).stats.policy
         assert max(pol.trace[20:]) == 0, pol.trace

@@ -225,7 +225,7 @@ def test_session_drafts_the_same_with_a_converted_head(tmp_path, tiny_target):
         pair.target.decode(batch)
         next_token = int(np.argmax(pair.target.logits_ith(len(PROMPT) - 1)))
         session.process(PROMPT, 0)
-        drafted = session.draft(next_token, N_STEPS)
+        drafted = session.draft(next_token, N_STEPS).tokens
         batch.close()
     assert next_token == direct.next_token
     assert drafted == direct.tokens

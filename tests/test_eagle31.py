@@ -74,7 +74,7 @@ def draft_with_logits(session: Eagle3Session, ctx: N.Context, id_last: int) -> t
 
     ctx.logits_ith = recording
     try:
-        return session.draft(id_last, N_STEPS), seen
+        return session.draft(id_last, N_STEPS).tokens, seen
     finally:
         del ctx.logits_ith
 
@@ -239,7 +239,7 @@ def test_head_reading_fewer_than_three_features_runs_exactly(tmp_path, tiny_targ
         own = np.concatenate([pair.target.layer_inp(lid, n) for lid in layer_ids], axis=1)  # [n, n_feat * 64]
         g = session.encode(session.features(n))  # [n, n_embd]
         session.process(PROMPT, 0)
-        drafts = session.draft(int(np.argmax(pair.target.logits_ith(n - 1))), N_STEPS)
+        drafts = session.draft(int(np.argmax(pair.target.logits_ith(n - 1))), N_STEPS).tokens
     x = own.astype(np.float64).reshape(n, n_feat, d.n_embd_tgt)
     if fc_norm:
         x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + d.rms_eps) \

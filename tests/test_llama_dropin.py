@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 from contextlib import closing
 
@@ -335,12 +337,12 @@ def test_attach_eagle3(tiny_target, tiny_head, plain):
 
 # -- fallbacks and errors ----------------------------------------------------------------------------------
 def test_draft_max_zero_falls_back_to_plain(plain, ours):
-    ours.draft_max = 0
+    ours.draft_config = dataclasses.replace(ours.draft_config, draft_max=0)
     try:
         same(plain(PROMPTS[0], max_tokens=15, **GREEDY), ours(PROMPTS[0], max_tokens=15, **GREEDY))
         assert ours.spec_fallback == "draft_max is 0" and ours.spec_stats.n_drafted == 0
     finally:
-        ours.draft_max = 4
+        ours.draft_config = dataclasses.replace(ours.draft_config, draft_max=4)
     same(plain(PROMPTS[0] + " Paris", max_tokens=15, **GREEDY), ours(PROMPTS[0] + " Paris", max_tokens=15, **GREEDY))
     assert ours.spec_fallback is None
 
@@ -358,6 +360,22 @@ def test_raw_generate_and_its_fallbacks(plain, ours):
     next(gen)
     with pytest.raises(Eagle3Error, match="send"):
         gen.send([1, 2])
+
+
+def test_one_cost_key_per_setup(tiny_target, tiny_head):
+    """The drop-in and the CLI's pair key the cost cache alike for the same set-up (they once used two tags,
+    so one set-up was calibrated twice), and a set-up that costs differently gets another key."""
+    from eagle3_gguf.pair import PairConfig, load_pair
+    from eagle3_gguf.policy import CostKey
+
+    setup = dict(n_ctx=512, n_batch=64, n_threads=2)
+    with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_policy="fixed",
+                             verbose=False, **setup)) as llm, \
+            load_pair(tiny_target, tiny_head, PairConfig(**setup)) as pair, \
+            load_pair(tiny_target, tiny_head, PairConfig(**setup, cache_type_v="f16")) as f16:
+        key = CostKey.for_contexts(llm._e3_pair.target, llm._e3_pair.head, 64)
+        assert key == CostKey.for_contexts(pair.target, pair.head, 64)
+        assert key != CostKey.for_contexts(f16.target, f16.head, 64)
 
 
 def test_exactness_defaults_and_warning_on_f16_cache(tiny_target, tiny_head):

@@ -120,16 +120,16 @@ def test_greedy_sampling_in_the_graph_picks_the_argmax_of_every_row(smollm2_path
         run()
         assert [int(np.argmax(tc.logits_ith(i))) for i in range(len(tokens))] == want
         with pytest.raises(Eagle3Error, match="needs a context eagle3-gguf made"):
-            Context.borrow(tc.ptr, tm).set_greedy_sampling(True)
+            Context(tm, borrowed=tc.ptr).set_greedy_sampling(True)
 
 
 def test_greedy_sampling_the_backend_refuses_leaves_the_logits(smollm2_path, monkeypatch):
     """Where llama.cpp cannot run the sampler on the context's backend, set_greedy_sampling says so and the
-    context keeps handing back logits: a Decoder then takes numpy's argmax, with the same tokens."""
-    from eagle3_gguf.decode import Decoder, GenerateConfig
+    context keeps handing back logits: a Runner then takes numpy's argmax, with the same tokens."""
+    from eagle3_gguf.decode import Runner, GenerateConfig
 
     prompt = [1, 504, 3458, 314, 260]
-    with Model(smollm2_path) as tm, Context(tm, n_ctx=128, n_batch=16, n_threads=2) as tc, Decoder(tc) as d:
+    with Model(smollm2_path) as tm, Context(tm, n_ctx=128, n_batch=16, n_threads=2) as tc, Runner(tc) as d:
         want = d.generate(prompt, GenerateConfig(n_predict=12), speculative=False).tokens
         assert tc.greedy_sampling
         tc.set_greedy_sampling(False)

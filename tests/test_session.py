@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eagle3_gguf.decode import Decoder, GenerateConfig, Sampler
+from eagle3_gguf.decode import Runner, GenerateConfig, Sampler
 from eagle3_gguf.errors import Eagle3Error
 from eagle3_gguf.native import Batch
 from eagle3_gguf.pair import PairConfig, load_pair
@@ -32,7 +32,7 @@ def tiny_pair(tiny_target, tiny_head):
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
 @pytest.mark.parametrize("k", [1, 2, 4, 6])
 def test_greedy_equals_target_only_tiny(tiny_pair, k, policy):
-    with Eagle3Session(tiny_pair.target, tiny_pair.head) as s, Decoder(tiny_pair.target, s) as d:
+    with Eagle3Session(tiny_pair.target, tiny_pair.head) as s, Runner(tiny_pair.target, s) as d:
         for text in PROMPTS:
             prompt = tokenize(tiny_pair.target_model, text)
             cfg = GenerateConfig(n_predict=40, draft_max=k, draft_policy=policy)
@@ -46,12 +46,12 @@ def test_greedy_equals_target_only_tiny(tiny_pair, k, policy):
 
 def test_forced_acceptance_every_length(tiny_pair):
     k = 4
-    with Decoder(tiny_pair.target) as plain:
+    with Runner(tiny_pair.target) as plain:
         prompt = tokenize(tiny_pair.target_model, PROMPTS[1])
         base = plain.generate(prompt, GenerateConfig(n_predict=60, draft_max=0), speculative=False)
     full = prompt + base.tokens
     with OracleSession(tiny_pair.target, tiny_pair.head, truth=full, schedule=[0, 1, 2, 3, 4, 4, 2]) as s, \
-            Decoder(tiny_pair.target, s) as d:
+            Runner(tiny_pair.target, s) as d:
         spec = d.generate(prompt, GenerateConfig(n_predict=60, draft_max=k, draft_policy="fixed"))
     assert spec.tokens == base.tokens
     st = spec.stats
@@ -67,13 +67,13 @@ def hot(seed: int) -> Sampler:
 
 def test_sampling_is_lossless_with_the_same_seed(tiny_pair):
     prompt = tokenize(tiny_pair.target_model, PROMPTS[2])
-    with Decoder(tiny_pair.target) as plain:
+    with Runner(tiny_pair.target) as plain:
         base = plain.generate(prompt, GenerateConfig(n_predict=40), hot(7), speculative=False)
         other = plain.generate(prompt, GenerateConfig(n_predict=40), hot(8), speculative=False)
     assert base.tokens != other.tokens  # the seed matters, so the equality below means something
     full = prompt + base.tokens
     with OracleSession(tiny_pair.target, tiny_pair.head, truth=full, schedule=[3, 0, 2]) as s, \
-            Decoder(tiny_pair.target, s) as d:
+            Runner(tiny_pair.target, s) as d:
         spec = d.generate(prompt, GenerateConfig(n_predict=40, draft_max=3, draft_policy="fixed"), hot(7))
     assert spec.tokens == base.tokens
     assert spec.stats.n_accepted > 0
@@ -89,7 +89,7 @@ def _fresh_draft(pair, session, tokens: list[int], id_last: int, k: int):
         b.set(tokens, 0, logits="last")
         pair.target.decode(b)
     session.process(tokens, 0)
-    drafted = session.draft(id_last, k)
+    drafted = session.draft(id_last, k).tokens
     return drafted, session.draft_ctx.logits_ith(0).copy(), session.draft_ctx.pos_max()
 
 
@@ -111,7 +111,7 @@ def test_accept_leaves_draft_kv_as_a_fresh_run(tiny_pair, n_acc):
             b.set(seq[:p], 0, logits="last")
             tiny_pair.target.decode(b)
             s.process(seq[:p], 0)
-            drafts = s.draft(seq[p], k)
+            drafts = s.draft(seq[p], k).tokens
             assert len(drafts) == k
             rows = [seq[p]] + seq[p + 1:p + 1 + n_acc] + [9999] * (k - n_acc)
             b.set(rows, p, logits="all")
@@ -120,7 +120,7 @@ def test_accept_leaves_draft_kv_as_a_fresh_run(tiny_pair, n_acc):
         s.accept(n_acc)
         s.process(rows[:n_acc + 1], p)
         nxt = seq[p + n_acc + 1]
-        drafted_a = s.draft(nxt, k)
+        drafted_a = s.draft(nxt, k).tokens
         logits_a = s.draft_ctx.logits_ith(0).copy()
         pos_a = s.draft_ctx.pos_max()
         # session B: fresh, prefilled with the same accepted tokens
@@ -134,7 +134,7 @@ def test_context_full_stops_cleanly(tiny_target, tiny_head):
     with load_pair(tiny_target, tiny_head, PairConfig(n_ctx=256, n_batch=64)) as pair:
         n_ctx = pair.target.n_ctx
         prompt = tokenize(pair.target_model, "word " * (n_ctx - 40))
-        with Eagle3Session(pair.target, pair.head) as s, Decoder(pair.target, s) as d:
+        with Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
             r = d.generate(prompt, GenerateConfig(n_predict=500, draft_max=4, draft_policy="fixed"))
             base = d.generate(prompt, GenerateConfig(n_predict=500, draft_max=4), speculative=False)
     assert r.stats.stop_reason == base.stats.stop_reason == "context full"
@@ -152,16 +152,16 @@ def test_greedy_equals_target_only_smollm2(smollm2_path, tmp_path):
         model = pair.target_model
         prompts = [tokenize(model, apply_chat_template(model, [Message("user", q)]), add_special=False)
                    for q in ("Write a haiku about autumn.", "Explain what a hash map is.")]
-        with Decoder(pair.target) as plain:
+        with Runner(pair.target) as plain:
             bases = [plain.generate(pr, GenerateConfig(n_predict=64), speculative=False) for pr in prompts]
-        with Eagle3Session(pair.target, pair.head) as s, Decoder(pair.target, s) as d:
+        with Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
             for pr, base in zip(prompts, bases):
                 spec = d.generate(pr, GenerateConfig(n_predict=64, draft_max=4, draft_policy="fixed"))
                 assert spec.tokens == base.tokens
                 check_stats_add_up(spec.stats, len(spec.tokens))
         full = prompts[0] + bases[0].tokens
         with OracleSession(pair.target, pair.head, truth=full, schedule=[4, 1, 3, 0, 2]) as s, \
-                Decoder(pair.target, s) as d:
+                Runner(pair.target, s) as d:
             spec = d.generate(prompts[0], GenerateConfig(n_predict=64, draft_max=4, draft_policy="fixed"))
         assert spec.tokens == bases[0].tokens
         assert spec.stats.tau > 2.0  # the oracle schedule accepts 2 drafts per cycle on average

@@ -4,6 +4,8 @@ sequence `seq`, its rows and hidden states read back at `row0`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 from contextlib import closing
 
@@ -115,11 +117,11 @@ def test_engine_computes_every_adopted_graph_on_its_thread(llm, engine, monkeypa
 
     monkeypatch.setattr(_internals.llama_cpp, "llama_decode", recorded)
     plain = dict(GREEDY, max_tokens=12)
-    llm.draft_max = 0  # plain decoding, llama-cpp-python's own decodes
+    llm.draft_config = dataclasses.replace(llm.draft_config, draft_max=0)  # plain decoding, llama-cpp-python's own decodes
     try:
         text = llm.create_completion(PROMPTS[0], **plain)["choices"][0]["text"]
     finally:
-        llm.draft_max = 4
+        llm.draft_config = dataclasses.replace(llm.draft_config, draft_max=4)
     assert llm.spec_fallback == "draft_max is 0"
     assert decoding == {"eagle3-engine"}
     assert text == llm.create_completion(PROMPTS[0], **plain)["choices"][0]["text"]

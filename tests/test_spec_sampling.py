@@ -1,7 +1,7 @@
 """Speculative sampling at temperature > 0: rejection sampling (drafts from the head's q, kept with
 probability min(1, p/q), residual on rejection) is the target's distribution, and keeps more drafts than
 exact match where q is calibrated. Math-level tests run the library's own draft/verify code on synthetic
-logits over many fixed-seed draws; end-to-end tests run the Decoder, the CLI and the drop-in."""
+logits over many fixed-seed draws; end-to-end tests run the Runner, the CLI and the drop-in."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from eagle3_gguf.decode import Decoder, GenerateConfig, Sampler
+from eagle3_gguf.decode import Runner, GenerateConfig, Sampler
 from eagle3_gguf.errors import Eagle3Error
 from eagle3_gguf.spec_sampling import RejectionSampler, Transform, residual, verify_match
 
@@ -327,7 +327,7 @@ def test_stop_ends_the_cycle_at_an_accepted_draft():
     assert [0] in outs and all(o == [0] or (len(o) == 1) for o in outs)
 
 
-# -- end to end: the Decoder on a fixture pair ------------------------------------------------------------
+# -- end to end: the Runner on a fixture pair ------------------------------------------------------------
 from collections import Counter  # noqa: E402
 
 from eagle3_gguf.native import Batch  # noqa: E402
@@ -389,13 +389,13 @@ class MirrorSession(Eagle3Session):
         self._text = self.history + [id_last]
         return super().draft(id_last, n_max, judge, p_min, sampler)
 
-    def _choose(self, logits, sampler):
+    def _choose(self, logits, sampler, qs):
         key = tuple(self._text)
         if key not in self._seen:
             z = target_logits(self.mirror, self._text)  # [n_vocab]
             z += np.random.default_rng(self._text).normal(size=z.size).astype(np.float32) * self.noise
             self._seen[key] = z
-        token, conf = super()._choose(self._seen[key], sampler)
+        token, conf = super()._choose(self._seen[key], sampler, qs)
         self._text.append(token)
         return token, conf
 
@@ -447,14 +447,14 @@ def decode_many(session, decoder, prompt, n_draws: int, spec_sampling: str, samp
 def mirror_draws(tiny_pair, mirror_ctx):
     prompt = tokenize(tiny_pair.target_model, "Once upon a time, in a small village,")
     with MirrorSession(tiny_pair.target, tiny_pair.head, mirror=mirror_ctx, noise=0.5) as s, \
-            Decoder(tiny_pair.target, s) as d:
+            Runner(tiny_pair.target, s) as d:
         draws = {rule: decode_many(s, d, prompt, 1500, rule, HOT3) for rule in ("rejection", "match")}
     exact = exact_prefixes(mirror_ctx, prompt, Sampler(**HOT3).transform, 3, eog=tiny_pair.target_model)
     return draws, exact
 
 
 def test_decoder_rejection_sampling_is_target_only_sampling(mirror_draws):
-    """1,500 seeds through Decoder.generate (K = 2, a head close to the target): the first three generated
+    """1,500 seeds through Runner.generate (K = 2, a head close to the target): the first three generated
     tokens (the prefill's and the first cycles') follow target-only sampling jointly (chi-square
     p > 0.01), and drafts are kept."""
     draws, exact = mirror_draws
@@ -481,7 +481,7 @@ def test_smollm2_rejection_is_target_only_sampling(smollm2_path):
     with load_pair(smollm2_path, default_head_path(), PairConfig(n_ctx=512, n_threads=1)) as pair:
         prompt = chat_tokens(pair.target_model, "Write a short poem about the sea.")
         exact = exact_prefixes(pair.target, prompt, Sampler(**sampling).transform, 3, eog=pair.target_model)
-        with Eagle3Session(pair.target, pair.head) as s, Decoder(pair.target, s) as d:
+        with Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
             rej = decode_many(s, d, prompt, 400, "rejection", sampling)
     assert rej.accepted > 0.1 * rej.drafted
     assert chi_square_cells(rej.counts, exact) > 0.01
@@ -489,7 +489,7 @@ def test_smollm2_rejection_is_target_only_sampling(smollm2_path):
 
 def test_greedy_is_unchanged_by_rejection(tiny_pair):
     prompt = tokenize(tiny_pair.target_model, "The capital of France is")
-    with Eagle3Session(tiny_pair.target, tiny_pair.head) as s, Decoder(tiny_pair.target, s) as d:
+    with Eagle3Session(tiny_pair.target, tiny_pair.head) as s, Runner(tiny_pair.target, s) as d:
         base = d.generate(prompt, GenerateConfig(n_predict=40), speculative=False)
         for rule in ("rejection", "match"):
             cfg = GenerateConfig(n_predict=40, draft_max=4, draft_policy="fixed", spec_sampling=rule)
@@ -499,13 +499,13 @@ def test_greedy_is_unchanged_by_rejection(tiny_pair):
 
 
 def test_decoder_switches_between_graph_argmax_and_logits(smollm2_path):
-    """Greedy runs take the argmax in the target's graph and sampled runs read the logits, on one Decoder in
+    """Greedy runs take the argmax in the target's graph and sampled runs read the logits, on one Runner in
     any order: each run gives what it gives alone, with drafts kept."""
     from eagle3_gguf.assets import default_head_path
 
     cfg = GenerateConfig(n_predict=40, draft_max=4, draft_policy="fixed")
     with load_pair(smollm2_path, default_head_path(), PairConfig(n_ctx=512, n_threads=2)) as pair, \
-            Eagle3Session(pair.target, pair.head) as s, Decoder(pair.target, s) as d:
+            Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
         prompt = tokenize(pair.target_model, "Count from 1 to 50: 1, 2, 3, 4, 5,")
         greedy = d.generate(prompt, cfg)
         assert pair.target.greedy_sampling and greedy.stats.n_accepted > 0
@@ -517,7 +517,7 @@ def test_decoder_switches_between_graph_argmax_and_logits(smollm2_path):
 
 
 def test_generate_config_checks():
-    with pytest.raises(Eagle3Error, match="unknown speculative sampling 'typical'"):
+    with pytest.raises(Eagle3Error, match="spec_sampling must be rejection or match \\(got typical\\)"):
         GenerateConfig(spec_sampling="typical")
     with pytest.raises(Eagle3Error, match="cannot be negative"):
         GenerateConfig(draft_temp_scale=-0.5)

@@ -9,6 +9,8 @@ checks them against the Eagle3Llama it serves."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import http.client
 import json
 import threading
@@ -21,6 +23,7 @@ from typer.testing import CliRunner
 
 from eagle3_gguf.assets import default_head_path
 from eagle3_gguf.cli.main import app
+from eagle3_gguf.config import COMMAND_LINE
 from eagle3_gguf.llama import Eagle3Llama, attach_eagle3
 from eagle3_gguf.native import CACHE_TYPES
 from eagle3_gguf.server import speculation_summary
@@ -239,7 +242,8 @@ def served(smollm2_path, head):
 
     patched = {name: getattr(server_app, name) for name in ("get_llama_proxy", "get_event_publisher")}
     port = free_port()
-    config = ServeConfig(model=smollm2_path, draft=head, port=port, n_ctx=512, n_threads=1, alias="smol", **SPEC)
+    config = ServeConfig(model=smollm2_path, draft=head, port=port, n_ctx=512, n_threads=1, alias="smol",
+                         drafting=dataclasses.replace(COMMAND_LINE, **SPEC))
     server = uvicorn.Server(uvicorn.Config(build_app(config), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from eagle3_gguf.decode import Decoder, GenerateConfig  # noqa: E402
+from eagle3_gguf.decode import Runner, GenerateConfig  # noqa: E402
 from eagle3_gguf.errors import Eagle3Error  # noqa: E402
 from eagle3_gguf.extract import TargetFeatures  # noqa: E402
 from eagle3_gguf.gguf_file import TargetInfo, read_gguf  # noqa: E402
@@ -146,7 +146,7 @@ def test_torch_head_matches_llama_cpp(tmp_path, tiny_target, tiny_data):
         sess.reset()
         sess.process(list(tokens[:n]), 0, feats)
         id_last = int(tokens[n])
-        drafts = sess.draft(id_last, 4)
+        drafts = sess.draft(id_last, 4).tokens
     assert len(drafts) == 4
     chain = np.concatenate([tokens[1:n], [id_last]]).astype(np.int64)  # [n]: the token after each row
     # unroll over rows 0..n-1; row n-1 is the seed (id_last, g_{n-1}); its steps j feed drafts[j-1]
@@ -172,7 +172,7 @@ def test_run_training_end_to_end(tmp_path, tiny_target):
     # the converted head loads with the binding and drafts; greedy output is the target's own
     with load_pair(tiny_target, res.gguf, PairConfig(n_ctx=512, n_batch=512, n_threads=2)) as pair:
         assert pair.head_model.target_layer_ids() == LAYERS
-        with Eagle3Session(pair.target, pair.head) as sess, Decoder(pair.target, sess) as dec:
+        with Eagle3Session(pair.target, pair.head) as sess, Runner(pair.target, sess) as dec:
             prompt = chat_tokens(pair.target_model, "Write a Python function that adds two numbers.")
             spec = dec.generate(prompt, GenerateConfig(n_predict=24, draft_max=3, draft_policy="fixed"))
             base = dec.generate(prompt, GenerateConfig(n_predict=24, draft_max=3), speculative=False)

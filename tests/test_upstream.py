@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from build_upstream import bin_dir  # noqa: E402
 
-from eagle3_gguf.decode import Decoder, GenerateConfig  # noqa: E402
+from eagle3_gguf.decode import Runner, GenerateConfig  # noqa: E402
 from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
 from eagle3_gguf.session import Eagle3Session  # noqa: E402
 from eagle3_gguf.tokens import tokenize  # noqa: E402
@@ -35,7 +35,7 @@ def test_same_greedy_text_as_llama_speculative_simple(smollm2_path, tmp_path):
     assert "n_drafted" in up.stderr  # upstream really drafted with the head
     upstream_text = up.stdout[up.stdout.index(prompt) + len(prompt):]
     with load_pair(smollm2_path, head, PairConfig(n_ctx=1024)) as pair:
-        with Eagle3Session(pair.target, pair.head) as s, Decoder(pair.target, s) as d:
+        with Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
             ours = d.generate(tokenize(pair.target_model, prompt), GenerateConfig(n_predict=n, draft_max=4, draft_policy="fixed"))
     assert len(ours.text) > 40
     assert upstream_text.startswith(ours.text), (upstream_text[:300], ours.text[:300])

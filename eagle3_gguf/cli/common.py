@@ -72,3 +72,12 @@ class Termination:
 
 
 TERMINATION = Termination()  # installed by main(); commands read it
+
+
+def draft_option(attr: str, default=...):
+    """The typer option of a drafting knob (config.KNOBS): its flag and help, the command line's default
+    unless `default` is given (None: the knob was not given; DraftConfig.from_flags fills it in)."""
+    from ..config import COMMAND_LINE, KNOBS
+
+    knob = KNOBS[attr]
+    return typer.Option(getattr(COMMAND_LINE, attr) if default is ... else default, knob.flag, help=knob.help)

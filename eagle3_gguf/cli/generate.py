@@ -4,27 +4,15 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from ..config import DraftConfig
 from ..errors import Eagle3Error
-from ..policy import POLICIES
-from ..spec_sampling import DEFAULT_DRAFT_TEMP_SCALE, SPEC_SAMPLING
-from .common import fail, setup_logging
-
-# The default policy is adaptive (eagle3_gguf.policy): it chooses 0..K drafts per cycle from the measured
-# cost curve and the head's online acceptance, so K is only a cap. For `--draft-policy fixed`, p_min 0.5
-# was chosen from measurement on 2 CPU cores (SmolLM2 + the embedded head, 128 tokens, our 6 prompts,
-# scripts/bench_defaults.py, medians): on Q4_1, K=4 with p_min 0 runs at 0.47x target-only (tau 1.80),
-# p_min 0.5 at 0.85x, K=2 p_min 0.5 at 0.85x. The library's GenerateConfig keeps p_min 0.0.
-DEFAULT_DRAFT_MAX = 4
-DEFAULT_DRAFT_P_MIN = 0.5
-DEFAULT_DRAFT_POLICY = "adaptive"
-# At --temp > 0 the CLI verifies by rejection sampling (the target's distribution, more drafts kept);
-# "match" keeps target-only's text for the same seed (what --baseline's identity check compares).
-DEFAULT_SPEC_SAMPLING = "rejection"
+from .common import draft_option, fail, setup_logging
 
 
 def register(app: typer.Typer) -> None:
@@ -41,11 +29,11 @@ def register(app: typer.Typer) -> None:
         cache_type_v: str = typer.Option("bf16", "-ctv", "--cache-type-v", help="Target KV cache type for V (bf16 keeps output identical to target-only at any length; README)."),
         temp: float = typer.Option(0.0, "--temp", help="Temperature; 0 = greedy."),
         seed: int = typer.Option(0, "--seed", help="Sampling seed (with --temp > 0)."),
-        draft_max: int = typer.Option(DEFAULT_DRAFT_MAX, "--draft-max", help="Tokens drafted per cycle (K); 0 = target only."),
-        draft_p_min: float = typer.Option(DEFAULT_DRAFT_P_MIN, "--draft-p-min", help="With --draft-policy fixed: stop drafting when the draft's top probability falls below this."),
-        draft_policy: str = typer.Option(DEFAULT_DRAFT_POLICY, "--draft-policy", help="adaptive: draft 0..K tokens per cycle, whatever is expected to pay (measured costs, online acceptance); fixed: always K, cut at --draft-p-min."),
-        spec_sampling: str = typer.Option(DEFAULT_SPEC_SAMPLING, "--spec-sampling", help="With --temp > 0: rejection: drafts drawn from the head's distribution q, kept with probability min(1, p/q) (the target's distribution, more drafts kept); match: greedy drafts kept where the target's own sample equals them (the same seed gives target-only's text)."),
-        draft_temp_scale: Optional[float] = typer.Option(None, "--draft-temp-scale", help=f"With --spec-sampling rejection: q's temperature is --temp times this (< 1 sharpens, 0 drafts the head's argmax; default {DEFAULT_DRAFT_TEMP_SCALE:g})."),
+        draft_max: int = draft_option("draft_max"),
+        draft_p_min: float = draft_option("draft_p_min"),
+        draft_policy: str = draft_option("draft_policy"),
+        spec_sampling: str = draft_option("spec_sampling"),
+        draft_temp_scale: Optional[float] = draft_option("draft_temp_scale", None),
         chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the target's chat template (from its GGUF)."),
         baseline: bool = typer.Option(False, "--baseline", help="Also run target-only decoding and report speedup and identity."),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text + statistics) instead of streaming."),
@@ -55,55 +43,44 @@ def register(app: typer.Typer) -> None:
         Every token is the target's own choice (README: exactness past 256 tokens on several threads)."""
         setup_logging(verbose)
         try:
-            _check_flags(prompt, file, n_predict, n_ctx, threads, temp, draft_max, draft_p_min, draft_policy)
-            check_spec_sampling(spec_sampling, draft_temp_scale, temp)
+            _check_flags(prompt, file, n_predict, n_ctx, threads, temp)
+            drafting = DraftConfig.from_flags(draft_max=draft_max, draft_p_min=draft_p_min,
+                                              draft_policy=draft_policy, spec_sampling=spec_sampling,
+                                              draft_temp_scale=draft_temp_scale)
+            check_temp_scale_given(drafting, draft_temp_scale is not None, temp)
             pair_config = _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max)
             from ..decode import GenerateConfig
 
-            config = GenerateConfig(n_predict=n_predict, draft_max=draft_max, draft_p_min=draft_p_min,
-                                    draft_policy=draft_policy, spec_sampling=spec_sampling,
-                                    draft_temp_scale=DEFAULT_DRAFT_TEMP_SCALE if draft_temp_scale is None
-                                    else draft_temp_scale)
+            config = GenerateConfig(n_predict=n_predict, **asdict(drafting))
             _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, baseline, as_json)
         except Eagle3Error as e:
             fail(str(e))
 
 
-def _check_flags(prompt, file, n_predict, n_ctx, threads, temp, draft_max, draft_p_min, draft_policy) -> None:
+def _check_flags(prompt, file, n_predict, n_ctx, threads, temp) -> None:
     if prompt is not None and file is not None:
         raise Eagle3Error("give the prompt with -p or -f, not both")
     if n_predict < 1:
         raise Eagle3Error(f"-n must be at least 1 (got {n_predict})")
-    check_decoding_flags(n_ctx, threads, draft_max, draft_p_min, draft_policy)
+    check_context_flags(n_ctx, threads)
     if temp < 0:
         raise Eagle3Error(f"--temp cannot be negative (got {temp})")
 
 
-def check_decoding_flags(n_ctx: int, threads: int | None, draft_max: int, draft_p_min: float,
-                         draft_policy: str = DEFAULT_DRAFT_POLICY) -> None:
-    """The flags `generate` and `serve` share."""
+def check_context_flags(n_ctx: int, threads: int | None) -> None:
+    """-c and -t, which `generate` and `serve` share."""
     if n_ctx < 16:
         raise Eagle3Error(f"-c must be at least 16 (got {n_ctx})")
     if threads is not None and threads < 1:
         raise Eagle3Error(f"-t must be at least 1 (got {threads})")
-    if not 0 <= draft_max <= 32:
-        raise Eagle3Error(f"--draft-max must be between 0 and 32 (got {draft_max})")
-    if not 0.0 <= draft_p_min < 1.0:
-        raise Eagle3Error(f"--draft-p-min must be in [0, 1) (got {draft_p_min})")
-    if draft_policy not in POLICIES:
-        raise Eagle3Error(f"--draft-policy must be {' or '.join(POLICIES)} (got {draft_policy})")
 
 
-def check_spec_sampling(spec_sampling: str, draft_temp_scale: float | None, temp: float | None = None) -> None:
-    """--spec-sampling and --draft-temp-scale (None: not given), for `generate` and `serve` (temp None:
-    the temperature comes with each request)."""
-    if spec_sampling not in SPEC_SAMPLING:
-        raise Eagle3Error(f"--spec-sampling must be {' or '.join(SPEC_SAMPLING)} (got {spec_sampling})")
-    if draft_temp_scale is None:
+def check_temp_scale_given(draft: DraftConfig, given: bool, temp: float | None = None) -> None:
+    """--draft-temp-scale, where given, must have an effect: for `generate` and `serve` (temp None: the
+    temperature comes with each request)."""
+    if not given:
         return
-    if not draft_temp_scale >= 0.0:
-        raise Eagle3Error(f"--draft-temp-scale cannot be negative (got {draft_temp_scale})")
-    if spec_sampling != "rejection":
+    if draft.spec_sampling != "rejection":
         raise Eagle3Error("--draft-temp-scale shapes the rejection rule's draft distribution: it has no effect "
                           "with --spec-sampling match")
     if temp is not None and temp == 0.0:
@@ -127,7 +104,7 @@ def _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max):
 
 def _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, baseline, as_json) -> None:
     from ..assets import default_head_path, smollm2_path
-    from ..decode import Decoder, PartialResult, Sampler
+    from ..decode import PartialResult, Runner, Sampler
     from ..pair import load_pair
     from ..session import Eagle3Session
     from ..stats import Comparison
@@ -144,8 +121,7 @@ def _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, base
     head_path = draft or default_head_path()
     with load_pair(target_path, head_path, pair_config) as pair:
         tokens = chat_tokens(pair.target_model, prompt) if chat else tokenize(pair.target_model, prompt)
-        cost_tag = f"kv {pair_config.cache_type_k}/{pair_config.cache_type_v} ngl {pair_config.n_gpu_layers}"
-        with Eagle3Session(pair.target, pair.head) as session, Decoder(pair.target, session, cost_tag) as decoder:
+        with Eagle3Session(pair.target, pair.head) as session, Runner(pair.target, session) as decoder:
             detok = Detokenizer(pair.target_model)
             stream = None if as_json else (lambda new: _emit(detok.push(new)))
             try:

@@ -8,12 +8,11 @@ from typing import Optional
 
 import typer
 
+from ..config import DraftConfig
 from ..errors import Eagle3Error
 from ..server import ServeConfig, build_app, configure_heap
-from ..spec_sampling import DEFAULT_DRAFT_TEMP_SCALE
-from .common import TERMINATION, fail, setup_logging
-from .generate import (DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_POLICY, DEFAULT_SPEC_SAMPLING,
-                       check_decoding_flags, check_spec_sampling)
+from .common import TERMINATION, draft_option, fail, setup_logging
+from .generate import check_context_flags, check_temp_scale_given
 
 
 MAX_PARALLEL = 64
@@ -41,14 +40,14 @@ def register(app: typer.Typer) -> None:
         draft: Path = typer.Option(..., "-md", "--draft", help="EAGLE-3 head GGUF."),
         host: str = typer.Option("127.0.0.1", "--host", help="Listen address (loopback by default)."),
         port: int = typer.Option(8000, "--port", help="Listen port."),
-        draft_max: int = typer.Option(DEFAULT_DRAFT_MAX, "--draft-max", help="Tokens drafted per cycle (K); 0 = target only."),
-        draft_p_min: float = typer.Option(DEFAULT_DRAFT_P_MIN, "--draft-p-min", help="Stop drafting when the draft's top probability falls below this."),
+        draft_max: int = draft_option("draft_max"),
+        draft_p_min: float = draft_option("draft_p_min"),
         n_ctx: int = typer.Option(4096, "-c", "--ctx-size", help="Context size (tokens)."),
         threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads."),
         alias: Optional[str] = typer.Option(None, "--alias", help="Model name clients send (default: the target file name without .gguf)."),
-        draft_policy: str = typer.Option(DEFAULT_DRAFT_POLICY, "--draft-policy", help="adaptive: draft 0..K tokens per cycle, whatever is expected to pay; fixed: always K, cut at --draft-p-min."),
-        spec_sampling: str = typer.Option(DEFAULT_SPEC_SAMPLING, "--spec-sampling", help="Requests at temperature > 0: rejection: drafts drawn from the head's distribution, kept with probability min(1, p/q) (the target's distribution, more drafts kept); match: kept where the target's own sample equals them (plain llama-cpp-python's text for the same seed)."),
-        draft_temp_scale: Optional[float] = typer.Option(None, "--draft-temp-scale", help=f"With --spec-sampling rejection: the head's temperature is the request's times this (default {DEFAULT_DRAFT_TEMP_SCALE:g})."),
+        draft_policy: str = draft_option("draft_policy"),
+        spec_sampling: str = draft_option("spec_sampling"),
+        draft_temp_scale: Optional[float] = draft_option("draft_temp_scale", None),
         strict_model: bool = typer.Option(False, "--strict-model", help="Answer 404 to requests naming another model (default: llama-cpp-python's rule, the served model answers)."),
         interrupt_requests: bool = typer.Option(False, "--interrupt-requests", help="llama-cpp-python's default: a new request ends the running stream early (its client gets a short answer). Default here: requests queue."),
         parallel: int = typer.Option(1, "--parallel", "-np", help="Requests served at once, their target decodes in one batch; -c is split among them. 1: one at a time."),
@@ -57,14 +56,15 @@ def register(app: typer.Typer) -> None:
         """Serve the target with the head through llama-cpp-python's OpenAI-compatible server (/v1/...)."""
         setup_logging(verbose)
         logging.getLogger("eagle3_gguf.server").setLevel(logging.INFO)  # queueing and dropped streams
-        config = ServeConfig(model=model, draft=draft, host=host, port=port, draft_max=draft_max,
-                             draft_p_min=draft_p_min, draft_policy=draft_policy, n_ctx=n_ctx, n_threads=threads,
-                             alias=alias, strict_model=strict_model, interrupt_requests=interrupt_requests,
-                             spec_sampling=spec_sampling, draft_temp_scale=DEFAULT_DRAFT_TEMP_SCALE
-                             if draft_temp_scale is None else draft_temp_scale, parallel=parallel)
         try:
-            check_decoding_flags(n_ctx, threads, draft_max, draft_p_min, draft_policy)
-            check_spec_sampling(spec_sampling, draft_temp_scale)
+            drafting = DraftConfig.from_flags(draft_max=draft_max, draft_p_min=draft_p_min,
+                                              draft_policy=draft_policy, spec_sampling=spec_sampling,
+                                              draft_temp_scale=draft_temp_scale)
+            check_context_flags(n_ctx, threads)
+            check_temp_scale_given(drafting, draft_temp_scale is not None)
+            config = ServeConfig(model=model, draft=draft, drafting=drafting, host=host, port=port, n_ctx=n_ctx,
+                                 n_threads=threads, alias=alias, strict_model=strict_model,
+                                 interrupt_requests=interrupt_requests, parallel=parallel)
             if not 0 < port < 65536:
                 raise Eagle3Error(f"--port must be in 1..65535 (got {port})")
             check_parallel(parallel, n_ctx, draft_max, interrupt_requests)

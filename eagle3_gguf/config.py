@@ -1,0 +1,90 @@
+"""The drafting knobs: one dataclass, one set of library defaults, one validation, one help text per knob.
+
+`DraftConfig` is what every surface runs with: `generate` and `serve` build it from their flags (whose
+definitions, `KNOBS`, live here too), `Eagle3Llama` holds one, and `Speculator.run` reads it.
+
+Where the command line's default differs from the library's, `COMMAND_LINE` holds it; why, once:
+- draft_p_min: 0.0 in the library, 0.5 on the command line. It only matters with `draft_policy="fixed"`; on
+  2 CPU cores (SmolLM2 + the embedded head, 128 tokens, scripts/bench_defaults.py, medians) K=4 with p_min 0
+  ran at 0.47x target-only, p_min 0.5 at 0.85x. The library keeps 0.0, upstream llama.cpp's draft p_min.
+- spec_sampling: "match" in the library, "rejection" on the command line. The drop-in keeps plain Llama's
+  text for every seed (what a one-line change must not break); the CLI draws the target's distribution with
+  more drafts kept (README, rejection sampling).
+"""
+
+from __future__ import annotations
+
+from dataclasses import InitVar, dataclass
+from typing import Callable
+
+from .errors import Eagle3Error
+from .policy import POLICIES
+from .spec_sampling import SPEC_SAMPLING
+
+MAX_DRAFT_MAX = 32  # the most drafts one cycle may verify
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One drafting knob as the command line shows it."""
+
+    flag: str
+    help: str
+
+
+KNOBS: dict[str, Knob] = {
+    "draft_max": Knob("--draft-max", "Tokens drafted per cycle at most (K); 0 = target only."),
+    "draft_p_min": Knob("--draft-p-min", "With --draft-policy fixed: stop drafting when the draft's top probability "
+                        "falls below this."),
+    "draft_policy": Knob("--draft-policy", "adaptive: draft 0..K tokens per cycle, whatever is expected to pay "
+                         "(measured costs, online acceptance); fixed: always K, cut at --draft-p-min."),
+    "spec_sampling": Knob("--spec-sampling", "At temperature > 0: rejection: drafts drawn from the head's "
+                          "distribution q, kept with probability min(1, p/q) (the target's distribution, more drafts "
+                          "kept); match: greedy drafts kept where the target's own sample equals them (the same "
+                          "seed gives target-only's text)."),
+    "draft_temp_scale": Knob("--draft-temp-scale", "With --spec-sampling rejection: q's temperature is the target's "
+                             "times this (< 1 sharpens, 0 drafts the head's argmax; default 1)."),
+}
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """How a run drafts and verifies. Invalid values raise one Eagle3Error line at construction."""
+
+    draft_max: int = 4  # K: the most tokens one cycle drafts (a cap for the adaptive policy)
+    draft_p_min: float = 0.0  # the fixed policy's stop rule
+    draft_policy: str = "adaptive"  # "adaptive" (policy.AdaptivePolicy) or "fixed" (always K, p_min)
+    # at temperature > 0: "match" (greedy drafts kept where the target's own sample equals them) or
+    # "rejection" (drafts from the head's q, kept with probability min(1, p/q); spec_sampling.py)
+    spec_sampling: str = "match"
+    # rejection: q's temperature = the target's x this; 1 keeps q under p's transform (bench/NOTES.md: the
+    # scale measured on MT-bench)
+    draft_temp_scale: float = 1.0
+    # how errors name a knob: its attribute (the library) or its flag (`from_flags`); not stored
+    name: InitVar[Callable[[str], str]] = str
+
+    def __post_init__(self, name: Callable[[str], str]) -> None:
+        """Raise for the first invalid knob, one line naming it by `name(attribute)`."""
+        k = self.draft_max
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_DRAFT_MAX:
+            raise Eagle3Error(f"{name('draft_max')} must be between 0 and {MAX_DRAFT_MAX} (got {k})")
+        if not 0.0 <= self.draft_p_min < 1.0:
+            raise Eagle3Error(f"{name('draft_p_min')} must be in [0, 1) (got {self.draft_p_min})")
+        if self.draft_policy not in POLICIES:
+            raise Eagle3Error(f"{name('draft_policy')} must be {' or '.join(POLICIES)} (got {self.draft_policy})")
+        if self.spec_sampling not in SPEC_SAMPLING:
+            raise Eagle3Error(f"{name('spec_sampling')} must be {' or '.join(SPEC_SAMPLING)} "
+                              f"(got {self.spec_sampling})")
+        if not self.draft_temp_scale >= 0.0:
+            raise Eagle3Error(f"{name('draft_temp_scale')} cannot be negative (got {self.draft_temp_scale})")
+
+    @classmethod
+    def from_flags(cls, **values) -> "DraftConfig":
+        """A config from command-line values (None: COMMAND_LINE's default), its errors naming the flags."""
+        values = {attr: getattr(COMMAND_LINE, attr) if v is None else v for attr, v in values.items()}
+        return cls(**values, name=lambda attr: KNOBS[attr].flag)
+
+
+LIBRARY = DraftConfig()
+# The command line's defaults, where they differ from the library's (the module doc says why).
+COMMAND_LINE = DraftConfig(draft_p_min=0.5, spec_sampling="rejection")

@@ -1,0 +1,352 @@
+"""The one speculative run: prefill, then draft → verify in one target batch → keep the longest agreeing prefix.
+
+`Speculator.run(prompt, hooks, config)` owns a generation from the prompt to its end and yields its cycles;
+every surface drives this one run (`decode.Runner` for the CLI and the benchmarks, `llama.Eagle3Llama` for the
+drop-in and through it the parallel slots of slots.py). What differs between them is small, and it is all in
+`RunHooks`: how a row's token is chosen (the graph's argmax, a numpy sampler, llama-cpp-python's sampler
+chain), how far a run may go, and what a surface mirrors of each cycle (llama-cpp-python's `input_ids`).
+
+A cycle: the policy sets the draft budget, the head drafts (the policy judging each step), the target decodes
+[id_last, d1..dk] in one batch with logits on every row. Row i holds the target's own choice after d1..di:
+drafts are accepted while they equal that choice (or, with rejection sampling, by the rule of
+spec_sampling.py), and the choice at the first disagreement (or after the last draft) is the cycle's own
+token. Rejected rows leave the target's cache; only the kept rows reach the head. Each emitted token is the
+target's own choice, so greedy text is the target's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .config import DraftConfig
+from .errors import Eagle3Error
+from .native import Batch, Context
+from .policy import AdaptivePolicy, CostCurve, CostKey, DraftPolicy, FixedPolicy, load_costs, measure, save_costs
+from .session import Eagle3Session
+from .spec_sampling import RejectionSampler, verify_match
+from .stats import SpecStats, StageClock
+from .tokens import eog_check
+
+
+@dataclass(slots=True)
+class Cycle:
+    """One draft → verify cycle (or a run's first token: no rows of its own)."""
+
+    pos: int  # target position of rows[0] (id_last)
+    rows: list[int]  # [id_last, d1..dk]: what the target decoded
+    out: list[int]  # the target's choices: the accepted drafts, then the cycle's own token
+    n_acc: int  # accepted drafts
+
+
+class RunHooks:
+    """What a surface adds to the one run. Subclasses choose tokens (first_token, pick) and say how far a
+    run may go (budget); the mirror hooks are optional."""
+
+    prefill_logits = "last"  # the prefill batch's output rows: "last" or "all"
+
+    def first_token(self, row: int) -> int:
+        """The token after the prompt, from row `row` of the prefill's last chunk."""
+        raise NotImplementedError
+
+    def pick(self, rows: list[int], pos: int, i: int) -> int:
+        """The target's choice at verify row i of `rows` (decoded at pos..)."""
+        raise NotImplementedError
+
+    def budget(self, pos: int, st: SpecStats) -> int | None:
+        """Tokens a cycle at `pos` may draft (a cap; the policy chooses), or None to end the run (setting
+        st.stop_reason)."""
+        raise NotImplementedError
+
+    def on_rewind(self, pos0: int) -> None:
+        """The caches now hold the prompt's first pos0 positions; the prefill starts there."""
+
+    def on_prefill(self, chunk: list[int], pos0: int) -> None:
+        """Right after each prefill chunk's decode."""
+
+    def on_cycle(self, cyc: Cycle) -> None:
+        """Right after a cycle's verification, before it is yielded."""
+
+
+class Speculator:
+    """A target context and (for speculation) a head session: the one run, its cycle and its cost curve.
+    Without a session every cycle is plain decoding of one row."""
+
+    def __init__(self, target: Context, session: Eagle3Session | None, n_batch: int | None = None,
+                 owns_session: bool = True):
+        """The speculator closes the session with itself unless owns_session is False."""
+        self.target = target
+        self.session = session
+        self._owns_session = owns_session
+        self.batch = Batch(n_batch or target.n_batch)
+        self.seq = 0  # the target sequence this speculator decodes (slots.py runs one per sequence)
+        self.row0 = 0  # where its rows start in the target's last batch (0 unless sequences share it)
+        self.k_limit = self.batch.capacity - 1  # drafts that fit in one verify batch
+        self.is_end = eog_check(target.model)  # remembers per token across generations
+        self.costs: CostCurve | None = None
+        self._adaptive: AdaptivePolicy | None = None
+
+    def close(self) -> None:
+        self.batch.close()
+        if self.session is not None and self._owns_session:
+            self.session.close()
+
+    def __enter__(self) -> "Speculator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- the target sequence (slots.SlotSpeculator decodes in a batch shared with other sequences) --------
+    def decode(self, batch: Batch) -> None:
+        self.target.decode(batch)
+
+    def batch_row(self, i: int) -> int:
+        """Where row i of this speculator's rows sits in the target's last batch."""
+        return self.row0 + i
+
+    def logits_ith(self, i: int) -> np.ndarray:
+        """The logits of row i of this speculator's rows in the last decode.  # [n_vocab]"""
+        return self.target.logits_ith(self.row0 + i)
+
+    def clear_target(self) -> None:
+        """Empty the target's cache of this speculator's sequence."""
+        self.target.clear()
+
+    def seq_rm(self, p0: int, p1: int = -1) -> bool:
+        """Drop positions p0..p1 of this speculator's sequence from the target's cache."""
+        return self.target.seq_rm(self.seq, p0, p1)
+
+    def native_time(self) -> float:
+        """Seconds spent in llama.cpp so far: the target's decodes and the head's."""
+        draft = self.session.draft_ctx.t_native if self.session is not None else 0.0
+        return self.target.t_native + draft
+
+    # -- the policy ----------------------------------------------------------------------------------
+    def needs_calibration(self, config: DraftConfig) -> bool:
+        k = min(config.draft_max, self.k_limit)
+        return config.draft_policy == "adaptive" and (self.costs is None or self.costs.k_max < k)
+
+    def policy_for(self, config: DraftConfig) -> DraftPolicy:
+        """The policy for a generation. The adaptive one persists (what it learnt carries over); its cost
+        curve comes from the cache or a calibration, which CLEARS the target's and the head's caches:
+        callers check needs_calibration() while the caches hold nothing they need."""
+        k = min(config.draft_max, self.k_limit)
+        if config.draft_policy == "fixed":
+            policy: DraftPolicy = FixedPolicy(k, config.draft_p_min)
+        else:
+            if self.needs_calibration(config):
+                self.costs = self.calibrate(k)
+                self._adaptive = None
+            if self._adaptive is None or self._adaptive.k_max != k:
+                self._adaptive = AdaptivePolicy(self.costs, k, self.session.window)
+            policy = self._adaptive
+        policy.begin()
+        return policy
+
+    def calibrate(self, k_max: int) -> CostCurve:
+        """The cost curve from the cache, or measured now (a fraction of a second) and cached."""
+        target, session = self.target, self.session
+        key = CostKey.for_contexts(target, session.draft_ctx, self.batch.capacity)
+        cached = load_costs(key, k_max)
+        if cached is not None:
+            return cached
+        tok = 0  # any token: the cost of a row does not depend on which
+        feats = np.zeros((2, session.extract.width), np.float32)  # [2, 3 * n_embd_tgt]
+
+        def run_verify(n: int) -> float:
+            self.batch.set([tok] * n, 0, logits="all")
+            t = time.perf_counter()
+            target.decode(self.batch)
+            if target.greedy_sampling:  # what a cycle then reads: the graph's choices
+                for i in range(n):
+                    target.sampled_token(i)
+            else:
+                logits = target.logits(n)  # [n, n_vocab]
+                for i in range(n):
+                    int(np.argmax(logits[i]))
+            t = time.perf_counter() - t
+            self.seq_rm(0)
+            return t
+
+        def run_draft(steps: int) -> float:
+            """A draft as a cycle runs it: the head first catches up on two kept rows."""
+            session.reset()
+            session.process([tok] * 3, 0, np.zeros((3, session.extract.width), np.float32))
+            session.draft(tok, 1, lambda confs, n_max: len(confs))
+            session.accept(0)
+            session.keep([tok, tok], 3, feats)
+            t = time.perf_counter()
+            session.draft(tok, steps, lambda confs, n_max: len(confs) if len(confs) >= n_max else -1)
+            return time.perf_counter() - t
+
+        target.clear()
+        try:
+            curve = measure(run_verify, run_draft, k_max)
+        finally:
+            target.clear()
+            session.reset()
+        save_costs(key, curve)
+        return curve
+
+    # -- the run -----------------------------------------------------------------------------------------
+    def run(self, prompt: list[int], hooks: RunHooks, config: DraftConfig | None,
+            rejection: RejectionSampler | None = None, spec_sampling: str = "", keep: int = 0) -> "Run":
+        """A generation after `prompt`: speculative with `config` (and a session), else plain decoding.
+        `keep`: how many prompt positions the caches already hold (they stay where both can keep them).
+        `rejection`: verify drafts drawn from the head's q by rejection sampling instead of hooks.pick.
+        `spec_sampling`: how drafts are verified, for the statistics. May calibrate (see policy_for)."""
+        speculative = config is not None and config.draft_max > 0 and self.session is not None
+        if speculative and self.needs_calibration(config):
+            keep = 0  # calibrating clears both caches
+        policy = self.policy_for(config) if speculative else None
+        return Run(self, prompt, hooks, policy, rejection, spec_sampling if speculative else "", keep)
+
+    def rewind(self, keep: int, speculative: bool) -> int:
+        """Keep the first `keep` positions in the target's cache (and the head's, speculative), or clear
+        both where they cannot cut there: the positions kept."""
+        if keep > 0 and self.seq_rm(keep) and (not speculative or self.session.truncate(keep)):
+            return keep
+        self.clear_target()
+        if self.session is not None:
+            self.session.reset()
+        return 0
+
+    def prefill(self, tokens: list[int], pos0: int, feed_head: bool, whole: bool = True, logits: str = "last",
+                on_chunk: Callable[[list[int], int], None] | None = None) -> int:
+        """Decode tokens at pos0.. in n_batch chunks (each chunk's rows go to the head when feed_head:
+        all of them when `whole`, else only the last `window` rows, set aside for the first draft).
+        `logits` is the batch's output rows ("last" or "all"); `on_chunk(chunk, pos)` runs right after each
+        chunk's decode. Returns the size of the last chunk (its last row holds the next token's logits)."""
+        n_batch = self.batch.capacity
+        m = 0
+        for i in range(0, len(tokens), n_batch):
+            chunk = tokens[i:i + n_batch]
+            m = len(chunk)
+            self.batch.set(chunk, pos0 + i, logits=logits)
+            self.decode(self.batch)
+            if on_chunk is not None:
+                on_chunk(chunk, pos0 + i)
+            if feed_head and whole:
+                self.session.process(chunk, pos0 + i)
+            elif feed_head:
+                self.session.keep(chunk, pos0 + i)
+        return m
+
+    def cycle(self, policy: "DraftPolicy | None", id_last: int, pos: int, k_cap: int,
+              pick: Callable[[list[int], int, int], int], st: SpecStats,
+              rejection: RejectionSampler | None = None) -> Cycle:
+        """One cycle at `pos`. With `rejection`, the head draws its drafts from q and the rows are verified
+        by rejection sampling (`pick` is not called); otherwise the drafts are the head's argmax and kept
+        while `pick(rows, pos, i)` equals them. An end-of-generation token ends the cycle as its own token."""
+        session = self.session if policy is not None else None
+        k = policy.plan(min(k_cap, self.k_limit)) if session is not None else 0
+        if k == 0 and rejection is None:
+            # A plain cycle, the common one: it runs right after the target's graph has pushed everything
+            # out of the caches, so it touches as little as it can (each step here costs microseconds).
+            rows = [id_last]
+            self.batch.set_one(id_last, pos)
+            t = time.perf_counter()
+            self.decode(self.batch)
+            out = [pick(rows, pos, 0)]
+            t_verify = time.perf_counter() - t
+            st.t_target += t_verify
+            st.n_target_forwards += 1
+            if session is not None:
+                st.accept_hist[0] += 1  # st.record_cycle(0, 0)
+                t = time.perf_counter()
+                if policy.keep_rows:
+                    session.keep(rows, pos)
+                else:
+                    session.skip(rows, pos)
+                st.t_process += time.perf_counter() - t
+                policy.observe_plain(t_verify)
+            return Cycle(pos, rows, out, 0)
+        draft = None
+        t_draft = 0.0
+        if k > 0:
+            t = time.perf_counter()
+            draft = session.draft(id_last, k, policy.judge, sampler=rejection)
+            t_draft = time.perf_counter() - t
+            st.t_draft += t_draft
+        drafts = draft.tokens if draft is not None else []
+        t = time.perf_counter()
+        rows = [id_last] + drafts
+        self.batch.set(rows, pos, logits="all")
+        self.decode(self.batch)
+        if rejection is not None:
+            out = rejection.verify(drafts, draft.qs if drafts else [], self.logits_ith, self.is_end)
+        else:
+            out = verify_match(drafts, lambda i: pick(rows, pos, i), self.is_end)
+        n_acc = len(out) - 1
+        if n_acc < len(drafts):
+            self.seq_rm(pos + n_acc + 1)
+        t_verify = time.perf_counter() - t
+        st.t_target += t_verify
+        st.n_target_forwards += 1
+        if session is not None:
+            st.record_cycle(len(drafts), n_acc)
+            t = time.perf_counter()
+            if draft is not None:
+                session.accept(n_acc)
+            if policy.keep_rows:
+                session.keep(rows[:n_acc + 1], pos)
+            else:
+                session.skip(rows[:n_acc + 1], pos)
+            st.t_process += time.perf_counter() - t
+            n_steps = len(draft.confs) if draft is not None else 0
+            policy.observe(draft.confs if draft is not None else [], len(drafts), n_acc, n_steps, t_verify,
+                           t_draft, len(out))
+        return Cycle(pos, rows, out, n_acc)
+
+
+class Run:
+    """One generation (Speculator.run): iterate it for its cycles, the first holding the prompt's next token
+    (no rows of its own); `stats` is up to date at each. It ends when hooks.budget says so or its consumer
+    stops; close() (or the end of the loop) writes the last statistics."""
+
+    def __init__(self, spec: Speculator, prompt: list[int], hooks: RunHooks, policy: DraftPolicy | None,
+                 rejection: RejectionSampler | None, spec_sampling: str, keep: int):
+        if not prompt:
+            raise Eagle3Error("the prompt is empty")
+        self.stats = SpecStats(draft_max=policy.k_max if policy is not None else 0, n_prompt=len(prompt),
+                               spec_sampling=spec_sampling)
+        self._cycles = self._run(spec, prompt, hooks, policy, rejection, min(keep, len(prompt) - 1))
+
+    def __iter__(self) -> Iterator[Cycle]:
+        return self._cycles
+
+    def close(self) -> None:
+        self._cycles.close()
+
+    def _run(self, spec: Speculator, prompt: list[int], hooks: RunHooks, policy: DraftPolicy | None,
+             rejection: RejectionSampler | None, keep: int) -> Iterator[Cycle]:
+        st = self.stats
+        clock = StageClock(st, spec.native_time)
+        try:
+            speculative = policy is not None
+            pos0 = spec.rewind(keep, speculative)
+            hooks.on_rewind(pos0)
+            m = spec.prefill(prompt[pos0:], pos0, feed_head=speculative,
+                             whole=speculative and policy.wants_prompt(), logits=hooks.prefill_logits,
+                             on_chunk=hooks.on_prefill)
+            pos = len(prompt)  # position of id_last
+            id_last = hooks.first_token(m - 1)
+            st.n_target_forwards = 1
+            st.n_generated = 1  # an end-of-generation token counts as generated
+            clock.prefilled()  # the head's work on the prompt included
+            yield Cycle(pos - 1, prompt[-1:], [id_last], 0)  # chosen at the prompt's last row
+            while (k := hooks.budget(pos, st)) is not None:
+                cyc = spec.cycle(policy, id_last, pos, k, hooks.pick, st, rejection)
+                hooks.on_cycle(cyc)
+                st.n_generated += len(cyc.out)
+                yield cyc
+                pos += cyc.n_acc + 1
+                id_last = cyc.out[-1]
+        finally:
+            clock.finished()
+            if policy is not None:
+                st.policy = policy.finish_stats()
