@@ -249,17 +249,18 @@ class Model(_Owner):
         self.path = Path(path)
         self.n_gpu_layers = n_gpu_layers
         self._owned = borrowed is None
-        if borrowed is None:
+        ptr = borrowed
+        if ptr is None:
             if not self.path.is_file():
                 raise Eagle3Error(f"{self.path}: no such file")
             params = C.llama_model_default_params()
             params.n_gpu_layers = n_gpu_layers
             params.use_mmap = use_mmap
-            borrowed = C.llama_model_load_from_file(str(self.path).encode(), params)
-            if not borrowed:
+            ptr = C.llama_model_load_from_file(str(self.path).encode(), params)
+            if not ptr:
                 raise Eagle3Error(f"{self.path}: llama.cpp could not load it (run with -v to see why)")
-        self.ptr = borrowed
-        self.vocab = C.llama_model_get_vocab(borrowed)
+        self.ptr = ptr
+        self.vocab = C.llama_model_get_vocab(ptr)
 
     def _free(self, ptr) -> None:
         if self._owned:

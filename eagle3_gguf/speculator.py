@@ -297,9 +297,8 @@ class Speculator:
             else:
                 session.skip(rows[:n_acc + 1], pos)
             st.t_process += time.perf_counter() - t
-            n_steps = len(draft.confs) if draft is not None else 0
-            policy.observe(draft.confs if draft is not None else [], len(drafts), n_acc, n_steps, t_verify,
-                           t_draft, len(out))
+            confs = draft.confs if draft is not None else []
+            policy.observe(confs, len(drafts), n_acc, len(confs), t_verify, t_draft, len(out))
         return Cycle(pos, rows, out, n_acc)
 
 

@@ -37,7 +37,7 @@ import bench_data  # noqa: E402
 from build_upstream import bin_dir, requantized  # noqa: E402
 
 from eagle3_gguf.assets import default_head_path, smollm2_path  # noqa: E402
-from eagle3_gguf.decode import Runner, GenerateConfig  # noqa: E402
+from eagle3_gguf.decode import GenerateConfig, Runner  # noqa: E402
 from eagle3_gguf.native import install_log_callback  # noqa: E402
 from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
 from eagle3_gguf.session import Eagle3Session  # noqa: E402

@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eagle3_gguf.assets import default_head_path, smollm2_path  # noqa: E402
-from eagle3_gguf.decode import Runner, GenerateConfig  # noqa: E402
+from eagle3_gguf.decode import GenerateConfig, Runner  # noqa: E402
 from eagle3_gguf.native import install_log_callback  # noqa: E402
 from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
 from eagle3_gguf.session import Eagle3Session  # noqa: E402

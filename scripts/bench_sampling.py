@@ -27,7 +27,7 @@ from pathlib import Path
 
 from eagle3_gguf.assets import default_head_path, smollm2_path
 from eagle3_gguf.benchmarks import load
-from eagle3_gguf.decode import Runner, GenerateConfig, Sampler
+from eagle3_gguf.decode import GenerateConfig, Runner, Sampler
 from eagle3_gguf.native import install_log_callback
 from eagle3_gguf.pair import PairConfig, load_pair
 from eagle3_gguf.session import Eagle3Session

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from eagle3_gguf.assets import default_head_path
-from eagle3_gguf.decode import Runner, GenerateConfig
+from eagle3_gguf.decode import GenerateConfig, Runner
 from eagle3_gguf.pair import PairConfig, load_pair
 from eagle3_gguf.policy import CostCurve
 from eagle3_gguf.session import Eagle3Session

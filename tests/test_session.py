@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eagle3_gguf.decode import Runner, GenerateConfig, Sampler
+from eagle3_gguf.decode import GenerateConfig, Runner, Sampler
 from eagle3_gguf.errors import Eagle3Error
 from eagle3_gguf.native import Batch
 from eagle3_gguf.pair import PairConfig, load_pair

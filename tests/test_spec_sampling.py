@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from eagle3_gguf.decode import Runner, GenerateConfig, Sampler
+from eagle3_gguf.decode import GenerateConfig, Runner, Sampler
 from eagle3_gguf.errors import Eagle3Error
 from eagle3_gguf.spec_sampling import RejectionSampler, Transform, residual, verify_match
 

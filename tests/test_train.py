@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from eagle3_gguf.decode import Runner, GenerateConfig  # noqa: E402
+from eagle3_gguf.decode import GenerateConfig, Runner  # noqa: E402
 from eagle3_gguf.errors import Eagle3Error  # noqa: E402
 from eagle3_gguf.extract import TargetFeatures  # noqa: E402
 from eagle3_gguf.gguf_file import TargetInfo, read_gguf  # noqa: E402

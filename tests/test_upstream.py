@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from build_upstream import bin_dir  # noqa: E402
 
-from eagle3_gguf.decode import Runner, GenerateConfig  # noqa: E402
+from eagle3_gguf.decode import GenerateConfig, Runner  # noqa: E402
 from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
 from eagle3_gguf.session import Eagle3Session  # noqa: E402
 from eagle3_gguf.tokens import tokenize  # noqa: E402

@@ -12,6 +12,8 @@ import sys
 
 import typer
 
+from ..errors import Eagle3Error
+
 
 def setup_logging(verbose: bool) -> None:
     """Quiet by default; -v shows our debug lines and llama.cpp's own log.
@@ -74,10 +76,35 @@ class Termination:
 TERMINATION = Termination()  # installed by main(); commands read it
 
 
+def check_context_flags(n_ctx: int, threads: int | None) -> None:
+    """-c and -t, which `generate` and `serve` share."""
+    if n_ctx < 16:
+        raise Eagle3Error(f"-c must be at least 16 (got {n_ctx})")
+    if threads is not None and threads < 1:
+        raise Eagle3Error(f"-t must be at least 1 (got {threads})")
+
+
 def draft_option(attr: str, default=...):
     """The typer option of a drafting knob (config.KNOBS): its flag and help, the command line's default
-    unless `default` is given (None: the knob was not given; DraftConfig.from_flags fills it in)."""
+    unless `default` is given (None: the knob was not given; drafting_from_flags fills it in)."""
     from ..config import COMMAND_LINE, KNOBS
 
     knob = KNOBS[attr]
     return typer.Option(getattr(COMMAND_LINE, attr) if default is ... else default, knob.flag, help=knob.help)
+
+
+def drafting_from_flags(draft_max: int, draft_p_min: float, draft_policy: str, spec_sampling: str,
+                        draft_temp_scale: float | None, temp: float | None = None):
+    """The DraftConfig of `generate`'s and `serve`'s drafting flags, errors naming the flags. A given
+    --draft-temp-scale must have an effect (temp None: the temperature comes with each request)."""
+    from ..config import DraftConfig
+
+    drafting = DraftConfig.from_flags(draft_max=draft_max, draft_p_min=draft_p_min, draft_policy=draft_policy,
+                                      spec_sampling=spec_sampling, draft_temp_scale=draft_temp_scale)
+    if draft_temp_scale is not None:
+        if drafting.spec_sampling != "rejection":
+            raise Eagle3Error("--draft-temp-scale shapes the rejection rule's draft distribution: it has no "
+                              "effect with --spec-sampling match")
+        if temp == 0.0:
+            raise Eagle3Error("--draft-temp-scale needs --temp > 0 (at --temp 0 drafts and tokens are greedy)")
+    return drafting

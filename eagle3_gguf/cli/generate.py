@@ -10,9 +10,8 @@ from typing import Optional
 
 import typer
 
-from ..config import DraftConfig
 from ..errors import Eagle3Error
-from .common import draft_option, fail, setup_logging
+from .common import check_context_flags, draft_option, drafting_from_flags, fail, setup_logging
 
 
 def register(app: typer.Typer) -> None:
@@ -44,10 +43,8 @@ def register(app: typer.Typer) -> None:
         setup_logging(verbose)
         try:
             _check_flags(prompt, file, n_predict, n_ctx, threads, temp)
-            drafting = DraftConfig.from_flags(draft_max=draft_max, draft_p_min=draft_p_min,
-                                              draft_policy=draft_policy, spec_sampling=spec_sampling,
-                                              draft_temp_scale=draft_temp_scale)
-            check_temp_scale_given(drafting, draft_temp_scale is not None, temp)
+            drafting = drafting_from_flags(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale,
+                                           temp)
             pair_config = _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max)
             from ..decode import GenerateConfig
 
@@ -65,26 +62,6 @@ def _check_flags(prompt, file, n_predict, n_ctx, threads, temp) -> None:
     check_context_flags(n_ctx, threads)
     if temp < 0:
         raise Eagle3Error(f"--temp cannot be negative (got {temp})")
-
-
-def check_context_flags(n_ctx: int, threads: int | None) -> None:
-    """-c and -t, which `generate` and `serve` share."""
-    if n_ctx < 16:
-        raise Eagle3Error(f"-c must be at least 16 (got {n_ctx})")
-    if threads is not None and threads < 1:
-        raise Eagle3Error(f"-t must be at least 1 (got {threads})")
-
-
-def check_temp_scale_given(draft: DraftConfig, given: bool, temp: float | None = None) -> None:
-    """--draft-temp-scale, where given, must have an effect: for `generate` and `serve` (temp None: the
-    temperature comes with each request)."""
-    if not given:
-        return
-    if draft.spec_sampling != "rejection":
-        raise Eagle3Error("--draft-temp-scale shapes the rejection rule's draft distribution: it has no effect "
-                          "with --spec-sampling match")
-    if temp is not None and temp == 0.0:
-        raise Eagle3Error("--draft-temp-scale needs --temp > 0 (at --temp 0 drafts and tokens are greedy)")
 
 
 INEXACT_NOTE = ("note: with a {k}/{v} KV cache, llama.cpp computes a lone row differently from a verify-batch row "

@@ -8,11 +8,9 @@ from typing import Optional
 
 import typer
 
-from ..config import DraftConfig
 from ..errors import Eagle3Error
 from ..server import ServeConfig, build_app, configure_heap
-from .common import TERMINATION, draft_option, fail, setup_logging
-from .generate import check_context_flags, check_temp_scale_given
+from .common import TERMINATION, check_context_flags, draft_option, drafting_from_flags, fail, setup_logging
 
 
 MAX_PARALLEL = 64
@@ -57,11 +55,8 @@ def register(app: typer.Typer) -> None:
         setup_logging(verbose)
         logging.getLogger("eagle3_gguf.server").setLevel(logging.INFO)  # queueing and dropped streams
         try:
-            drafting = DraftConfig.from_flags(draft_max=draft_max, draft_p_min=draft_p_min,
-                                              draft_policy=draft_policy, spec_sampling=spec_sampling,
-                                              draft_temp_scale=draft_temp_scale)
+            drafting = drafting_from_flags(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale)
             check_context_flags(n_ctx, threads)
-            check_temp_scale_given(drafting, draft_temp_scale is not None)
             config = ServeConfig(model=model, draft=draft, drafting=drafting, host=host, port=port, n_ctx=n_ctx,
                                  n_threads=threads, alias=alias, strict_model=strict_model,
                                  interrupt_requests=interrupt_requests, parallel=parallel)
