@@ -277,7 +277,6 @@ class PolicyStats:
     trace: list[int] = field(default_factory=list)  # [n_cycles]: drafts verified, cycle by cycle
     probes: int = 0
     plain_cycles: int = 0  # cycles that ran no draft step at all
-    lookup_cycles: int = 0  # cycles that verified a lookup draft (lookup.py) instead of the head's
     predicted_tokens: float = 0.0  # the policy's expectation of the emitted tokens, summed over cycles
     predicted_s: float = 0.0  # ... and of the cycles' time
     cost_curve: list[float] = field(default_factory=list)  # [K_max + 1] verify cost in single-row units
@@ -450,12 +449,8 @@ class AdaptivePolicy:
 
     def _break_even(self, k_cap: int) -> float:
         """The rate R under which some draft length j <= k_cap pays (math.inf: one pays at any rate)."""
-        c, d, e = self.costs.now_s, self.costs.draft_step_s, self.costs.draft_fixed_s
-        star, reach, gain = 0.0, 1.0, 0.0
-        for j in range(1, k_cap + 1):
-            reach *= self.acc.lookahead[j - 1]
-            gain += reach  # E_j - 1: expected drafts emitted
-            extra = c[j] + e + j * d - c[0]  # T_j - c(1)
+        star = 0.0
+        for gain, extra in self._head_drafts(k_cap):
             if extra <= 0.0:
                 if gain > 0.0 or extra < 0.0:
                     return math.inf
@@ -481,35 +476,29 @@ class AdaptivePolicy:
         if k <= 0:
             return 0
         r, c = self._r(), self.costs.now_s
-        best_v = max(1.0 - r * c[0], self._head_value(min(k_cap, self.k_max), r))
-        best_j, reach, gain = 0, 1.0, 0.0
+        head = max((gain - r * extra for gain, extra in self._head_drafts(min(k_cap, self.k_max))), default=-math.inf)
+        best_v = 1.0 - r * c[0] + max(0.0, head)  # plain decoding, or the head's best planned draft
+        best_j, best_gain, reach, gain = 0, 0.0, 1.0, 0.0
         for j in range(1, k + 1):
             reach *= self.lookup_acc.prob(found.n, j - 1)
             gain += reach
             v = 1.0 + gain - r * c[j]
             if v > best_v:
-                best_j, best_v = j, v
+                best_j, best_v, best_gain = j, v, gain
         if best_j:
-            self._pred = (1.0 + sum(self._reach(found.n, best_j)), c[best_j])
+            self._pred = (1.0 + best_gain, c[best_j])
         return best_j
 
-    def _reach(self, n: int, j: int) -> list[float]:
-        """P(the first i lookup drafts all accepted), i = 1..j, for a match of n tokens."""
-        out, reach = [], 1.0
-        for i in range(j):
-            reach *= self.lookup_acc.prob(n, i)
-            out.append(reach)
-        return out
-
-    def _head_value(self, k_cap: int, r: float) -> float:
-        """The best expected E - R·T of a head draft of j <= k_cap (-inf where none is planned)."""
+    def _head_drafts(self, k_cap: int) -> list[tuple[float, float]]:
+        """For a head draft of j = 1..k_cap at the expected acceptances: (E_j - 1, T_j - c(1)), the drafts
+        expected to be emitted and what the cycle costs beyond a plain one (draft steps and catch-up included)."""
         c, d, e = self.costs.now_s, self.costs.draft_step_s, self.costs.draft_fixed_s
-        best, reach, gain = -math.inf, 1.0, 0.0
+        out, reach, gain = [], 1.0, 0.0
         for j in range(1, k_cap + 1):
             reach *= self.acc.lookahead[j - 1]
             gain += reach
-            best = max(best, 1.0 + gain - r * (c[j] + e + j * d))
-        return best
+            out.append((gain, c[j] + e + j * d - c[0]))
+        return out
 
     # -- during the draft ------------------------------------------------------------------------------
     def judge(self, confs: list[float], n_max: int) -> int:
@@ -582,7 +571,6 @@ class AdaptivePolicy:
         st, costs = self.stats, self.costs
         st.chosen[n_verified] += 1
         st.trace.append(n_verified)
-        st.lookup_cycles += 1
         st.predicted_tokens += self._pred[0]
         st.predicted_s += self._pred[1] * costs.scale
         self.lookup_acc.observe(n, n_verified, n_accepted)
