@@ -46,9 +46,10 @@ from __future__ import annotations
 import ctypes
 import threading
 import warnings
+import weakref
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import llama_cpp
 import numpy as np
@@ -187,6 +188,7 @@ class Eagle3Llama(Llama):
         self._e3_running = threading.Lock()  # held by the generation that is running (see _Turn)
         self._e3_generation = 0  # generations started so far; the latest is the current one
         self._e3_unfinished = False  # a generation started and has not ended
+        self._e3_runner: Callable | None = None  # computes plain decoding's graphs (run_graphs_with)
         n_gpu_layers = max(self.model_params.n_gpu_layers, 0)
         model = Model(self.model_path, n_gpu_layers=n_gpu_layers, borrowed=self._model.model)
         target = Context(model, n_ctx=self._n_ctx, n_batch=self.n_batch, n_threads=cp.n_threads, type_k=cp.type_k,
@@ -258,6 +260,18 @@ class Eagle3Llama(Llama):
             yield from super()._create_completion(*args, **kwargs)
         finally:
             self._e3_budget = None
+
+    # -- plain decoding's graphs ------------------------------------------------------------------------
+    def run_graphs_with(self, runner: Callable | None) -> None:
+        """Compute llama-cpp-python's own decodes (plain decoding, where a call falls back) by `runner(fn, *args)`
+        (serve: `slots.Engine.call`, the thread that computes every graph); None: in the calling thread."""
+        self._e3_runner = runner
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        """Llama's own, through the runner set by run_graphs_with."""
+        if self._e3_runner is None:
+            return super().eval(tokens)
+        return self._e3_runner(super().eval, tokens)
 
     # -- the token generator ------------------------------------------------------------------------------
     def generate(self, tokens: Sequence[int], top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
@@ -476,24 +490,64 @@ class _DropInHooks(RunHooks):
         llm._e3_head_tokens[pos:] = cyc.rows[:kept]
 
 
+class _AttachedLlama(Eagle3Llama):
+    """An Eagle3Llama over a Llama someone else built (`attach_eagle3`). llama-cpp-python's state (model,
+    context, settings, caches, input_ids, n_tokens) stays that Llama's, read and written through it; only the
+    head's state (`_e3_*`, the drafting config, the statistics) is this object's. So the two are one model and
+    one KV cache: either may generate, the other's next call reuses what the cache really holds, and closing
+    either closes both (the head's contexts first)."""
+
+    _OWN = frozenset({"_draft_config", "spec_stats", "spec_fallback"})
+
+    def __init__(self, llm: Llama, head_path: str | Path, config: DraftConfig):
+        object.__setattr__(self, "_e3_llama", llm)
+        self._eagle3_setup(head_path, config)
+
+    def __getattr__(self, name: str):  # only for names this object does not hold: the Llama's
+        llm = self.__dict__.get("_e3_llama")
+        if llm is None:
+            raise AttributeError(name)
+        return getattr(llm, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name.startswith("_e3_") or name in self._OWN or isinstance(getattr(type(self), name, None), property):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._e3_llama, name, value)
+
+    def __del__(self) -> None:  # the Llama is its builder's to close (and closes the head with it)
+        pass
+
+    def __reduce__(self):
+        return _unpickle, (self.__getstate__(),)
+
+
+def _unpickle(state: dict) -> Eagle3Llama:
+    """An attached Eagle3Llama comes back from a pickle as an Eagle3Llama of the same files and settings."""
+    return Eagle3Llama(**state)
+
+
 def attach_eagle3(llm: Llama, head_path: str | Path, *, draft_max: int = _LIBRARY.draft_max,
                   draft_p_min: float = _LIBRARY.draft_p_min, draft_policy: str = _LIBRARY.draft_policy,
                   spec_sampling: str = _LIBRARY.spec_sampling,
                   draft_temp_scale: float = _LIBRARY.draft_temp_scale,
                   draft_lookup: bool = _LIBRARY.draft_lookup) -> Eagle3Llama:
-    """Give an existing `llama_cpp.Llama` an EAGLE-3 head, in place: the same object becomes an
-    Eagle3Llama (its class changes; everything it was configured with stays). Returns it."""
+    """An Eagle3Llama over an existing `llama_cpp.Llama`, sharing its model, context and settings (nothing is
+    loaded again): `llm = attach_eagle3(llm, "head.gguf")`. The Llama passed in stays usable and plain; both
+    are one KV cache (see _AttachedLlama). A subclass of Llama keeps its methods: the result is an instance
+    of it too."""
     if isinstance(llm, Eagle3Llama):
         raise Eagle3Error("this Llama already has an EAGLE-3 head")
     if not isinstance(llm, Llama):
         raise Eagle3Error(f"attach_eagle3 needs a llama_cpp.Llama, not {type(llm).__name__}")
+    if llm in _ATTACHED:
+        raise Eagle3Error("this Llama already has an EAGLE-3 head: use the Eagle3Llama attach_eagle3 returned")
     config = DraftConfig(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale, draft_lookup)
     cls = type(llm)
-    new_cls = Eagle3Llama if cls is Llama else type(f"Eagle3{cls.__name__}", (Eagle3Llama, cls), {})
-    llm.__class__ = new_cls
-    try:
-        llm._eagle3_setup(head_path, config)
-    except BaseException:
-        llm.__class__ = cls
-        raise
-    return llm
+    attached_cls = _AttachedLlama if cls is Llama else type(f"Eagle3{cls.__name__}", (_AttachedLlama, cls), {})
+    attached = attached_cls(llm, head_path, config)
+    _ATTACHED.add(llm)
+    return attached
+
+
+_ATTACHED: "weakref.WeakSet[Llama]" = weakref.WeakSet()  # Llamas with a head attached: one each

@@ -17,7 +17,7 @@ request). Queueing is logged on the `eagle3_gguf.server` logger. With `parallel`
 once, each on a slot of a `slots.SlotPool` (its own KV sequence, n_ctx / N of the context), their target decodes
 sharing one batch; the others queue as above. llama-cpp-python's server keeps its
 model, locks and settings in module globals, so one process serves one app; `build_app` installs its
-request gate and stream publisher into `llama_cpp.server.app` for good.
+request gate and stream publisher into `llama_cpp.server.app` for good (`create_app_with`, the one adapter).
 
 Speculation statistics (what `llm.spec_stats` says of a request, summed up by `speculation_summary`): a
 non-streamed completion's `usage` object carries them as `usage.speculation` (OpenAI clients keep unknown
@@ -139,18 +139,27 @@ def build_app(config: ServeConfig):
     model_settings = ModelSettings(model=str(config.model), model_alias=config.model_alias, n_ctx=n_ctx,
                                    flash_attn=True, type_v=CACHE_TYPES["bf16"], verbose=False, **extra)  # EXACTNESS
     server_settings = ServerSettings(host=config.host, port=config.port, interrupt_requests=config.interrupt_requests)
+    app = create_app_with(server_app, Eagle3LlamaProxy, server_settings, model_settings)
+    app.add_middleware(RequestCheck)
+    app.add_middleware(SpeculationReport)
+    app.get("/v1/eagle3/stats", dependencies=[Depends(server_app.authenticate)])(speculation_stats)
+    return app
+
+
+def create_app_with(server_app, proxy_class, server_settings, model_settings):
+    """llama-cpp-python's `create_app` with our model proxy, request gate and stream publisher: the adapter
+    for the three places its server offers no hook. `create_app` builds its proxy from the module name
+    `LlamaProxy` (swapped for the call only), and the completion routes look `get_llama_proxy` and
+    `get_event_publisher` up in their module at request time (replaced for good: one process serves one app).
+    tests/test_server.py::test_llama_cpp_server_adapter fails if llama-cpp-python stops looking them up there."""
     plain_proxy = server_app.LlamaProxy
-    server_app.LlamaProxy = Eagle3LlamaProxy  # create_app builds its proxy from this module name
+    server_app.LlamaProxy = proxy_class
     try:
         app = server_app.create_app(server_settings=server_settings, model_settings=[model_settings])
     finally:
         server_app.LlamaProxy = plain_proxy
-    # the completion routes look both up in their module at request time
     server_app.get_llama_proxy = queued_llama_proxy
     server_app.get_event_publisher = event_publisher
-    app.add_middleware(RequestCheck)
-    app.add_middleware(SpeculationReport)
-    app.get("/v1/eagle3/stats", dependencies=[Depends(server_app.authenticate)])(speculation_stats)
     return app
 
 

@@ -120,12 +120,7 @@ class Engine:
         own decodes on its context (plain decoding, where it falls back)."""
         self.adopt(llm._e3_pair.target)
         self.adopt(llm._e3_pair.head)
-        ctx = llm._ctx
-        if getattr(ctx, "_engine", None) is not self:
-            for name in ("decode", "encode"):
-                method = getattr(ctx, name)
-                setattr(ctx, name, lambda batch, method=method: self.call(method, batch))
-            ctx._engine = self
+        llm.run_graphs_with(self.call)
         return llm
 
     def close(self) -> None:
@@ -344,11 +339,37 @@ class _CtxView:
 
 
 class SlotLlama(Eagle3Llama):
-    """One slot of a SlotPool (made by it, never constructed): an Eagle3Llama on its own sequence of the
-    shared target. Closing it does nothing; the pool and the Eagle3Llama it came from own what it uses."""
+    """One slot of a SlotPool (made by it): an Eagle3Llama on its own sequence of the shared target. What
+    llama-cpp-python keeps per generation (context view, input_ids, n_tokens, sampler) and the head's state
+    are the slot's own; everything else (settings, model, tokenizer, chat handler, the drafting config until
+    the slot is given its own) is read from the pool's Eagle3Llama, never written there. Closing a slot does
+    nothing; the pool and the Eagle3Llama it came from own what it uses."""
 
-    def __init__(self, *args, **kwargs):  # pragma: no cover - the pool makes slots
-        raise Eagle3Error("slots come from SlotPool(llm, n)")
+    def __init__(self, llm: Eagle3Llama, spec: SlotSpeculator, n_ctx: int):
+        self._e3_parent = llm
+        self._ctx = _CtxView(spec.target.ptr)
+        self._n_ctx = n_ctx
+        self.verbose = False  # llama-cpp-python's timings are per context: not a slot's
+        self.input_ids = np.zeros(n_ctx, dtype=np.intc)  # [n_ctx]
+        self.n_tokens = 0
+        self._sampler = None
+        self._e3_spec = spec
+        self._e3_pair = None
+        self._e3_head_tokens: list[int] = []
+        self._e3_running = _SlotTurn(spec.joint, spec.seq)
+        self._e3_generation = 0
+        self._e3_unfinished = False
+        self._e3_budget = None
+        self.spec_stats = SpecStats()
+        self.spec_fallback = None
+
+    def __getattr__(self, name: str):  # only for names the slot does not hold: the pool's Eagle3Llama's
+        parent = self.__dict__.get("_e3_parent")
+        if parent is None:
+            raise AttributeError(name)
+        return getattr(parent, name)
+
+    __setattr__ = object.__setattr__  # a slot's writes stay the slot's
 
     def close(self) -> None:
         pass
@@ -423,34 +444,13 @@ class SlotPool:
                 engine.adopt(draft)
                 slot_spec = SlotSpeculator(self.joint, seq, Eagle3Session(target, draft), spec)  # closes the session
                 self._owned.append(slot_spec)
-                self.slots.append(self._slot(slot_spec))
+                self.slots.append(self._slot_class(llm, slot_spec, n_slot))
         except BaseException:
             self.close()
             raise
         self._free = list(self.slots)
         self._cond = threading.Condition()
         llm._stack.callback(self.close)  # before the Llama frees the model the contexts use
-
-    def _slot(self, spec: SlotSpeculator) -> SlotLlama:
-        llm = self.llm
-        slot = object.__new__(self._slot_class)
-        slot.__dict__.update(llm.__dict__)  # settings, model, tokenizer, chat handler: shared, read only
-        slot._ctx = _CtxView(spec.target.ptr)
-        slot._n_ctx = self.n_slot_ctx
-        slot.verbose = False  # llama-cpp-python's timings are per context: not a slot's
-        slot.input_ids = np.zeros(self.n_slot_ctx, dtype=np.intc)  # [n_slot_ctx]
-        slot.n_tokens = 0
-        slot._sampler = None
-        slot._e3_spec = spec
-        slot._e3_pair = None
-        slot._e3_head_tokens = []
-        slot._e3_running = _SlotTurn(self.joint, spec.seq)
-        slot._e3_generation = 0
-        slot._e3_unfinished = False
-        slot._e3_budget = None
-        slot.spec_stats = SpecStats()
-        slot.spec_fallback = None
-        return slot
 
     def close(self) -> None:
         for owner in reversed(self._owned):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import itertools
+import pickle
 from contextlib import closing
 
 import llama_cpp
@@ -324,15 +325,40 @@ def test_attach_eagle3(tiny_target, tiny_head, plain):
     llm = llama_cpp.Llama(model_path=str(tiny_target), **KW)
     try:
         before = llm(PROMPTS[0], max_tokens=20, **GREEDY)
-        same_llm = attach_eagle3(llm, tiny_head, draft_max=3, draft_policy="fixed")
-        assert same_llm is llm and isinstance(llm, Eagle3Llama) and isinstance(llm, llama_cpp.Llama)
-        same(before, llm(PROMPTS[0], max_tokens=20, **GREEDY))
-        same(plain(PROMPTS[2], max_tokens=20, **GREEDY), llm(PROMPTS[2], max_tokens=20, **GREEDY))
-        assert llm.spec_stats.draft_max == 3 and llm.spec_stats.n_drafted > 0
-        with pytest.raises(Eagle3Error, match="already has an EAGLE-3 head"):
-            attach_eagle3(llm, tiny_head)
+        spec = attach_eagle3(llm, tiny_head, draft_max=3, draft_policy="fixed")
+        assert isinstance(spec, Eagle3Llama) and isinstance(spec, llama_cpp.Llama) and type(llm) is llama_cpp.Llama
+        assert spec.model_path == llm.model_path and spec._ctx is llm._ctx  # nothing loaded again
+        same(before, spec(PROMPTS[0], max_tokens=20, **GREEDY))
+        same(plain(PROMPTS[2], max_tokens=20, **GREEDY), spec(PROMPTS[2], max_tokens=20, **GREEDY))
+        assert spec.spec_stats.draft_max == 3 and spec.spec_stats.n_drafted > 0
+        # one KV cache: the plain Llama and the attached one take turns, each reusing what the cache holds
+        assert llm.n_tokens == spec.n_tokens > 0
+        same(plain(PROMPTS[2] + " and", max_tokens=20, **GREEDY), llm(PROMPTS[2] + " and", max_tokens=20, **GREEDY))
+        same(plain(PROMPTS[2], max_tokens=20, **GREEDY), spec(PROMPTS[2], max_tokens=20, **GREEDY))
+        assert spec.spec_stats.n_drafted > 0
+        for again in (llm, spec):
+            with pytest.raises(Eagle3Error, match="already has an EAGLE-3 head"):
+                attach_eagle3(again, tiny_head)
+        clone = pickle.loads(pickle.dumps(spec))  # comes back as an Eagle3Llama of the same files
+        with closing(clone):
+            assert type(clone) is Eagle3Llama and clone.draft_config == spec.draft_config
+            same(before, clone(PROMPTS[0], max_tokens=20, **GREEDY))
     finally:
         llm.close()
+    assert spec._e3_spec is None  # closing the Llama closed the head it carried
+
+
+def test_attach_eagle3_keeps_a_subclass(tiny_target, tiny_head):
+    class Mine(llama_cpp.Llama):
+        def tokenize(self, text, add_bos=True, special=False):
+            self.tokenized = getattr(self, "tokenized", 0) + 1
+            return super().tokenize(text, add_bos, special)
+
+    with closing(Mine(model_path=str(tiny_target), **KW)) as llm:
+        spec = attach_eagle3(llm, tiny_head, draft_policy="fixed")
+        assert isinstance(spec, Mine) and isinstance(spec, Eagle3Llama)
+        spec(PROMPTS[0], max_tokens=5, **GREEDY)
+        assert llm.tokenized >= 1 and spec.spec_stats.n_generated > 0  # its method ran, its state is the Llama's
 
 
 # -- fallbacks and errors ----------------------------------------------------------------------------------

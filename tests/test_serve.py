@@ -86,6 +86,36 @@ def plain(tiny_target):
         yield llm
 
 
+def test_llama_cpp_server_adapter(monkeypatch):
+    """server.create_app_with relies on llama-cpp-python's server looking three names up in its module (it offers
+    no hook): create_app builds its proxy from `LlamaProxy`, and the completion routes (streamed ones through
+    `get_event_publisher`) take the model from `get_llama_proxy` at request time. This fails when that changes."""
+    from llama_cpp.server import app as server_app
+    from llama_cpp.server.settings import ModelSettings, ServerSettings
+
+    from eagle3_gguf import server
+
+    assert "LlamaProxy" in server_app.set_llama_proxy.__code__.co_names
+    assert "set_llama_proxy" in server_app.create_app.__code__.co_names
+    for route in (server_app.create_completion, server_app.create_chat_completion):
+        assert {"get_llama_proxy", "get_event_publisher"} <= set(route.__code__.co_names), route.__name__
+    assert "get_llama_proxy" in server_app.get_event_publisher.__code__.co_names
+    for name in ("get_llama_proxy", "get_event_publisher", "_llama_proxy", "_server_settings"):
+        monkeypatch.setattr(server_app, name, getattr(server_app, name))  # restored after the test
+
+    class Proxy:
+        def __init__(self, models):
+            self.models = models
+
+    plain_proxy = server_app.LlamaProxy
+    settings = ModelSettings(model="target.gguf")
+    server.create_app_with(server_app, Proxy, ServerSettings(), settings)
+    assert isinstance(server_app._llama_proxy, Proxy) and server_app._llama_proxy.models == [settings]
+    assert server_app.LlamaProxy is plain_proxy
+    assert server_app.get_llama_proxy is server.queued_llama_proxy
+    assert server_app.get_event_publisher is server.event_publisher
+
+
 def test_lists_the_model(client):
     assert [m.id for m in client.models.list().data] == [ALIAS]
 

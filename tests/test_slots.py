@@ -133,7 +133,9 @@ def test_a_failed_shared_decode_fails_only_its_own_slot(llm, engine):
     want = answer(llm, PROMPTS[2], stream=False)
     pool = SlotPool(llm, 2, engine)
     a, b = pool.acquire(), pool.acquire()
-    b.draft_p_min = 0.999  # (this slot only) b's cycles are mostly one row, as a's last ones: they share batches
+    # b's cycles are mostly one row, as a's last ones: they share batches (a slot's config is its own)
+    b.draft_config = dataclasses.replace(b.draft_config, draft_p_min=0.999)
+    assert a.draft_config.draft_p_min == llm.draft_config.draft_p_min != 0.999
     long_prompt = a.tokenize(b"A list of fruits:" * 200)[:a.n_ctx() - 8]
     got: dict = {}
 

@@ -186,8 +186,8 @@ def test_logits_processor(plain, ours):
 
 
 def test_attach_eagle3(smollm2_path, head, plain):
-    with closing(llama_cpp.Llama(model_path=str(smollm2_path), **KW)) as llm:
-        attach_eagle3(llm, head, **SPEC)
+    with closing(llama_cpp.Llama(model_path=str(smollm2_path), **KW)) as plain_llm:
+        llm = attach_eagle3(plain_llm, head, **SPEC)
         same(plain(COUNT, max_tokens=N, **GREEDY), llm(COUNT, max_tokens=N, **GREEDY))
         speculated(llm.spec_stats, N)
 
