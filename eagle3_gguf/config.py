@@ -21,7 +21,7 @@ from .errors import Eagle3Error
 from .policy import POLICIES
 from .spec_sampling import SPEC_SAMPLING
 
-MAX_DRAFT_MAX = 32  # the most drafts one cycle may verify
+MAX_DRAFT_MAX = 32  # the most drafts one cycle may verify (head or lookup)
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,9 @@ KNOBS: dict[str, Knob] = {
     "draft_lookup": Knob("--draft-lookup", "on: the adaptive policy may verify a continuation copied from the text "
                          "so far (prompt lookup: no draft step) instead of the head's draft, where it is expected to "
                          "pay more; off: the head's drafts only."),
+    "draft_lookup_max": Knob("--draft-lookup-max", "Tokens a lookup draft verifies at most (it costs no draft "
+                             "step and a copy runs long, so it may exceed --draft-max; the adaptive policy picks "
+                             "the length from the measured cost of verify rows)."),
 }
 
 
@@ -64,6 +67,7 @@ class DraftConfig:
     # scale measured on MT-bench)
     draft_temp_scale: float = 1.0
     draft_lookup: bool = True  # lookup drafts (lookup.py), weighed by the adaptive policy against the head's
+    draft_lookup_max: int = 16  # the most tokens a lookup draft verifies (bench/NOTES.md: lookup-cpu)
     # how errors name a knob: its attribute (the library) or its flag (`from_flags`); not stored
     name: InitVar[Callable[[str], str]] = str
 
@@ -83,6 +87,9 @@ class DraftConfig:
             raise Eagle3Error(f"{name('draft_temp_scale')} cannot be negative (got {self.draft_temp_scale})")
         if not isinstance(self.draft_lookup, bool):
             raise Eagle3Error(f"{name('draft_lookup')} must be on or off (got {self.draft_lookup})")
+        n = self.draft_lookup_max
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_DRAFT_MAX:
+            raise Eagle3Error(f"{name('draft_lookup_max')} must be between 1 and {MAX_DRAFT_MAX} (got {n})")
 
     @classmethod
     def from_flags(cls, **values) -> "DraftConfig":

@@ -199,27 +199,43 @@ def save_costs(key: CostKey, curve: CostCurve) -> None:
         pass
 
 
+DENSE_ROWS = 8  # measure() times every verify size up to this many rows
+
+
 def measure(run_verify: Callable[[int], float], run_draft: Callable[[int], float], k_max: int,
             reps: int = 5) -> CostCurve:
     """Minima of run_verify(n) (seconds to verify n = 1..k_max+1 rows) and of run_draft(steps) (seconds of
     a draft of that many steps, the head's catch-up included) for 1 and max(k_max, 2) steps, after one
-    warm-up each (graph allocation), the sizes interleaved so that drift hits all alike. The step cost
-    is the slope of the draft time, the fixed cost its intercept."""
-    times: list[list[float]] = [[] for _ in range(k_max + 1)]
-    for n in range(1, k_max + 2):
+    warm-up each (graph allocation), the sizes interleaved so that drift hits all alike. Past DENSE_ROWS
+    rows (long lookup drafts) every DENSE_ROWS // 2-th size down from the last is timed and the rest
+    interpolated: there the curve is close to a line, and each size costs a graph allocation. The step
+    cost is the slope of the draft time, the fixed cost its intercept."""
+    sizes = sorted({*range(1, min(k_max + 1, DENSE_ROWS) + 1), *range(k_max + 1, DENSE_ROWS, -(DENSE_ROWS // 2))})
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for n in sizes:
         run_verify(n)
     for _ in range(reps):
-        for n in range(1, k_max + 2):
-            times[n - 1].append(run_verify(n))
+        for n in sizes:
+            times[n].append(run_verify(n))
     steps = max(k_max, 2)
     run_draft(1), run_draft(steps)
     one = min(run_draft(1) for _ in range(reps))
     many = min(run_draft(steps) for _ in range(reps))
     step = max((many - one) / (steps - 1), 1e-6)
-    verify = [min(ts) for ts in times]  # the least-disturbed run: interference only adds time
+    timed = {n: min(ts) for n, ts in times.items()}  # the least-disturbed run: interference only adds time
+    verify = [_interpolate(timed, n) for n in range(1, k_max + 2)]
     for n in range(1, len(verify)):  # n + 1 rows cost no less than n, and no more than n + 1 single rows
         verify[n] = min(max(verify[n], verify[n - 1]), (n + 1) * verify[0])
     return CostCurve(verify, step, max(one - step, 0.0), "measured")
+
+
+def _interpolate(timed: dict[int, float], n: int) -> float:
+    """timed[n], or the line between the timed sizes on either side of n."""
+    if n in timed:
+        return timed[n]
+    lo = max(m for m in timed if m < n)
+    hi = min(m for m in timed if m > n)
+    return timed[lo] + (timed[hi] - timed[lo]) * (n - lo) / (hi - lo)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -273,13 +289,13 @@ class PolicyStats:
     """What the policy chose, for the run's statistics."""
 
     name: str = "fixed"
-    chosen: list[int] = field(default_factory=list)  # [K_max + 1]: cycles that verified 0..K_max drafts
+    chosen: list[int] = field(default_factory=list)  # [M + 1]: cycles that verified 0..M drafts (M: max(K, L))
     trace: list[int] = field(default_factory=list)  # [n_cycles]: drafts verified, cycle by cycle
     probes: int = 0
     plain_cycles: int = 0  # cycles that ran no draft step at all
     predicted_tokens: float = 0.0  # the policy's expectation of the emitted tokens, summed over cycles
     predicted_s: float = 0.0  # ... and of the cycles' time
-    cost_curve: list[float] = field(default_factory=list)  # [K_max + 1] verify cost in single-row units
+    cost_curve: list[float] = field(default_factory=list)  # [M + 1] verify cost in single-row units
     draft_step_cost: float = 0.0  # a draft step in single-row units
     draft_fixed_cost: float = 0.0  # a drafting cycle's fixed cost (the head's catch-up), likewise
     cost_source: str = ""
@@ -298,6 +314,7 @@ class FixedPolicy:
 
     def __init__(self, k: int, p_min: float = 0.0):
         self.k = self.k_max = k
+        self.lookup_max = 0  # verifies no lookup drafts
         self.p_min = p_min
         self.stats = PolicyStats("fixed", [0] * (k + 1))
 
@@ -341,18 +358,20 @@ class AdaptivePolicy:
 
     name = "adaptive"
 
-    def __init__(self, costs: CostCurve, k_max: int, window: int = CATCH_UP_WINDOW):
-        """window: how many of the latest rows the head catches up on after plain cycles (the session's)."""
-        if costs.k_max < k_max:
-            raise ValueError(f"the cost curve covers {costs.k_max} drafts, the policy needs {k_max}")
+    def __init__(self, costs: CostCurve, k_max: int, window: int = CATCH_UP_WINDOW, lookup_max: int = 0):
+        """k_max: the head's drafts per cycle at most; lookup_max: a lookup draft's (0: none). window: how many
+        of the latest rows the head catches up on after plain cycles (the session's)."""
+        if costs.k_max < max(k_max, lookup_max):
+            raise ValueError(f"the cost curve covers {costs.k_max} drafts, the policy needs {max(k_max, lookup_max)}")
         self.costs = costs
         self.k_max = k_max
+        self.lookup_max = lookup_max
         self.window = window
         # whether the head should keep this cycle's rows (set by plan()): it drafts, or a probe comes
         # before they would fall out of its catch-up window anyway (copying them costs a plain cycle ~1%)
         self.keep_rows = True
         self.acc = Acceptance(k_max)
-        self.lookup_acc = LookupAcceptance(k_max)
+        self.lookup_acc = LookupAcceptance(max(lookup_max, 1))
         self.rate = 1.0 / costs.verify(1)  # realised tokens/s, a running mean
         self.probe_wait = PROBE_MIN  # plain cycles until the next probe
         self.probe_gap = PROBE_MIN
@@ -372,13 +391,13 @@ class AdaptivePolicy:
         self._streak = 0
         self._deferring = False
         self._pending: list[float] = []
-        self.stats = PolicyStats("adaptive", [0] * (k_max + 1), cost_source=costs.source)
+        self.stats = PolicyStats("adaptive", [0] * (max(k_max, lookup_max) + 1), cost_source=costs.source)
 
     def begin(self) -> None:
         """A new generation: fresh statistics; what was learnt (costs, acceptance, how long probes have
         been finding nothing) stays. A new text may read differently: its first cycle probes."""
         self._learn_streak()
-        self.stats = PolicyStats("adaptive", [0] * (self.k_max + 1), cost_source=self.costs.source)
+        self.stats = PolicyStats("adaptive", [0] * (max(self.k_max, self.lookup_max) + 1), cost_source=self.costs.source)
         self.probe_wait = 1
 
     # -- the rate to beat -----------------------------------------------------------------------------
@@ -472,7 +491,7 @@ class AdaptivePolicy:
         """How many of a lookup draft's tokens to verify this cycle (0: none): the length whose expected
         tokens beat, at the rate to beat, both plain decoding and the head's best planned draft. A lookup
         draft costs its verify rows only (no draft step)."""
-        k = min(len(found.tokens), k_cap, self.k_max)
+        k = min(len(found.tokens), k_cap, self.lookup_max)
         if k <= 0:
             return 0
         r, c = self._r(), self.costs.now_s

@@ -128,23 +128,28 @@ class Speculator:
         return self.target.t_native + draft
 
     # -- the policy ----------------------------------------------------------------------------------
+    def _lookup_max(self, config: DraftConfig) -> int:
+        """A lookup draft's cap for config (0: no lookup drafts; the fixed policy verifies none)."""
+        lookup = config.draft_lookup and config.draft_policy == "adaptive"
+        return min(config.draft_lookup_max, self.k_limit) if lookup else 0
+
     def needs_calibration(self, config: DraftConfig) -> bool:
-        k = min(config.draft_max, self.k_limit)
+        k = max(min(config.draft_max, self.k_limit), self._lookup_max(config))  # the rows a cycle may verify
         return config.draft_policy == "adaptive" and (self.costs is None or self.costs.k_max < k)
 
     def policy_for(self, config: DraftConfig) -> DraftPolicy:
         """The policy for a generation. The adaptive one persists (what it learnt carries over); its cost
         curve comes from the cache or a calibration, which CLEARS the target's and the head's caches:
         callers check needs_calibration() while the caches hold nothing they need."""
-        k = min(config.draft_max, self.k_limit)
+        k, n_lookup = min(config.draft_max, self.k_limit), self._lookup_max(config)
         if config.draft_policy == "fixed":
             policy: DraftPolicy = FixedPolicy(k, config.draft_p_min)
         else:
             if self.needs_calibration(config):
-                self.costs = self.calibrate(k)
+                self.costs = self.calibrate(max(k, n_lookup))
                 self._adaptive = None
-            if self._adaptive is None or self._adaptive.k_max != k:
-                self._adaptive = AdaptivePolicy(self.costs, k, self.session.window)
+            if self._adaptive is None or (self._adaptive.k_max, self._adaptive.lookup_max) != (k, n_lookup):
+                self._adaptive = AdaptivePolicy(self.costs, k, self.session.window, lookup_max=n_lookup)
             policy = self._adaptive
         policy.begin()
         return policy
@@ -332,7 +337,8 @@ class Run:
                  rejection: RejectionSampler | None, spec_sampling: str, keep: int, index: LookupIndex | None):
         if not prompt:
             raise Eagle3Error("the prompt is empty")
-        self.stats = SpecStats(draft_max=policy.k_max if policy is not None else 0, n_prompt=len(prompt),
+        self.stats = SpecStats(draft_max=policy.k_max if policy is not None else 0,
+                               lookup_max=policy.lookup_max if index is not None else 0, n_prompt=len(prompt),
                                spec_sampling=spec_sampling)
         self._cycles = self._run(spec, prompt, hooks, policy, rejection, min(keep, len(prompt) - 1), index)
 

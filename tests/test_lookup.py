@@ -69,8 +69,8 @@ def test_incremental_index_cut_and_grown_again_is_the_definition(seed):
         assert as_pair(idx.propose(k)) == proposal(seq, k)
 
 
-def policy(curve: list[float]) -> AdaptivePolicy:
-    return AdaptivePolicy(CostCurve([0.01 * c for c in curve], 0.002, 0.002, "given"), 4)
+def policy(curve: list[float], k_max: int = 4) -> AdaptivePolicy:
+    return AdaptivePolicy(CostCurve([0.01 * c for c in curve], 0.002, 0.002, "given"), k_max, lookup_max=4)
 
 
 DEAR = [1.0, 2.0, 2.5, 3.0, 3.6]  # verify rows on 2 CPU cores (SmolLM2 Q4_1, calibrated)
@@ -91,6 +91,8 @@ def test_policy_weighs_a_lookup_by_match_and_cost():
         dear.observe_lookup(5, 4, 0, 0.02, 1)
     assert dear.lookup(Lookup([1, 2, 3, 4], 5), 4) == 0
     assert dear.stats.chosen[4] == 10  # each verified 4 lookup drafts
+    one = policy(CHEAP, k_max=1)  # the head drafts one token at most; a lookup draft is capped by lookup_max
+    assert one.lookup(Lookup([1, 2, 3, 4, 5], 5), 8) == 4 and one.plan(8) <= 1
 
 
 REPEATED = ("def area(width, height):\n    return width * height\n\n"
@@ -107,16 +109,21 @@ def test_text_that_repeats_is_drafted_from_the_lookup(smollm2_path):
     with load_pair(smollm2_path, default_head_path(), PairConfig(n_ctx=1024, n_threads=2)) as pair, \
             Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
         prompt = tokenize(pair.target_model, REPEATED)
-        config = GenerateConfig(n_predict=96, draft_max=4)
+        config = GenerateConfig(n_predict=96, draft_max=4, draft_lookup_max=4)
         base = d.generate(prompt, config, speculative=False)
         on = d.generate(prompt, config)
         off = d.generate(prompt, dataclasses.replace(config, draft_lookup=False))
-    assert on.tokens == base.tokens == off.tokens
+        long = d.generate(prompt, dataclasses.replace(config, draft_lookup_max=16))
+    assert on.tokens == base.tokens == off.tokens == long.tokens
     st = on.stats
     assert st.lookup_cycles >= 10 and st.lookup_accepted >= 3 * st.lookup_cycles
     assert st.lookup_accepted <= st.n_accepted and st.lookup_drafted <= st.n_drafted
     assert st.n_accepted + st.n_target_forwards == st.n_generated
     assert off.stats.lookup_cycles == 0
+    # lookup drafts past the head's K=4: longer runs kept per cycle, fewer target forwards
+    lt = long.stats
+    assert lt.lookup_accepted > 4 * lt.lookup_cycles > 0 and sum(lt.accept_hist[5:]) > 0
+    assert lt.n_target_forwards < st.n_target_forwards
 
 
 def test_the_dropin_index_follows_its_caches(tiny_target, tiny_head):

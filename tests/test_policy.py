@@ -225,6 +225,23 @@ def test_measure_takes_the_least_disturbed_run_and_keeps_the_curve_monotone():
     assert calls[:3] == [1, 2, 3] and len(calls) == 18  # a warm-up, then the sizes interleaved, 5 times
 
 
+def test_measure_times_long_drafts_sparsely():
+    """Past DENSE_ROWS rows (lookup drafts up to 16) every 4th size down from the last is timed, the rest lie
+    on the line between them."""
+    calls = []
+
+    def verify(n: int) -> float:
+        calls.append(n)
+        return 1.0 + 0.25 * (n - 1) + (1.0 if n == 13 else 0.0)
+
+    curve = measure(verify, lambda steps: 0.1 * steps, 16, reps=1)
+    assert sorted(set(calls)) == [*range(1, 10), 13, 17] and len(calls) == 2 * 11
+    want = [1.0 + 0.25 * (n - 1) for n in range(1, 18)]
+    want[9:13] = [3.0 + 0.5 * i for i in range(1, 5)]  # 10..13 rows: from 9 (3.0) to 13 (4.0 + 1.0)
+    want[13:16] = [5.0] * 3  # 14..16: between 13 and 17 (5.0), never below 13 rows
+    assert curve.verify_s == pytest.approx(want) and len(curve.verify_s) == 17
+
+
 def test_a_drafting_cycle_pays_its_fixed_cost():
     """Verifying is nearly free (GPU), but catching the head up costs as much as a target step: a head that
     is right 60% of the time does not pay for one draft, and does for four."""

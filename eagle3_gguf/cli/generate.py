@@ -34,6 +34,7 @@ def register(app: typer.Typer) -> None:
         spec_sampling: str = draft_option("spec_sampling"),
         draft_temp_scale: Optional[float] = draft_option("draft_temp_scale", None),
         draft_lookup: str = draft_option("draft_lookup", "on"),
+        draft_lookup_max: int = draft_option("draft_lookup_max"),
         chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the target's chat template (from its GGUF)."),
         baseline: bool = typer.Option(False, "--baseline", help="Also run target-only decoding and report speedup and identity."),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text + statistics) instead of streaming."),
@@ -45,7 +46,7 @@ def register(app: typer.Typer) -> None:
         try:
             _check_flags(prompt, file, n_predict, n_ctx, threads, temp)
             drafting = drafting_from_flags(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale,
-                                           draft_lookup, temp)
+                                           draft_lookup, draft_lookup_max, temp)
             pair_config = _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max)
             from ..decode import GenerateConfig
 
