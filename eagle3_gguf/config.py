@@ -22,6 +22,7 @@ from .policy import POLICIES
 from .spec_sampling import SPEC_SAMPLING
 
 MAX_DRAFT_MAX = 32  # the most drafts one cycle may verify (head or lookup)
+MAX_TOPK = 8  # a draft tree's tokens per depth at most
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,12 @@ KNOBS: dict[str, Knob] = {
     "draft_lookup": Knob("--draft-lookup", "on: the adaptive policy may verify a continuation copied from the text "
                          "so far (prompt lookup: no draft step) instead of the head's draft, where it is expected to "
                          "pay more; off: the head's drafts only."),
+    "draft_topk": Knob("--draft-topk", "Draft a tree: beside each of the chain's tokens, up to this many - 1 of the "
+                       "head's runner-up tokens as branches, verified in the same batch (1: a chain). Greedy and "
+                       "--spec-sampling match only; the target context gets a sequence per branch."),
+    "draft_nodes": Knob("--draft-nodes", "With --draft-topk > 1: draft tokens a tree verifies at most, chain "
+                        "included (the likeliest branches first; 0: every branch --draft-topk allows). The fixed "
+                        "policy fills the tree; the adaptive one adds a branch where it expects it to pay."),
     "draft_lookup_max": Knob("--draft-lookup-max", "Tokens a lookup draft verifies at most (it costs no draft "
                              "step and a copy runs long, so it may exceed --draft-max; the adaptive policy picks "
                              "the length from the measured cost of verify rows)."),
@@ -68,6 +75,8 @@ class DraftConfig:
     draft_temp_scale: float = 1.0
     draft_lookup: bool = True  # lookup drafts (lookup.py), weighed by the adaptive policy against the head's
     draft_lookup_max: int = 16  # the most tokens a lookup draft verifies (bench/NOTES.md: lookup-cpu)
+    draft_topk: int = 1  # a draft tree's tokens per chain depth (the chain's and runner-ups); 1: a chain (tree.py)
+    draft_nodes: int = 0  # a tree's draft tokens at most, chain included; 0: draft_max * draft_topk
     # how errors name a knob: its attribute (the library) or its flag (`from_flags`); not stored
     name: InitVar[Callable[[str], str]] = str
 
@@ -87,9 +96,24 @@ class DraftConfig:
             raise Eagle3Error(f"{name('draft_temp_scale')} cannot be negative (got {self.draft_temp_scale})")
         if not isinstance(self.draft_lookup, bool):
             raise Eagle3Error(f"{name('draft_lookup')} must be on or off (got {self.draft_lookup})")
-        n = self.draft_lookup_max
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_DRAFT_MAX:
-            raise Eagle3Error(f"{name('draft_lookup_max')} must be between 1 and {MAX_DRAFT_MAX} (got {n})")
+        for attr, low, high in (("draft_lookup_max", 1, MAX_DRAFT_MAX), ("draft_topk", 1, MAX_TOPK),
+                                ("draft_nodes", 0, MAX_DRAFT_MAX)):
+            n = getattr(self, attr)
+            if isinstance(n, bool) or not isinstance(n, int) or not low <= n <= high:
+                raise Eagle3Error(f"{name(attr)} must be between {low} and {high} (got {n})")
+
+
+    @property
+    def tree_nodes(self) -> int:
+        """A draft tree's tokens at most (draft_max for a chain)."""
+        if self.draft_topk == 1:
+            return self.draft_max
+        return min(self.draft_nodes or self.draft_max * self.draft_topk, MAX_DRAFT_MAX)
+
+    @property
+    def tree_branches(self) -> int:
+        """A draft tree's branches at most: the target context needs a sequence for each, and one more."""
+        return self.tree_nodes - min(self.draft_max, self.tree_nodes)
 
     @classmethod
     def from_flags(cls, **values) -> "DraftConfig":

@@ -131,7 +131,8 @@ class Runner:
             raise Eagle3Error(f"the prompt has {len(prompt)} tokens, the context only {self.target.n_ctx}: raise -c")
         speculative = speculative and self.session is not None and config.draft_max > 0
         target = self.target
-        target.set_greedy_sampling(sampler.temperature <= 0.0 and target.owned)
+        # (a draft tree's rows belong to several sequences, which llama.cpp's per-sequence sampler does not take)
+        target.set_greedy_sampling(sampler.temperature <= 0.0 and target.owned and config.draft_topk == 1)
         sampler.reset()
         rejection = None
         if speculative and sampler.temperature > 0.0 and config.spec_sampling == "rejection":

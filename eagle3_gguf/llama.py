@@ -47,7 +47,6 @@ import ctypes
 import threading
 import warnings
 import weakref
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -133,15 +132,16 @@ class Eagle3Llama(Llama):
                  draft_max: int = _LIBRARY.draft_max, draft_p_min: float = _LIBRARY.draft_p_min,
                  draft_policy: str = _LIBRARY.draft_policy, spec_sampling: str = _LIBRARY.spec_sampling,
                  draft_temp_scale: float = _LIBRARY.draft_temp_scale, draft_lookup: bool = _LIBRARY.draft_lookup,
-                 draft_lookup_max: int = _LIBRARY.draft_lookup_max, **kwargs: Any):
-        """The drafting knobs are config.DraftConfig's (checked before anything loads); `draft_config` holds
-        them afterwards."""
+                 draft_lookup_max: int = _LIBRARY.draft_lookup_max, draft_config: DraftConfig | None = None,
+                 **kwargs: Any):
+        """The drafting knobs are config.DraftConfig's (checked before anything loads), one by one or as one
+        `draft_config`; `draft_config` holds them afterwards."""
         if draft_model_path is None:
             raise Eagle3Error("Eagle3Llama needs the EAGLE-3 head: Eagle3Llama(model_path=..., draft_model_path=HEAD.gguf)")
         if kwargs.get("draft_model") is not None:
             raise Eagle3Error("draft_model (prompt lookup) and an EAGLE-3 head cannot be combined: drop draft_model")
-        config = DraftConfig(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale, draft_lookup,
-                             draft_lookup_max)
+        config = draft_config or DraftConfig(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale,
+                                             draft_lookup, draft_lookup_max)
         kwargs.setdefault("flash_attn", True)  # see EXACTNESS
         kwargs.setdefault("type_v", CACHE_TYPES["bf16"])
         super().__init__(model_path=model_path, **kwargs)
@@ -229,7 +229,7 @@ class Eagle3Llama(Llama):
             super().close()
 
     def __getstate__(self):
-        return {**super().__getstate__(), "draft_model_path": str(self._e3_head_path), **asdict(self.draft_config)}
+        return {**super().__getstate__(), "draft_model_path": str(self._e3_head_path), "draft_config": self.draft_config}
 
     @property
     def draft_config(self) -> DraftConfig:
@@ -533,19 +533,20 @@ def attach_eagle3(llm: Llama, head_path: str | Path, *, draft_max: int = _LIBRAR
                   spec_sampling: str = _LIBRARY.spec_sampling,
                   draft_temp_scale: float = _LIBRARY.draft_temp_scale,
                   draft_lookup: bool = _LIBRARY.draft_lookup,
-                  draft_lookup_max: int = _LIBRARY.draft_lookup_max) -> Eagle3Llama:
+                  draft_lookup_max: int = _LIBRARY.draft_lookup_max,
+                  draft_config: DraftConfig | None = None) -> Eagle3Llama:
     """An Eagle3Llama over an existing `llama_cpp.Llama`, sharing its model, context and settings (nothing is
     loaded again): `llm = attach_eagle3(llm, "head.gguf")`. The Llama passed in stays usable and plain; both
     are one KV cache (see _AttachedLlama). A subclass of Llama keeps its methods: the result is an instance
-    of it too."""
+    of it too. `draft_config`: the drafting knobs as one DraftConfig (serve's), instead of one by one."""
     if isinstance(llm, Eagle3Llama):
         raise Eagle3Error("this Llama already has an EAGLE-3 head")
     if not isinstance(llm, Llama):
         raise Eagle3Error(f"attach_eagle3 needs a llama_cpp.Llama, not {type(llm).__name__}")
     if llm in _ATTACHED:
         raise Eagle3Error("this Llama already has an EAGLE-3 head: use the Eagle3Llama attach_eagle3 returned")
-    config = DraftConfig(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale, draft_lookup,
-                         draft_lookup_max)
+    config = draft_config or DraftConfig(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale,
+                                         draft_lookup, draft_lookup_max)
     cls = type(llm)
     attached_cls = _AttachedLlama if cls is Llama else type(f"Eagle3{cls.__name__}", (_AttachedLlama, cls), {})
     attached = attached_cls(llm, head_path, config)

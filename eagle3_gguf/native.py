@@ -371,6 +371,10 @@ class Context(_Owner):
         return C.llama_n_ctx(self._live())
 
     @property
+    def n_seq_max(self) -> int:
+        return C.llama_n_seq_max(self._live())
+
+    @property
     def n_batch(self) -> int:
         return C.llama_n_batch(self._live())
 
@@ -385,6 +389,10 @@ class Context(_Owner):
     # -- memory (KV cache) -----------------------------------------------------------------------
     def seq_rm(self, seq_id: int, p0: int, p1: int = -1) -> bool:
         return bool(C.llama_memory_seq_rm(C.llama_get_memory(self._live()), seq_id, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Add sequence dst to the cells of sequence src in [p0, p1) (a unified cache shares the cells)."""
+        C.llama_memory_seq_cp(C.llama_get_memory(self._live()), src, dst, p0, p1)
 
     def pos_max(self, seq_id: int = 0) -> int:
         return int(C.llama_memory_seq_pos_max(C.llama_get_memory(self._live()), seq_id))
@@ -582,18 +590,20 @@ class Batch(_Owner):
     embedding row each (the EAGLE-3 head's decoder input), and a batch of embedding rows given to
     `llama_encode` into its encoder input."""
 
-    def __init__(self, capacity: int, n_embd: int = 0):
+    def __init__(self, capacity: int, n_embd: int = 0, n_seq_max: int = 1):
+        """n_seq_max: the most sequence ids one row may carry (set_tree)."""
         self.capacity = capacity
         self.n_embd = n_embd
         self._token = np.zeros(capacity, np.int32)  # [capacity]
         self._pos = np.zeros(capacity, np.int32)  # [capacity]
         self._n_seq = np.ones(capacity, np.int32)  # [capacity]
-        self._seq = np.zeros(capacity, np.int32)  # [capacity]: one sequence id per row
+        self._seqs = np.zeros((capacity, n_seq_max), np.int32)  # [capacity, n_seq_max]: a row's sequence ids
+        self._seq = self._seqs[:, 0]  # [capacity]: the first (most rows' only) sequence id
         self._logits = np.zeros(capacity, np.int8)  # [capacity]
         self._embd = np.zeros((capacity, n_embd), np.float32) if n_embd else None  # [capacity, n_embd]
         i32, f32 = ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_float)
-        addr = self._seq.ctypes.data
-        self._seq_ptrs = (i32 * capacity)(*(ctypes.cast(addr + 4 * i, i32) for i in range(capacity)))
+        addr, stride = self._seqs.ctypes.data, self._seqs.strides[0]
+        self._seq_ptrs = (i32 * capacity)(*(ctypes.cast(addr + stride * i, i32) for i in range(capacity)))
         self.struct = C.llama_batch()
         self._token_ptr = self._token.ctypes.data_as(i32)
         self.struct.token = self._token_ptr
@@ -657,6 +667,7 @@ class Batch(_Owner):
             self._seq_dirty = max(self._seq_dirty, n)
         elif self._seq_dirty:
             self._seq[:self._seq_dirty] = 0
+            self._n_seq[:self._seq_dirty] = 1
             self._seq_dirty = 0
         self.struct.n_tokens = n
 
@@ -667,7 +678,24 @@ class Batch(_Owner):
         self._token[:n] = tokens
         self._pos[:n] = pos
         self._seq[:n] = seq_ids
+        self._n_seq[:n] = 1
         self._logits[:n] = np.asarray(outputs, dtype=np.int8)
+        self._point("token", n, seq_ids=True)
+        return n
+
+    def set_tree(self, tokens, pos, seq_sets: list[list[int]]) -> int:
+        """Rows that may belong to several sequences each (a draft tree: a row attends the cells of every
+        sequence it carries), every row an output.  # tokens, pos: [n]; seq_sets: [n] lists"""
+        n = len(tokens)
+        self._fit(n)
+        if max(map(len, seq_sets)) > self._seqs.shape[1]:
+            raise Eagle3Error(f"a row carries {max(map(len, seq_sets))} sequences; this batch holds {self._seqs.shape[1]}")
+        self._token[:n] = tokens
+        self._pos[:n] = pos
+        for i, seqs in enumerate(seq_sets):
+            self._n_seq[i] = len(seqs)
+            self._seqs[i, :len(seqs)] = seqs
+        self._logits[:n] = 1
         self._point("token", n, seq_ids=True)
         return n
 
@@ -686,6 +714,7 @@ class Batch(_Owner):
         self._pos[at:at + n] = src._pos[:n]
         self._logits[at:at + n] = src._logits[:n]
         self._seq[at:at + n] = seq
+        self._n_seq[at:at + n] = 1
         return n
 
     def finish_rows(self, n: int) -> None:

@@ -34,6 +34,7 @@ class PairConfig:
     cache_type_k: str = "f16"
     cache_type_v: str = "bf16"
     flash_attn: bool = True  # batch-invariant rows need it on CPU (README, exactness)
+    n_seq_max: int = 1  # the target's sequences: 1 + a draft tree's branches (tree.py)
 
 
 def check_pair(target: TargetInfo, head: HeadInfo, d2t: np.ndarray | None = None) -> None:
@@ -121,7 +122,8 @@ def load_pair(target_path: str | Path, head_path: str | Path, config: PairConfig
             opened.append(target_model)
         if target_ctx is None:
             target_ctx = Context(target_model, n_ctx=config.n_ctx, n_batch=config.n_batch, n_threads=threads,
-                                 type_k=type_k, type_v=type_v, flash_attn=flash_attn_type(config.flash_attn))
+                                 type_k=type_k, type_v=type_v, flash_attn=flash_attn_type(config.flash_attn),
+                                 n_seq_max=config.n_seq_max)
             opened.append(target_ctx)
         head_model = Model(head_path, n_gpu_layers=config.n_gpu_layers)
         opened.append(head_model)

@@ -36,9 +36,13 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .lookup import Lookup, LookupAcceptance
+from .tree import DraftTree, branch_candidates, chain_tree, with_branches
+
+if TYPE_CHECKING:
+    from .session import Draft
 
 CACHE_VERSION = 1
 N_BINS = 10  # confidence bins over [0, 1]
@@ -280,6 +284,30 @@ class Acceptance:
             self.pool_seen[b] += 1.0
 
 
+class BranchAcceptance:
+    """Online P(the target takes a runner-up token | its parent is reached), by the head's probability of it:
+    the chance a draft tree's branch is kept (tree.py). Prior: the head's probability itself."""
+
+    def __init__(self):
+        mids = [(b + 0.5) / N_BINS for b in range(N_BINS)]
+        self.hits = [PRIOR_COUNT * m for m in mids]  # [N_BINS]
+        self.seen = [PRIOR_COUNT] * N_BINS
+
+    def prob(self, p: float) -> float:
+        b = _bin(p)
+        return self.hits[b] / self.seen[b]
+
+    def observe(self, tree: DraftTree, path: list[int]) -> None:
+        """The tree was verified and `path` kept: each branch whose parent was reached is an observation."""
+        reached = {0, *path}
+        for node in range(tree.chain + 1, len(tree.tokens)):
+            parent = tree.parents[node]
+            if parent in reached:
+                b = _bin(tree.probs[node] / tree.probs[parent])
+                self.hits[b] += node in path
+                self.seen[b] += 1.0
+
+
 # ------------------------------------------------------------------------------------------------
 # policies
 # ------------------------------------------------------------------------------------------------
@@ -312,10 +340,14 @@ class FixedPolicy:
 
     keep_rows = True  # the head reads every cycle's rows
 
-    def __init__(self, k: int, p_min: float = 0.0):
+    def __init__(self, k: int, p_min: float = 0.0, topk: int = 1, nodes: int = 0):
+        """topk > 1: a draft tree, the chain and up to topk - 1 runner-ups per depth, nodes - k of them at
+        most (tree.py)."""
         self.k = self.k_max = k
         self.lookup_max = 0  # verifies no lookup drafts
         self.p_min = p_min
+        self.n_alt = topk - 1  # runner-up tokens the head reports per step
+        self.branches = max(nodes - k, 0)  # a tree's branches at most (the target has a sequence for each)
         self.stats = PolicyStats("fixed", [0] * (k + 1))
 
     def begin(self) -> None:
@@ -333,6 +365,17 @@ class FixedPolicy:
     def lookup(self, found: Lookup, k_cap: int) -> int:
         """The fixed policy always drafts with the head: lookup drafts are the adaptive policy's choice."""
         return 0
+
+    def observe_tree(self, tree: DraftTree, path: list[int]) -> None:
+        pass
+
+    def tree(self, id_last: int, draft: Draft) -> DraftTree | None:
+        """The draft as a tree: the chain and the likeliest runner-ups, `nodes` tokens in all (None: a chain)."""
+        if not self.n_alt or not draft.tokens:
+            return None
+        chain = chain_tree(id_last, draft)
+        branches = branch_candidates(chain, draft)[:self.branches]
+        return with_branches(chain, branches) if branches else None
 
     def judge(self, confs: list[float], n_max: int) -> int:
         """-1: draft another step; j >= 0: stop and verify the first j drafts."""
@@ -358,14 +401,21 @@ class AdaptivePolicy:
 
     name = "adaptive"
 
-    def __init__(self, costs: CostCurve, k_max: int, window: int = CATCH_UP_WINDOW, lookup_max: int = 0):
-        """k_max: the head's drafts per cycle at most; lookup_max: a lookup draft's (0: none). window: how many
-        of the latest rows the head catches up on after plain cycles (the session's)."""
-        if costs.k_max < max(k_max, lookup_max):
-            raise ValueError(f"the cost curve covers {costs.k_max} drafts, the policy needs {max(k_max, lookup_max)}")
+    def __init__(self, costs: CostCurve, k_max: int, window: int = CATCH_UP_WINDOW, lookup_max: int = 0,
+                 topk: int = 1, nodes: int = 0):
+        """k_max: the head's drafts per cycle at most; lookup_max: a lookup draft's (0: none); topk, nodes: a
+        draft tree's caps (topk 1: chains). window: how many of the latest rows the head catches up on after
+        plain cycles (the session's)."""
+        rows = max(k_max, lookup_max, nodes)
+        if costs.k_max < rows:
+            raise ValueError(f"the cost curve covers {costs.k_max} drafts, the policy needs {rows}")
         self.costs = costs
         self.k_max = k_max
         self.lookup_max = lookup_max
+        self.n_alt = topk - 1  # runner-up tokens the head reports per step (tree branches)
+        self.branches = max(nodes - k_max, 0)  # a tree's branches at most (the target has a sequence for each)
+        self.shape = (k_max, lookup_max, topk, nodes)
+        self.branch_acc = BranchAcceptance()
         self.window = window
         # whether the head should keep this cycle's rows (set by plan()): it drafts, or a probe comes
         # before they would fall out of its catch-up window anyway (copying them costs a plain cycle ~1%)
@@ -507,6 +557,33 @@ class AdaptivePolicy:
         if best_j:
             self._pred = (1.0 + best_gain, c[best_j])
         return best_j
+
+    def tree(self, id_last: int, draft: Draft) -> DraftTree | None:
+        """The draft as a tree: each runner-up, the likeliest to be kept first, while the tokens it is expected
+        to add (reaching its parent, at the chain's calibrated acceptances, times the chance the target takes
+        it there) beat what its verify row costs at the rate to beat, now and, if kept, again next cycle (a
+        kept branch is decoded again); at most `nodes` tokens. None: the chain alone."""
+        if not self.n_alt or not draft.tokens:
+            return None
+        acc, branch = self.acc, self.branch_acc
+        chain = chain_tree(id_last, draft, acc.prob)
+        r, c = self._r(), self.costs.now_s
+        n, chosen = len(draft.tokens), []
+        for b in branch_candidates(chain, draft, lambda _d, reach, p: reach * branch.prob(p)):
+            if len(chosen) >= self.branches:
+                break
+            row = r * (c[n + 1] - c[n])  # one more verify row, in tokens at the rate to beat
+            if b.weight * (1.0 - row) <= row:
+                break
+            chosen.append(b)
+            n += 1
+        if not chosen:
+            return None
+        self._pred = (self._pred[0] + sum(b.weight for b in chosen), self._pred[1] + c[n] - c[len(draft.tokens)])
+        return with_branches(chain, chosen)
+
+    def observe_tree(self, tree: DraftTree, path: list[int]) -> None:
+        self.branch_acc.observe(tree, path)
 
     def _head_drafts(self, k_cap: int) -> list[tuple[float, float]]:
         """For a head draft of j = 1..k_cap at the expected acceptances: (E_j - 1, T_j - c(1)), the drafts

@@ -34,7 +34,7 @@ import json
 import logging
 import time
 from contextvars import ContextVar
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -98,7 +98,7 @@ def build_app(config: ServeConfig):
     def load(settings):
         llm = LlamaProxy.load_llama_from_model_settings(settings)
         try:
-            return attach_eagle3(llm, config.draft, **asdict(config.drafting))
+            return attach_eagle3(llm, config.draft, draft_config=config.drafting)
         except BaseException:
             llm.close()
             raise

@@ -123,6 +123,9 @@ class Draft:
     tokens: list[int] = field(default_factory=list)
     confs: list[float] = field(default_factory=list)  # the head's top probability, one per step
     qs: list[Dist] = field(default_factory=list)  # q, one per step (drafts drawn from q; empty for argmax drafts)
+    # draft(n_alt=m): each step's m runner-up tokens and their probabilities, best first (tree branches)
+    alt_tokens: list[list[int]] = field(default_factory=list)  # [steps][m]
+    alt_probs: list[list[float]] = field(default_factory=list)  # [steps][m]
 
 
 class Eagle3Session:
@@ -189,10 +192,11 @@ class Eagle3Session:
         return True
 
     # -- features --------------------------------------------------------------------------------
-    def features(self, n_rows: int, out: np.ndarray | None = None) -> np.ndarray:
-        """The three extracted target layers of the last target decode's first n_rows rows,
-        concatenated as the head's encoder expects (into `out` when given).  # [n_rows, 3 * n_embd_tgt]"""
-        return self._fc_norm(self.extract.gather(n_rows, out=out))
+    def features(self, n_rows: int, out: np.ndarray | None = None, rows: np.ndarray | None = None) -> np.ndarray:
+        """The three extracted target layers of the last target decode's first n_rows rows (or of the given
+        rows among them), concatenated as the head's encoder expects (into `out` when given).
+        # [n_rows or len(rows), 3 * n_embd_tgt]"""
+        return self._fc_norm(self.extract.gather(n_rows, rows=rows, out=out))
 
     def _fc_norm(self, feats: np.ndarray) -> np.ndarray:
         """EAGLE 3.1's fc_norm, slice by slice, in place (nothing for an EAGLE-3 head).
@@ -349,7 +353,8 @@ class Eagle3Session:
             return logits[self._vocab], self._vocab
         return logits, None
 
-    def _choose(self, logits: np.ndarray, sampler: RejectionSampler | None, qs: list[Dist]) -> tuple[int, float]:
+    def _choose(self, logits: np.ndarray, sampler: RejectionSampler | None, qs: list[Dist],
+                alts: Draft | None = None, n_alt: int = 0) -> tuple[int, float]:
         """One draft step's token and the head's top probability: the argmax, or a draw from q (appended to
         qs). The draft-vocab logits are gathered once for both: right after a decode the row is out of
         cache, and a second gather cost ~0.1 ms a step (a third of rejection sampling's extra Python).
@@ -360,6 +365,11 @@ class Eagle3Session:
         # copy nobody reads after; the whole-vocab row is llama.cpp's buffer, and the sampler still needs z
         e = np.subtract(z, z[j], out=z if ids is not None and sampler is None else None)
         conf = float(1.0 / np.exp(e, out=e).sum())
+        if n_alt:  # e holds exp(z - z_max): the runner-ups are its next largest entries
+            top = np.argpartition(e, -(n_alt + 1))[-(n_alt + 1):]
+            top = [int(t) for t in top[np.argsort(-e[top], kind="stable")] if t != j][:n_alt]
+            alts.alt_tokens.append([int(ids[t]) if ids is not None else t for t in top])
+            alts.alt_probs.append([float(e[t]) * conf for t in top])
         if sampler is None:
             return (int(ids[j]) if ids is not None else j), conf
         token, q = sampler.draft(z, ids)
@@ -367,7 +377,7 @@ class Eagle3Session:
         return token, conf
 
     def draft(self, id_last: int, n_max: int, judge: Callable[[list[float], int], int] | None = None,
-              p_min: float = 0.0, sampler: RejectionSampler | None = None) -> Draft:
+              p_min: float = 0.0, sampler: RejectionSampler | None = None, n_alt: int = 0) -> Draft:
         """Draft up to n_max tokens that follow id_last (the target's newest token). After each step,
         `judge(confs, n_max)` (confs: the top probabilities so far) returns -1 to go on or j >= 0 to stop
         and keep the first j drafts; without a judge, drafting stops where the top probability falls
@@ -375,7 +385,8 @@ class Eagle3Session:
 
         Greedy drafts are the head's argmax. With a `sampler` (rejection sampling) each draft is drawn
         from the head's distribution q over the target vocab (its draft vocab mapped through d2t, zero
-        elsewhere; the sampler's transform), and the Draft holds each step's q."""
+        elsewhere; the sampler's transform), and the Draft holds each step's q. n_alt > 0 (greedy drafts): the
+        Draft also holds each step's n_alt runner-up tokens (the branches of a draft tree)."""
         if n_max <= 0:
             return Draft()
         self.catch_up()
@@ -397,17 +408,20 @@ class Eagle3Session:
         self._set_queue(self._q_tok[:0], self._q_pos[:0], self._q_g[:0])
         self._open = False  # the seed step writes the deferred pair
         out, confs, qs = [], [], []
+        alts = Draft() if n_alt else None
         batch = self.dec_batch
         batch.set_embd(g, pos, tok)  # the seed step, with the queued pairs
         row, p = q, self.pending_pos
         while True:
             ctx.decode(batch)
-            token, conf = self._choose(ctx.logits_ith(row), sampler, qs)
+            token, conf = self._choose(ctx.logits_ith(row), sampler, qs, alts, n_alt)
             out.append(token)
             confs.append(conf)
             keep = judge(confs, n_max)
             if keep >= 0:
-                return Draft(out[:keep], confs, qs)
+                if alts is None:
+                    return Draft(out[:keep], confs, qs)
+                return Draft(out[:keep], confs, qs, alts.alt_tokens, alts.alt_probs)
             h = ctx.nextn_ith(row)  # [n_embd] pre-norm hidden state → next step's g
             if self.norms is not None:  # EAGLE 3.1 norm_output: output_norm(h) instead
                 h = self.norms.feedback(h)

@@ -31,6 +31,7 @@ from .session import Draft, Eagle3Session
 from .spec_sampling import RejectionSampler, one_hot, verify_match
 from .stats import SpecStats, StageClock
 from .tokens import eog_check
+from .tree import DraftTree, TreeWalk, walk
 
 
 @dataclass(slots=True)
@@ -38,7 +39,7 @@ class Cycle:
     """One draft → verify cycle (or a run's first token: no rows of its own)."""
 
     pos: int  # target position of rows[0] (id_last)
-    rows: list[int]  # [id_last, d1..dk]: what the target decoded
+    rows: list[int]  # [id_last, d1..dk]: what the target decoded (a tree cycle: id_last and the kept nodes)
     out: list[int]  # the target's choices: the accepted drafts, then the cycle's own token
     n_acc: int  # accepted drafts
 
@@ -82,7 +83,7 @@ class Speculator:
         self.target = target
         self.session = session
         self._owns_session = owns_session
-        self.batch = Batch(n_batch or target.n_batch)
+        self.batch = Batch(n_batch or target.n_batch, n_seq_max=target.n_seq_max)
         self.seq = 0  # the target sequence this speculator decodes (slots.py runs one per sequence)
         self.row0 = 0  # where its rows start in the target's last batch (0 unless sequences share it)
         self.k_limit = self.batch.capacity - 1  # drafts that fit in one verify batch
@@ -90,6 +91,10 @@ class Speculator:
         self.costs: CostCurve | None = None
         self._adaptive: AdaptivePolicy | None = None
         self.index = LookupIndex()  # prompt + generated tokens of the last run, for lookup drafts
+        # a draft tree's kept branch nodes, decoded again at the head of the next cycle's batch (tree.py), and
+        # the position of the first: the target's cache holds the positions before it
+        self._redo: list[int] = []
+        self._redo_at = 0
 
     def close(self) -> None:
         self.batch.close()
@@ -134,7 +139,8 @@ class Speculator:
         return min(config.draft_lookup_max, self.k_limit) if lookup else 0
 
     def needs_calibration(self, config: DraftConfig) -> bool:
-        k = max(min(config.draft_max, self.k_limit), self._lookup_max(config))  # the rows a cycle may verify
+        k = max(min(config.draft_max, self.k_limit), self._lookup_max(config),  # the rows a cycle may verify
+                min(config.tree_nodes, self.k_limit))
         return config.draft_policy == "adaptive" and (self.costs is None or self.costs.k_max < k)
 
     def policy_for(self, config: DraftConfig) -> DraftPolicy:
@@ -142,17 +148,31 @@ class Speculator:
         curve comes from the cache or a calibration, which CLEARS the target's and the head's caches:
         callers check needs_calibration() while the caches hold nothing they need."""
         k, n_lookup = min(config.draft_max, self.k_limit), self._lookup_max(config)
+        nodes = min(config.tree_nodes, self.k_limit)
+        if config.draft_topk > 1:
+            self._check_tree(config)
         if config.draft_policy == "fixed":
-            policy: DraftPolicy = FixedPolicy(k, config.draft_p_min)
+            policy: DraftPolicy = FixedPolicy(k, config.draft_p_min, config.draft_topk, nodes)
         else:
             if self.needs_calibration(config):
-                self.costs = self.calibrate(max(k, n_lookup))
+                self.costs = self.calibrate(max(k, n_lookup, nodes))
                 self._adaptive = None
-            if self._adaptive is None or (self._adaptive.k_max, self._adaptive.lookup_max) != (k, n_lookup):
-                self._adaptive = AdaptivePolicy(self.costs, k, self.session.window, lookup_max=n_lookup)
+            shape = (k, n_lookup, config.draft_topk, nodes)
+            if self._adaptive is None or self._adaptive.shape != shape:
+                self._adaptive = AdaptivePolicy(self.costs, k, self.session.window, lookup_max=n_lookup,
+                                                topk=config.draft_topk, nodes=nodes)
             policy = self._adaptive
         policy.begin()
         return policy
+
+    def _check_tree(self, config: DraftConfig) -> None:
+        """A draft tree needs a sequence per branch in the target's unified cache (tree.py)."""
+        n_branch = config.tree_branches
+        if self.seq != 0 or self.target.n_seq_max < 1 + n_branch:
+            raise Eagle3Error(f"a draft tree of {config.tree_nodes} tokens needs a target context with "
+                              f"{1 + n_branch} sequences (this one has {self.target.n_seq_max}): "
+                              f"PairConfig(n_seq_max={1 + n_branch}), as `generate --draft-topk` opens it; "
+                              "Eagle3Llama and serve draft chains (draft_topk=1)")
 
     def calibrate(self, k_max: int) -> CostCurve:
         """The cost curve from the cache, or measured now (a fraction of a second) and cached."""
@@ -216,6 +236,9 @@ class Speculator:
     def rewind(self, keep: int, speculative: bool) -> int:
         """Keep the first `keep` positions in the target's cache (and the head's, speculative), or clear
         both where they cannot cut there: the positions kept."""
+        if self._redo:  # the cache ends before the last tree cycle's kept branch
+            keep = min(keep, self._redo_at)
+            self._redo = []
         if keep > 0 and self.seq_rm(keep) and (not speculative or self.session.truncate(keep)):
             return keep
         self.clear_target()
@@ -264,7 +287,8 @@ class Speculator:
                 st.t_lookup += time.perf_counter() - t
             if found is None:
                 k = policy.plan(k_cap)
-        if k == 0 and found is None and rejection is None:
+        redo = self._redo
+        if k == 0 and found is None and rejection is None and not redo:
             # A plain cycle, the common one: it runs right after the target's graph has pushed everything
             # out of the caches, so it touches as little as it can (each step here costs microseconds).
             rows = [id_last]
@@ -285,47 +309,89 @@ class Speculator:
                 st.t_process += time.perf_counter() - t
                 policy.observe_plain(t_verify)
             return Cycle(pos, rows, out, 0)
-        draft = None
+        draft, tree = None, None
         t_draft = 0.0
         if found is not None:  # a deterministic proposal: q is one-hot at each draft
             draft = Draft(found.tokens, [], [one_hot(tok) for tok in found.tokens] if rejection is not None else [])
         elif k > 0:
             t = time.perf_counter()
-            draft = session.draft(id_last, k, policy.judge, sampler=rejection)
+            draft = session.draft(id_last, k, policy.judge, sampler=rejection,
+                                  n_alt=policy.n_alt if rejection is None else 0)
+            tree = policy.tree(id_last, draft) if draft.alt_tokens else None
             t_draft = time.perf_counter() - t
             st.t_draft += t_draft
         drafts = draft.tokens if draft is not None else []
         t = time.perf_counter()
-        rows = [id_last] + drafts
-        self.batch.set(rows, pos, logits="all")
-        self.decode(self.batch)
-        if rejection is not None:
-            out = rejection.verify(drafts, draft.qs if drafts else [], self.logits_ith, self.is_end)
+        o = len(redo)  # rows before id_last: the last tree cycle's kept branch
+        pos0 = pos - o
+        if tree is None:
+            rows = [*redo, id_last, *drafts]
+            self.batch.set(rows, pos0, logits="all")
+            self.decode(self.batch)
+            if rejection is not None:
+                out = rejection.verify(drafts, draft.qs if drafts else [], lambda i: self.logits_ith(o + i),
+                                       self.is_end)
+            else:
+                out = verify_match(drafts, lambda i: pick(rows, pos0, o + i), self.is_end)
+            n_acc = on_chain = len(out) - 1
+            if n_acc < len(drafts):
+                self.seq_rm(pos + n_acc + 1)
+            kept_rows = list(range(o, o + n_acc + 1))
+            kept = rows[o:o + n_acc + 1]
+            self._redo = []
         else:
-            out = verify_match(drafts, lambda i: pick(rows, pos, i), self.is_end)
-        n_acc = len(out) - 1
-        if n_acc < len(drafts):
-            self.seq_rm(pos + n_acc + 1)
+            w = self._verify_tree(tree, redo, pos, pick)
+            out, n_acc, on_chain = w.out, w.n_acc, w.left_chain(tree)
+            rows = kept = [id_last, *(tree.tokens[node] for node in w.path)]
+            kept_rows = [o, *(o + node for node in w.path)]
+            policy.observe_tree(tree, w.path)
         t_verify = time.perf_counter() - t
         st.t_target += t_verify
         st.n_target_forwards += 1
         if session is not None:
             st.record_cycle(len(drafts), n_acc)
+            if tree is not None:
+                st.record_tree(tree.n_nodes, on_chain < n_acc)
             t = time.perf_counter()
             if draft is not None and found is None:  # the head ran: its speculative entries go
                 session.accept(n_acc)
+            feats = None
+            if kept_rows[-1] != len(kept) - 1:  # not rows 0..n of the batch: the features of the kept ones
+                feats = session.features(kept_rows[-1] + 1, rows=np.asarray(kept_rows))
             if policy.keep_rows:
-                session.keep(rows[:n_acc + 1], pos)
+                session.keep(kept, pos, feats)
             else:
-                session.skip(rows[:n_acc + 1], pos)
+                session.skip(kept, pos)
             st.t_process += time.perf_counter() - t
             if found is not None:
                 st.record_lookup(len(drafts), n_acc)
                 policy.observe_lookup(found.n, len(drafts), n_acc, t_verify, len(out))
             else:
                 confs = draft.confs if draft is not None else []
-                policy.observe(confs, len(drafts), n_acc, len(confs), t_verify, t_draft, len(out))
+                policy.observe(confs, len(drafts), on_chain, len(confs), t_verify, t_draft, len(out))
         return Cycle(pos, rows, out, n_acc)
+
+    def _verify_tree(self, tree: DraftTree, redo: list[int], pos: int,
+                     pick: Callable[[list[int], int, int], int]) -> TreeWalk:
+        """Decode the tree (after the rows to redo) in one batch, walk it, and leave the cache holding the
+        prefix and the kept part of the chain; a kept branch is decoded again next cycle (tree.py)."""
+        o, pos0 = len(redo), pos - len(redo)
+        rows = [*redo, *tree.tokens]
+        seqs, n_branch = tree.sequences()
+        for s in range(1, n_branch + 1):  # the prefix's cells join every branch's sequence
+            self.target.seq_cp(0, s)
+        redo_seqs = [[0, *range(1, n_branch + 1)]] * o  # every node's path starts with them
+        self.batch.set_tree(rows, [*range(pos0, pos), *(pos + d for d in tree.depths)], redo_seqs + seqs)
+        try:
+            self.decode(self.batch)
+            w = walk(tree, lambda node: pick(rows, pos0, o + node), self.is_end)
+        finally:
+            for s in range(1, n_branch + 1):
+                self.target.seq_rm(s, -1, -1)
+        on_chain = w.left_chain(tree)
+        self.seq_rm(pos + on_chain + 1)
+        self._redo, self._redo_at = [tree.tokens[node] for node in w.path[on_chain:]], pos + on_chain + 1
+        return w
 
 
 class Run:

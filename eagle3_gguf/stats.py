@@ -26,6 +26,9 @@ class SpecStats:
     lookup_cycles: int = 0  # of the cycles above: those whose drafts came from prompt lookup (lookup.py)
     lookup_drafted: int = 0
     lookup_accepted: int = 0
+    tree_cycles: int = 0  # of the cycles above: those that verified a draft tree (tree.py)
+    tree_nodes: int = 0  # the draft tokens those trees held (chains and branches)
+    tree_branch_kept: int = 0  # tree cycles whose kept path left the chain for a branch
     t_prefill: float = 0.0
     t_target: float = 0.0  # verify decodes + choosing tokens
     t_draft: float = 0.0  # Eagle3Session.draft
@@ -57,6 +60,12 @@ class SpecStats:
         self.lookup_cycles += 1
         self.lookup_drafted += n_drafted
         self.lookup_accepted += n_accepted
+
+    def record_tree(self, n_nodes: int, branch_kept: bool) -> None:
+        """The cycle just recorded verified a draft tree of n_nodes (record_cycle counted its chain)."""
+        self.tree_cycles += 1
+        self.tree_nodes += n_nodes
+        self.tree_branch_kept += branch_kept
 
     def cut_cycle(self, n_accepted: int, n_kept: int) -> None:
         """The last recorded cycle accepted n_accepted drafts, but the run ended after n_kept of them
@@ -134,6 +143,9 @@ class SpecStats:
                 (f"accepted 0..{len(self.accept_hist) - 1} (cycles)", " ".join(str(x) for x in self.accept_hist)),
                 ("acceptance by position", " ".join(f"{x:.2f}" for x in self.acceptance_by_pos())),
             ]
+            if self.tree_cycles:
+                rows.append(("draft trees", f"{self.tree_cycles} cycles, {self.tree_nodes / self.tree_cycles:.1f} "
+                             f"tokens each; a branch kept in {self.tree_branch_kept}"))
             if self.spec_sampling:
                 rows.append(("verification", self.spec_sampling))
         if self.policy is not None:

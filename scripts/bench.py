@@ -159,7 +159,9 @@ def bench_target(quant: str, target: Path, head: Path, args, tools: Path | None)
         pp, tg = llama_bench(tools, target, args.threads, args.n_gpu_layers)
         physics = Physics(quant, pp, tg)
     prompt_file = Path(tempfile.mkdtemp(prefix="eagle3-bench-")) / "prompt.txt"
-    with load_pair(target, head, PairConfig(n_ctx=4096, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers)) as pair:
+    n_seq_max = 1 + max((nodes for _, nodes in args.trees), default=0)  # a sequence per tree branch at most
+    with load_pair(target, head, PairConfig(n_ctx=4096, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers,
+                                            n_seq_max=n_seq_max)) as pair:
         model = pair.target_model
         with Eagle3Session(pair.target, pair.head) as session, \
                 Runner(pair.target, session) as dec:
@@ -195,6 +197,10 @@ def bench_target(quant: str, target: Path, head: Path, args, tools: Path | None)
                         runs.append(ours("ours", GenerateConfig(n_predict=args.n_predict, draft_max=k,
                                                                 draft_p_min=p_min, draft_policy="fixed"),
                                          base_tokens))
+                        for topk, nodes in args.trees:
+                            runs.append(ours(f"tree {topk}x{nodes}", GenerateConfig(
+                                n_predict=args.n_predict, draft_max=k, draft_p_min=p_min, draft_policy="fixed",
+                                draft_topk=topk, draft_nodes=nodes), base_tokens))
                         if tools is not None and not args.no_upstream:
                             prompt_file.write_text(text)
                             n, sec, drafted, acc, _ = upstream_run(tools, target, head, "draft-eagle3", k,
@@ -366,6 +372,8 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,3,4,5,6")
     ap.add_argument("--p-mins", default="0",
                     help="fixed policy: stop drafting below these top probabilities (ours and upstream alike)")
+    ap.add_argument("--trees", default="", help="fixed draft trees beside each fixed K, as TOPKxNODES "
+                    "(e.g. 2x7,4x7: K chain tokens and the likeliest runner-ups, NODES in all)")
     ap.add_argument("--adaptive", action="store_true", help="also run the adaptive policy (K cap: max of --ks)")
     ap.add_argument("--adaptive-max", type=int, default=0, help="the adaptive policy's K cap instead (e.g. 4, generate's)")
     ap.add_argument("--lookup-off", action="store_true",
@@ -386,6 +394,7 @@ def main() -> None:
     args.prompt_ids = [x for x in args.prompt_ids.split(",") if x]
     args.ngram = [t for t in args.ngram.split(",") if t]
     args.ngram_ks = [int(k) for k in args.ngram_ks.split(",") if k]
+    args.trees = [tuple(int(x) for x in t.split("x")) for t in args.trees.split(",") if t]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     target = args.target or smollm2_path()

@@ -21,11 +21,11 @@ class OracleSession(Eagle3Session):
         self.schedule = itertools.cycle(schedule)
         self.confident = confident
 
-    def draft(self, id_last: int, n_max: int, judge=None, p_min: float = 0.0, sampler=None) -> Draft:
+    def draft(self, id_last: int, n_max: int, judge=None, p_min: float = 0.0, sampler=None, n_alt: int = 0) -> Draft:
         if self.confident and judge is not None:
             policy_judge = judge
             judge = lambda confs, n: policy_judge([0.99] * len(confs), n)  # noqa: E731
-        real = super().draft(id_last, n_max, judge, p_min, sampler)
+        real = super().draft(id_last, n_max, judge, p_min, sampler, n_alt)
         confs = [0.99] * len(real.confs) if self.confident else real.confs
         start = self.pending_pos + self.shift + 2  # id_last sits at target position pending_pos + shift + 1
         good = next(self.schedule)

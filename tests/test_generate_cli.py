@@ -114,6 +114,20 @@ def test_generate_json_with_baseline(tiny_target, tiny_head):
     assert d["baseline"]["n_generated"] == 24 and d["speedup"] > 0
 
 
+def test_generate_a_draft_tree(tiny_target, tiny_head):
+    """--draft-topk opens the target with a sequence per branch; the tree cycles are counted, the text is the
+    target's."""
+    r = invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-p", "The capital of France is",
+               "-n", "24", "--baseline", "--json", "--draft-policy", "fixed", "--draft-p-min", "0", "--draft-max", "3",
+               "--draft-topk", "3", "--draft-nodes", "5")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    st = d["stats"]
+    assert d["identical"] is True and st["tree_cycles"] > 0 and st["tree_nodes"] <= 5 * st["tree_cycles"]
+    one_line_error(invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-p", "x",
+                          "--draft-topk", "0"), "--draft-topk must be between 1 and 8 (got 0)")
+
+
 def test_generate_streams_text_and_prints_stats(tiny_target, tiny_head):
     r = invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-p", "Hello", "-n", "8",
                "--baseline")

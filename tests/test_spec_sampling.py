@@ -390,17 +390,17 @@ class MirrorSession(Eagle3Session):
         self.history[pos0:] = list(tokens)
         super().skip(tokens, pos0)
 
-    def draft(self, id_last, n_max, judge=None, p_min=0.0, sampler=None):
+    def draft(self, id_last, n_max, judge=None, p_min=0.0, sampler=None, n_alt=0):
         self._text = self.history + [id_last]
-        return super().draft(id_last, n_max, judge, p_min, sampler)
+        return super().draft(id_last, n_max, judge, p_min, sampler, n_alt)
 
-    def _choose(self, logits, sampler, qs):
+    def _choose(self, logits, sampler, qs, alts=None, n_alt=0):
         key = tuple(self._text)
         if key not in self._seen:
             z = target_logits(self.mirror, self._text)  # [n_vocab]
             z += np.random.default_rng(self._text).normal(size=z.size).astype(np.float32) * self.noise
             self._seen[key] = z
-        token, conf = super()._choose(self._seen[key], sampler, qs)
+        token, conf = super()._choose(self._seen[key], sampler, qs, alts, n_alt)
         self._text.append(token)
         return token, conf
 

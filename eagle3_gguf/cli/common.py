@@ -98,7 +98,7 @@ ON_OFF = {"on": True, "off": False}
 
 def drafting_from_flags(draft_max: int, draft_p_min: float, draft_policy: str, spec_sampling: str,
                         draft_temp_scale: float | None, draft_lookup: str, draft_lookup_max: int,
-                        temp: float | None = None):
+                        temp: float | None = None, draft_topk: int = 1, draft_nodes: int = 0):
     """The DraftConfig of `generate`'s and `serve`'s drafting flags, errors naming the flags. A given
     --draft-temp-scale must have an effect (temp None: the temperature comes with each request)."""
     from ..config import DraftConfig
@@ -106,7 +106,8 @@ def drafting_from_flags(draft_max: int, draft_p_min: float, draft_policy: str, s
     drafting = DraftConfig.from_flags(draft_max=draft_max, draft_p_min=draft_p_min, draft_policy=draft_policy,
                                       spec_sampling=spec_sampling, draft_temp_scale=draft_temp_scale,
                                       draft_lookup=ON_OFF.get(draft_lookup, draft_lookup),
-                                      draft_lookup_max=draft_lookup_max)
+                                      draft_lookup_max=draft_lookup_max, draft_topk=draft_topk,
+                                      draft_nodes=draft_nodes)
     if draft_temp_scale is not None:
         if drafting.spec_sampling != "rejection":
             raise Eagle3Error("--draft-temp-scale shapes the rejection rule's draft distribution: it has no "

@@ -35,6 +35,8 @@ def register(app: typer.Typer) -> None:
         draft_temp_scale: Optional[float] = draft_option("draft_temp_scale", None),
         draft_lookup: str = draft_option("draft_lookup", "on"),
         draft_lookup_max: int = draft_option("draft_lookup_max"),
+        draft_topk: int = draft_option("draft_topk"),
+        draft_nodes: int = draft_option("draft_nodes"),
         chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the target's chat template (from its GGUF)."),
         baseline: bool = typer.Option(False, "--baseline", help="Also run target-only decoding and report speedup and identity."),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text + statistics) instead of streaming."),
@@ -46,8 +48,9 @@ def register(app: typer.Typer) -> None:
         try:
             _check_flags(prompt, file, n_predict, n_ctx, threads, temp)
             drafting = drafting_from_flags(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale,
-                                           draft_lookup, draft_lookup_max, temp)
-            pair_config = _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max)
+                                           draft_lookup, draft_lookup_max, temp, draft_topk, draft_nodes)
+            pair_config = _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max,
+                                       1 + drafting.tree_branches)
             from ..decode import GenerateConfig
 
             config = GenerateConfig(n_predict=n_predict, **asdict(drafting))
@@ -71,14 +74,15 @@ INEXACT_NOTE = ("note: with a {k}/{v} KV cache, llama.cpp computes a lone row di
                 "(-ctv bf16 keeps them identical)")
 
 
-def _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max):
+def _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max, n_seq_max):
     from ..native import batch_invariant_cache, cache_type
     from ..pair import PairConfig
 
     type_k, type_v = cache_type(cache_type_k), cache_type(cache_type_v)
     if draft_max > 0 and not batch_invariant_cache(type_k, type_v):
         typer.echo(INEXACT_NOTE.format(k=cache_type_k, v=cache_type_v), err=True)
-    return PairConfig(n_ctx=n_ctx, n_threads=threads, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
+    return PairConfig(n_ctx=n_ctx, n_threads=threads, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+                      n_seq_max=n_seq_max)
 
 
 def _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, baseline, as_json) -> None:

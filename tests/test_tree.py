@@ -1,0 +1,195 @@
+"""Draft trees (tree.py): each node's row is its path's, the walk keeps the target's choices, and a run that
+keeps branches gives target-only's text, where a chain of the same head keeps nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from eagle3_gguf.assets import default_head_path
+from eagle3_gguf.config import DraftConfig
+from eagle3_gguf.decode import GenerateConfig, Runner
+from eagle3_gguf.errors import Eagle3Error
+from eagle3_gguf.native import Batch
+from eagle3_gguf.pair import PairConfig, load_pair
+from eagle3_gguf.session import Draft, Eagle3Session
+from eagle3_gguf.tokens import chat_tokens, tokenize
+from eagle3_gguf.tree import DraftTree, branch_candidates, chain_tree, walk, with_branches
+
+PROMPT = "Write a short poem about the sea, then explain its imagery in two sentences."
+
+
+def tree_of(tokens, parents, chain) -> DraftTree:
+    depths = [0]
+    for p in parents[1:]:
+        depths.append(depths[p] + 1)
+    return DraftTree(list(tokens), list(parents), depths, chain, [1.0] * len(tokens))
+
+
+# root 10; chain 11 -> 12 -> 13; branches: 21 beside 11 (child of the root), 22 beside 13 (child of 12), and
+# 23 under 21 (a deeper branch)
+TREE = tree_of([10, 11, 12, 13, 21, 22, 23], [-1, 0, 1, 2, 0, 2, 4], chain=3)
+
+
+def test_sequences_give_each_node_exactly_its_path():
+    seqs, n = TREE.sequences()
+    assert n == 2  # the leaves off the chain: 22 and 23
+    for i in range(len(TREE.tokens)):
+        # the nodes row i attends (shares a sequence with, at a depth not past its own) are its path
+        sees = {j for j in range(len(TREE.tokens)) if set(seqs[i]) & set(seqs[j]) and TREE.depths[j] <= TREE.depths[i]}
+        assert sees == {0, *TREE.path(i)}, (i, seqs)
+
+
+def test_walk_follows_the_target_among_children():
+    def target(choices):
+        return lambda row: choices[row]
+
+    # the target takes the chain, then the branch beside 13, then a token of its own
+    w = walk(TREE, target({0: 11, 1: 12, 2: 22, 5: 7}))
+    assert w.out == [11, 12, 22, 7] and w.path == [1, 2, 5] and w.left_chain(TREE) == 2
+    w = walk(TREE, target({0: 21, 4: 23, 6: 8}))  # the branch at depth 1, and its child
+    assert w.out == [21, 23, 8] and w.path == [4, 6] and w.left_chain(TREE) == 0
+    w = walk(TREE, target({0: 99}))
+    assert w.out == [99] and w.path == [] and w.left_chain(TREE) == 0
+    w = walk(TREE, target({0: 11, 1: 12, 2: 13, 3: 5}))
+    assert w.out == [11, 12, 13, 5] and w.left_chain(TREE) == 3
+    w = walk(TREE, target({0: 11, 1: 12}), stop=lambda t: t == 12)  # an end token ends the cycle as its own
+    assert w.out == [11, 12] and w.path == [1]
+
+
+def test_branches_are_the_likeliest_runner_ups():
+    draft = Draft([11, 12, 13], [0.5, 0.5, 0.5], [], [[21, 31], [22, 32], [23, 33]],
+                  [[0.4, 0.1], [0.3, 0.2], [0.45, 0.05]])
+    chain = chain_tree(10, draft)
+    assert chain.probs == [1.0, 0.5, 0.25, 0.125]
+    ranked = branch_candidates(chain, draft)
+    # reach x probability: 21 0.4, 22 0.15, 23 0.1125, 31 0.1, 32 0.1 (a tie: the shallower first), 33 0.0125
+    assert [b.token for b in ranked] == [21, 22, 23, 31, 32, 33]
+    tree = with_branches(chain, ranked[:3])
+    assert tree.tokens == [10, 11, 12, 13, 21, 22, 23] and tree.parents == [-1, 0, 1, 2, 0, 1, 2]
+    assert tree.depths == [0, 1, 2, 3, 1, 2, 3] and tree.chain == 3
+    assert tree.probs[4:] == pytest.approx([0.4, 0.15, 0.1125])
+    assert with_branches(chain, []).tokens == [10, 11, 12, 13]
+    # a weight of the policy's: the head's confidences calibrated, a branch's worth against its row's cost
+    assert chain_tree(10, draft, accept=lambda i, conf: 0.5 * conf).probs == [1.0, 0.25, 0.0625, 0.015625]
+    assert [b.token for b in branch_candidates(chain, draft, lambda d, reach, p: p if d == 2 else 0.0)] == [22, 32]
+
+
+def test_a_tree_needs_a_sequence_per_branch(tiny_target, tiny_head):
+    config = GenerateConfig(draft_policy="fixed", draft_topk=2, n_predict=4)
+    assert config.tree_nodes == 8 and config.tree_branches == 4
+    assert DraftConfig(draft_topk=3, draft_nodes=6).tree_branches == 2 and DraftConfig().tree_branches == 0
+    with pytest.raises(Eagle3Error, match="--draft-topk must be between 1 and 8 \\(got 9\\)"):
+        DraftConfig.from_flags(draft_topk=9)
+    with load_pair(tiny_target, tiny_head, PairConfig(n_ctx=256, n_batch=64)) as pair, \
+            Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
+        with pytest.raises(Eagle3Error, match=r"needs a target context with 5 sequences \(this one has 1\)"):
+            d.generate(tokenize(pair.target_model, "Hello"), config)
+
+
+@pytest.fixture(scope="module")
+def pair(smollm2_path):
+    with load_pair(smollm2_path, default_head_path(), PairConfig(n_ctx=1024, n_threads=2, n_seq_max=8)) as p:
+        yield p
+
+
+def test_a_tree_row_is_its_path_decoded_as_a_chain(pair):
+    """Each node's logits from one tree batch equal, bit for bit, the last row of its path decoded as a chain
+    after the same prefix (flash attention skips the cells a row's mask hides)."""
+    target = pair.target
+    prompt = tokenize(pair.target_model, "The quick brown fox jumps over the lazy dog. The quick")
+    n = len(prompt)
+    tree = tree_of([prompt[-1], 1000, 1001, 1002, 2000, 2001, 2002], [-1, 0, 1, 2, 0, 2, 4], chain=3)
+    batch = Batch(64, n_seq_max=8)
+    target.clear()
+    batch.set(prompt[:-1], 0, logits="none")
+    target.decode(batch)
+    seqs, n_branch = tree.sequences()
+    for s in range(1, n_branch + 1):
+        target.seq_cp(0, s)
+    batch.set_tree(tree.tokens, [n - 1 + d for d in tree.depths], seqs)
+    target.decode(batch)
+    rows = target.logits(len(tree.tokens)).copy()  # [N + 1, n_vocab]
+    for node in range(len(tree.tokens)):
+        path = [tree.tokens[0], *(tree.tokens[i] for i in tree.path(node))]
+        target.clear()
+        batch.set(prompt[:-1], 0, logits="none")
+        target.decode(batch)
+        batch.set(path, n - 1, logits="all")
+        target.decode(batch)
+        assert np.array_equal(rows[node], target.logits(len(path))[-1]), node
+
+
+class SecondChoice(Eagle3Session):
+    """A head whose first draft is always wrong and whose runner-up there is the target's token (what a tree
+    exists for): the chain drafts are the target's future shifted by one token id; the first runner-up is the
+    true token, with probability 0.3."""
+
+    truth: list[int] = []
+
+    def draft(self, id_last, n_max, judge=None, p_min=0.0, sampler=None, n_alt=0) -> Draft:
+        real = super().draft(id_last, n_max, judge, p_min, sampler, n_alt)
+        start = self.pending_pos + self.shift + 2  # id_last sits at target position pending_pos + shift + 1
+        future = self.truth[start:start + len(real.tokens)]
+        wrong = [(t + 1) % 49152 for t in future]
+        alts = [[t, *a[1:]] for t, a in zip(future, real.alt_tokens)]
+        probs = [[0.3, *p[1:]] for p in real.alt_probs[:len(alts)]]
+        return dataclasses.replace(real, tokens=wrong, alt_tokens=alts, alt_probs=probs)
+
+
+def test_a_runner_up_is_kept_through_a_tree_and_never_through_a_chain(pair):
+    prompt = chat_tokens(pair.target_model, PROMPT)
+    chain = GenerateConfig(n_predict=60, draft_max=3, draft_policy="fixed")
+    tree = dataclasses.replace(chain, draft_topk=2, draft_nodes=5)
+    with Runner(pair.target) as plain:
+        base = plain.generate(prompt, chain, speculative=False)
+    with SecondChoice(pair.target, pair.head) as s, Runner(pair.target, s) as d:
+        s.truth = prompt + base.tokens
+        by_chain = d.generate(prompt, chain)
+        by_tree = d.generate(prompt, tree)
+    assert by_chain.tokens == base.tokens == by_tree.tokens
+    assert by_chain.stats.n_accepted == 0 and by_chain.stats.tree_cycles == 0
+    st = by_tree.stats
+    # every tree cycle keeps the depth-1 branch: two tokens a forward
+    assert st.tree_cycles > 10 and st.tree_branch_kept == st.tree_cycles == st.n_accepted
+    assert 4 * st.tree_cycles < st.tree_nodes <= 5 * st.tree_cycles  # (the last cycles draft what n_predict leaves)
+    assert st.n_accepted + st.n_target_forwards == st.n_generated
+
+
+@pytest.mark.parametrize("k, topk, nodes", [(3, 2, 4), (4, 2, 8), (2, 4, 8)])
+def test_fixed_trees_give_target_only_text(pair, k, topk, nodes):
+    """The shipped head drafting trees: identical text, and branches kept now and then; a generation after one
+    that ended on a kept branch (decoded again at the next cycle's head) starts from the right cache."""
+    prompt = chat_tokens(pair.target_model, PROMPT)
+    config = GenerateConfig(n_predict=96, draft_max=k, draft_policy="fixed", draft_topk=topk, draft_nodes=nodes)
+    with Runner(pair.target) as plain:
+        base = plain.generate(prompt, config, speculative=False)
+    with Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
+        got = d.generate(prompt, config)
+        again = d.generate(prompt + got.tokens[:7], dataclasses.replace(config, n_predict=20))
+        with Runner(pair.target) as plain2:
+            want = plain2.generate(prompt + got.tokens[:7], dataclasses.replace(config, n_predict=20),
+                                   speculative=False)
+    assert got.tokens == base.tokens and again.tokens == want.tokens
+    st = got.stats
+    assert st.tree_cycles > 0 and st.tree_branch_kept > 0 and st.n_accepted > 0
+
+
+def test_the_adaptive_policy_adds_a_branch_where_its_row_pays():
+    """Where rows are nearly free (a GPU) the likely runner-ups join the tree, up to the node cap; where they
+    are dear (2 CPU cores) none does; a runner-up the target never takes stops being verified."""
+    from eagle3_gguf.policy import AdaptivePolicy, CostCurve
+
+    def policy(curve):
+        return AdaptivePolicy(CostCurve([0.01 * c for c in curve], 0.002, 0.002, "given"), 3, topk=2, nodes=5)
+
+    cheap, dear = policy([1.0 + 0.02 * n for n in range(6)]), policy([1.0, 2.0, 2.5, 3.0, 3.6, 4.1])
+    draft = Draft([11, 12, 13], [0.5, 0.5, 0.5], [], [[21], [22], [23]], [[0.4], [0.3], [0.2]])
+    tree = cheap.tree(10, draft)
+    assert tree is not None and tree.n_nodes == 5 and tree.tokens[4:] == [21, 22]  # the two likeliest, by depth
+    assert dear.tree(10, draft) is None
+    for _ in range(30):  # the target never takes the depth-1 runner-up when it is reached
+        cheap.observe_tree(tree, [])
+    assert 21 not in cheap.tree(10, draft).tokens
