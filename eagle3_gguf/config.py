@@ -56,8 +56,7 @@ KNOBS: dict[str, Knob] = {
                         "policy fills the tree; the adaptive one adds a branch where it expects it to pay."),
     "draft_lookup_max": Knob("--draft-lookup-max", "Tokens a lookup draft verifies at most (it costs no draft "
                              "step, so it may exceed --draft-max; the adaptive policy picks the length from the "
-                             "measured cost of verify rows). Raise it (e.g. 16) for editing or quoting, where a copy "
-                             "runs long, and on a GPU."),
+                             "measured cost of verify rows; a copy runs long)."),
 }
 
 
