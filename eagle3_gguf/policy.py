@@ -369,12 +369,13 @@ class FixedPolicy:
     def observe_tree(self, tree: DraftTree, path: list[int]) -> None:
         pass
 
-    def tree(self, id_last: int, draft: Draft) -> DraftTree | None:
-        """The draft as a tree: the chain and the likeliest runner-ups, `nodes` tokens in all (None: a chain)."""
+    def tree(self, id_last: int, draft: Draft, room: int) -> DraftTree | None:
+        """The draft as a tree: the chain and the likeliest runner-ups, `nodes` tokens in all and at most `room`
+        (the rows that fit; None: a chain)."""
         if not self.n_alt or not draft.tokens:
             return None
         chain = chain_tree(id_last, draft)
-        branches = branch_candidates(chain, draft)[:self.branches]
+        branches = branch_candidates(chain, draft)[:min(self.branches, room - len(draft.tokens))]
         return with_branches(chain, branches) if branches else None
 
     def judge(self, confs: list[float], n_max: int) -> int:
@@ -385,7 +386,7 @@ class FixedPolicy:
         return i if i >= n_max else -1
 
     def observe(self, confs: list[float], n_verified: int, n_accepted: int, n_drafted: int,
-                t_verify: float, t_draft: float, n_emitted: int) -> None:
+                t_verify: float, t_draft: float, n_emitted: int, n_rows: int | None = None) -> None:
         self.stats.chosen[n_verified] += 1
         self.stats.trace.append(n_verified)
         if n_drafted == 0:
@@ -558,11 +559,12 @@ class AdaptivePolicy:
             self._pred = (1.0 + best_gain, c[best_j])
         return best_j
 
-    def tree(self, id_last: int, draft: Draft) -> DraftTree | None:
+    def tree(self, id_last: int, draft: Draft, room: int) -> DraftTree | None:
         """The draft as a tree: each runner-up, the likeliest to be kept first, while the tokens it is expected
         to add (reaching its parent, at the chain's calibrated acceptances, times the chance the target takes
         it there) beat what its verify row costs at the rate to beat, now and, if kept, again next cycle (a
-        kept branch is decoded again); at most `nodes` tokens. None: the chain alone."""
+        kept branch is decoded again); at most `nodes` tokens, and `room` (the rows that fit). None: the chain
+        alone."""
         if not self.n_alt or not draft.tokens:
             return None
         acc, branch = self.acc, self.branch_acc
@@ -570,7 +572,7 @@ class AdaptivePolicy:
         r, c = self._r(), self.costs.now_s
         n, chosen = len(draft.tokens), []
         for b in branch_candidates(chain, draft, lambda _d, reach, p: reach * branch.prob(p)):
-            if len(chosen) >= self.branches:
+            if len(chosen) >= self.branches or n >= room:
                 break
             row = r * (c[n + 1] - c[n])  # one more verify row, in tokens at the rate to beat
             if b.weight * (1.0 - row) <= row:
@@ -628,9 +630,11 @@ class AdaptivePolicy:
 
     # -- after the cycle ------------------------------------------------------------------------------
     def observe(self, confs: list[float], n_verified: int, n_accepted: int, n_drafted: int,
-                t_verify: float, t_draft: float, n_emitted: int) -> None:
-        """The cycle's outcome: drafts verified and accepted, and its timings (seconds)."""
-        if n_drafted == 0:
+                t_verify: float, t_draft: float, n_emitted: int, n_rows: int | None = None) -> None:
+        """The cycle's outcome: drafts verified and accepted, and its timings (seconds). n_rows: the rows its
+        verify decoded, where that is not n_verified + 1 (a tree's branches, a kept branch decoded again)."""
+        rows = n_verified + 1 if n_rows is None else n_rows
+        if n_drafted == 0 and rows == 1:
             self.observe_plain(t_verify)
             return
         st, costs = self.stats, self.costs
@@ -642,8 +646,8 @@ class AdaptivePolicy:
         if n_verified:
             self.acc.observe(confs, n_verified, n_accepted)
         self.since_plain += 1
-        if n_verified:
-            costs.observe_verify(n_verified + 1, t_verify)
+        if rows > 1:
+            self._observe_rows(rows, t_verify)
         costs.observe_draft(n_drafted, t_draft)
         self._changed()
         t = t_verify + t_draft
@@ -662,19 +666,26 @@ class AdaptivePolicy:
             self.probe_wait = self.probe_gap
         self._pred = (1.0, self.costs.now_s[0])
 
-    def observe_lookup(self, n: int, n_verified: int, n_accepted: int, t_verify: float, n_emitted: int) -> None:
-        """A lookup cycle's outcome (a match of n tokens proposed n_verified drafts; no draft step)."""
+    def observe_lookup(self, n: int, n_verified: int, n_accepted: int, t_verify: float, n_emitted: int,
+                       n_rows: int | None = None) -> None:
+        """A lookup cycle's outcome (a match of n tokens proposed n_verified drafts; no draft step; n_rows as
+        for observe)."""
         st, costs = self.stats, self.costs
         st.chosen[n_verified] += 1
         st.trace.append(n_verified)
         st.predicted_tokens += self._pred[0]
         st.predicted_s += self._pred[1] * costs.scale
         self.lookup_acc.observe(n, n_verified, n_accepted)
-        costs.observe_verify(n_verified + 1, t_verify)
+        self._observe_rows(n_verified + 1 if n_rows is None else n_rows, t_verify)
         self._changed()
         if t_verify > 0:
             self.rate += RATE_EMA * (n_emitted / t_verify - self.rate)
         self._pred = (1.0, costs.now_s[0])
+
+    def _observe_rows(self, rows: int, t_verify: float) -> None:
+        """A verify of `rows` rows took t_verify (the curve learns the sizes it covers)."""
+        if rows <= self.costs.k_max + 1:
+            self.costs.observe_verify(rows, t_verify)
 
     def observe_plain(self, t_verify: float) -> None:
         """A plain cycle's outcome (one row emitted, no draft step): the common case, kept short (it runs

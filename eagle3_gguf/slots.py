@@ -289,6 +289,7 @@ class _SlotTurn:
     def __init__(self, joint: JointTarget, seq: int):
         self.joint = joint
         self.seq = seq
+        self.trees = False  # the joint target's sequences are the slots
         self._lock = threading.Lock()
 
     def acquire(self, blocking: bool = True) -> bool:
@@ -309,6 +310,7 @@ class SlotSpeculator(Speculator):
         super().__init__(joint.target, session, joint.batch.capacity)
         self.joint = joint
         self.seq = seq
+        self.trees = False  # the joint target's sequences are the slots
         self.costs = copy.deepcopy(base.costs)  # each slot's policy refines its own
         self.t_target = 0.0  # seconds of the shared decodes this slot's rows were in
 
@@ -416,6 +418,8 @@ class SlotPool:
             raise Eagle3Error("parallel slots cannot share a prompt cache: create the Llama without set_cache()")
         if llm.draft_config.draft_max < 1:
             raise Eagle3Error("parallel slots speculate: draft_max must be at least 1")
+        if llm.draft_config.draft_topk > 1:
+            raise Eagle3Error("parallel slots draft chains: set draft_topk 1")
         self.llm = llm
         self.n_slot_ctx = n_slot
         spec = llm._e3_spec

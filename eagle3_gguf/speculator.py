@@ -85,6 +85,7 @@ class Speculator:
         self._owns_session = owns_session
         self.batch = Batch(n_batch or target.n_batch, n_seq_max=target.n_seq_max)
         self.seq = 0  # the target sequence this speculator decodes (slots.py runs one per sequence)
+        self.trees = True  # may verify draft trees (a sequence per branch of its own unified cache)
         self.row0 = 0  # where its rows start in the target's last batch (0 unless sequences share it)
         self.k_limit = self.batch.capacity - 1  # drafts that fit in one verify batch
         self.is_end = eog_check(target.model)  # remembers per token across generations
@@ -168,7 +169,9 @@ class Speculator:
     def _check_tree(self, config: DraftConfig) -> None:
         """A draft tree needs a sequence per branch in the target's unified cache (tree.py)."""
         n_branch = config.tree_branches
-        if self.seq != 0 or self.target.n_seq_max < 1 + n_branch:
+        if not self.trees:
+            raise Eagle3Error("parallel slots draft chains: set draft_topk 1")
+        if self.target.n_seq_max < 1 + n_branch:
             raise Eagle3Error(f"a draft tree of {config.tree_nodes} tokens needs a target context with "
                               f"{1 + n_branch} sequences (this one has {self.target.n_seq_max}): "
                               f"PairConfig(n_seq_max={1 + n_branch}), as `generate --draft-topk` opens it; "
@@ -277,8 +280,9 @@ class Speculator:
         the cycle as its own token."""
         session = self.session if policy is not None else None
         found, k = None, 0
+        redo = self._redo
         if session is not None:
-            k_cap = min(k_cap, self.k_limit)
+            k_cap = min(k_cap, self.k_limit - len(redo))  # the rows to redo come first in the batch
             if index is not None and k_cap > 0:
                 t = time.perf_counter()
                 found = index.propose(k_cap)
@@ -287,7 +291,6 @@ class Speculator:
                 st.t_lookup += time.perf_counter() - t
             if found is None:
                 k = policy.plan(k_cap)
-        redo = self._redo
         if k == 0 and found is None and rejection is None and not redo:
             # A plain cycle, the common one: it runs right after the target's graph has pushed everything
             # out of the caches, so it touches as little as it can (each step here costs microseconds).
@@ -317,7 +320,7 @@ class Speculator:
             t = time.perf_counter()
             draft = session.draft(id_last, k, policy.judge, sampler=rejection,
                                   n_alt=policy.n_alt if rejection is None else 0)
-            tree = policy.tree(id_last, draft) if draft.alt_tokens else None
+            tree = policy.tree(id_last, draft, k_cap) if draft.alt_tokens else None
             t_draft = time.perf_counter() - t
             st.t_draft += t_draft
         drafts = draft.tokens if draft is not None else []
@@ -363,12 +366,13 @@ class Speculator:
             else:
                 session.skip(kept, pos)
             st.t_process += time.perf_counter() - t
+            n_rows = o + 1 + (tree.n_nodes if tree is not None else len(drafts))
             if found is not None:
                 st.record_lookup(len(drafts), n_acc)
-                policy.observe_lookup(found.n, len(drafts), n_acc, t_verify, len(out))
+                policy.observe_lookup(found.n, len(drafts), n_acc, t_verify, len(out), n_rows)
             else:
                 confs = draft.confs if draft is not None else []
-                policy.observe(confs, len(drafts), on_chain, len(confs), t_verify, t_draft, len(out))
+                policy.observe(confs, len(drafts), on_chain, len(confs), t_verify, t_draft, len(out), n_rows)
         return Cycle(pos, rows, out, n_acc)
 
     def _verify_tree(self, tree: DraftTree, redo: list[int], pos: int,
@@ -378,11 +382,11 @@ class Speculator:
         o, pos0 = len(redo), pos - len(redo)
         rows = [*redo, *tree.tokens]
         seqs, n_branch = tree.sequences()
-        for s in range(1, n_branch + 1):  # the prefix's cells join every branch's sequence
-            self.target.seq_cp(0, s)
         redo_seqs = [[0, *range(1, n_branch + 1)]] * o  # every node's path starts with them
         self.batch.set_tree(rows, [*range(pos0, pos), *(pos + d for d in tree.depths)], redo_seqs + seqs)
         try:
+            for s in range(1, n_branch + 1):  # the prefix's cells join every branch's sequence
+                self.target.seq_cp(0, s)
             self.decode(self.batch)
             w = walk(tree, lambda node: pick(rows, pos0, o + node), self.is_end)
         finally:

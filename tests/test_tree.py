@@ -187,9 +187,10 @@ def test_the_adaptive_policy_adds_a_branch_where_its_row_pays():
 
     cheap, dear = policy([1.0 + 0.02 * n for n in range(6)]), policy([1.0, 2.0, 2.5, 3.0, 3.6, 4.1])
     draft = Draft([11, 12, 13], [0.5, 0.5, 0.5], [], [[21], [22], [23]], [[0.4], [0.3], [0.2]])
-    tree = cheap.tree(10, draft)
+    tree = cheap.tree(10, draft, 8)
     assert tree is not None and tree.n_nodes == 5 and tree.tokens[4:] == [21, 22]  # the two likeliest, by depth
-    assert dear.tree(10, draft) is None
+    assert dear.tree(10, draft, 8) is None
     for _ in range(30):  # the target never takes the depth-1 runner-up when it is reached
         cheap.observe_tree(tree, [])
-    assert 21 not in cheap.tree(10, draft).tokens
+    assert 21 not in cheap.tree(10, draft, 8).tokens
+    assert cheap.tree(10, draft, 4).n_nodes == 4  # where only 4 rows fit after id_last (the context's end)
