@@ -339,14 +339,14 @@ class Speculator:
             n_acc = on_chain = len(out) - 1
             if n_acc < len(drafts):
                 self.seq_rm(pos + n_acc + 1)
-            kept_rows = list(range(o, o + n_acc + 1))
             kept = rows[o:o + n_acc + 1]
+            feat_rows = range(o, o + n_acc + 1) if o else None  # None: rows 0..n_acc, the session's default
             self._redo = []
         else:
             w = self._verify_tree(tree, redo, pos, pick)
-            out, n_acc, on_chain = w.out, w.n_acc, w.left_chain(tree)
+            out, n_acc, on_chain = w.out, w.n_acc, w.on_chain
             rows = kept = [id_last, *(tree.tokens[node] for node in w.path)]
-            kept_rows = [o, *(o + node for node in w.path)]
+            feat_rows = [o, *(o + node for node in w.path)] if o or on_chain < n_acc else None
             policy.observe_tree(tree, w.path)
         t_verify = time.perf_counter() - t
         st.t_target += t_verify
@@ -358,9 +358,7 @@ class Speculator:
             t = time.perf_counter()
             if draft is not None and found is None:  # the head ran: its speculative entries go
                 session.accept(n_acc)
-            feats = None
-            if kept_rows[-1] != len(kept) - 1:  # not rows 0..n of the batch: the features of the kept ones
-                feats = session.features(kept_rows[-1] + 1, rows=np.asarray(kept_rows))
+            feats = None if feat_rows is None else session.features(feat_rows[-1] + 1, rows=np.asarray(feat_rows))
             if policy.keep_rows:
                 session.keep(kept, pos, feats)
             else:
@@ -392,9 +390,8 @@ class Speculator:
         finally:
             for s in range(1, n_branch + 1):
                 self.target.seq_rm(s, -1, -1)
-        on_chain = w.left_chain(tree)
-        self.seq_rm(pos + on_chain + 1)
-        self._redo, self._redo_at = [tree.tokens[node] for node in w.path[on_chain:]], pos + on_chain + 1
+        self.seq_rm(pos + w.on_chain + 1)
+        self._redo, self._redo_at = [tree.tokens[node] for node in w.path[w.on_chain:]], pos + w.on_chain + 1
         return w
 
 

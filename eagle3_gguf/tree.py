@@ -122,14 +122,11 @@ class TreeWalk:
 
     out: list[int]
     path: list[int]  # accepted nodes, root's child first
+    on_chain: int  # how many of them lie on the chain (the path leaves it after them, or never)
 
     @property
     def n_acc(self) -> int:
         return len(self.path)
-
-    def left_chain(self, tree: DraftTree) -> int:
-        """How many accepted nodes lie on the chain (the path leaves it after them, or never)."""
-        return next((j for j, node in enumerate(self.path) if node > tree.chain), len(self.path))
 
 
 def walk(tree: DraftTree, pick: Callable[[int], int], stop: Callable[[int], bool] | None = None) -> TreeWalk:
@@ -147,4 +144,4 @@ def walk(tree: DraftTree, pick: Callable[[int], int], stop: Callable[[int], bool
             break
         path.append(child)
         node = child
-    return TreeWalk(out, path)
+    return TreeWalk(out, path, next((j for j, node in enumerate(path) if node > tree.chain), len(path)))

@@ -48,13 +48,13 @@ def test_walk_follows_the_target_among_children():
 
     # the target takes the chain, then the branch beside 13, then a token of its own
     w = walk(TREE, target({0: 11, 1: 12, 2: 22, 5: 7}))
-    assert w.out == [11, 12, 22, 7] and w.path == [1, 2, 5] and w.left_chain(TREE) == 2
+    assert w.out == [11, 12, 22, 7] and w.path == [1, 2, 5] and w.on_chain == 2
     w = walk(TREE, target({0: 21, 4: 23, 6: 8}))  # the branch at depth 1, and its child
-    assert w.out == [21, 23, 8] and w.path == [4, 6] and w.left_chain(TREE) == 0
+    assert w.out == [21, 23, 8] and w.path == [4, 6] and w.on_chain == 0
     w = walk(TREE, target({0: 99}))
-    assert w.out == [99] and w.path == [] and w.left_chain(TREE) == 0
+    assert w.out == [99] and w.path == [] and w.on_chain == 0
     w = walk(TREE, target({0: 11, 1: 12, 2: 13, 3: 5}))
-    assert w.out == [11, 12, 13, 5] and w.left_chain(TREE) == 3
+    assert w.out == [11, 12, 13, 5] and w.on_chain == 3
     w = walk(TREE, target({0: 11, 1: 12}), stop=lambda t: t == 12)  # an end token ends the cycle as its own
     assert w.out == [11, 12] and w.path == [1]
 
