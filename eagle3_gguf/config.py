@@ -48,12 +48,13 @@ KNOBS: dict[str, Knob] = {
     "draft_lookup": Knob("--draft-lookup", "on: the adaptive policy may verify a continuation copied from the text "
                          "so far (prompt lookup: no draft step) instead of the head's draft, where it is expected to "
                          "pay more; off: the head's drafts only."),
-    "draft_topk": Knob("--draft-topk", "Draft a tree: beside each of the chain's tokens, up to this many - 1 of the "
-                       "head's runner-up tokens as branches, verified in the same batch (1: a chain). Greedy and "
-                       "--spec-sampling match only; the target context gets a sequence per branch."),
-    "draft_nodes": Knob("--draft-nodes", "With --draft-topk > 1: draft tokens a tree verifies at most, chain "
-                        "included (the likeliest branches first; 0: every branch --draft-topk allows). The fixed "
-                        "policy fills the tree; the adaptive one adds a branch where it expects it to pay."),
+    "draft_topk": Knob("--draft-topk", "Draft a tree, verified in one batch (1: a chain). With --draft-policy fixed: "
+                       "EAGLE-2's dynamic tree, --draft-max deep, this many tokens per depth (the head runs the "
+                       "likeliest this-many at each depth); adaptive: up to this many - 1 of the head's runner-up "
+                       "tokens beside each chain token, where a row pays. Greedy and --spec-sampling match only."),
+    "draft_nodes": Knob("--draft-nodes", "With --draft-topk > 1: draft tokens a tree verifies at most (the likeliest "
+                        "first; 0: --draft-max x --draft-topk). The fixed policy fills the tree; the adaptive one "
+                        "adds a branch where it expects it to pay."),
     "draft_lookup_max": Knob("--draft-lookup-max", "Tokens a lookup draft verifies at most (it costs no draft "
                              "step, so it may exceed --draft-max; the adaptive policy picks the length from the "
                              "measured cost of verify rows; a copy runs long)."),
@@ -75,8 +76,8 @@ class DraftConfig:
     draft_temp_scale: float = 1.0
     draft_lookup: bool = True  # lookup drafts (lookup.py), weighed by the adaptive policy against the head's
     draft_lookup_max: int = 16  # the most tokens a lookup draft verifies (bench/NOTES.md: lookup-cpu)
-    draft_topk: int = 1  # a draft tree's tokens per chain depth (the chain's and runner-ups); 1: a chain (tree.py)
-    draft_nodes: int = 0  # a tree's draft tokens at most, chain included; 0: draft_max * draft_topk
+    draft_topk: int = 1  # a draft tree's tokens per depth; 1: a chain (tree.py)
+    draft_nodes: int = 0  # a tree's draft tokens at most; 0: draft_max * draft_topk
     # how errors name a knob: its attribute (the library) or its flag (`from_flags`); not stored
     name: InitVar[Callable[[str], str]] = str
 
@@ -111,9 +112,10 @@ class DraftConfig:
         return min(self.draft_nodes or self.draft_max * self.draft_topk, MAX_DRAFT_MAX)
 
     @property
-    def tree_branches(self) -> int:
-        """A draft tree's branches at most: the target context needs a sequence for each, and one more."""
-        return self.tree_nodes - min(self.draft_max, self.tree_nodes)
+    def tree_sequences(self) -> int:
+        """The sequences a tree needs in the target's and the head's contexts: the target one per leaf off the
+        chain and one more (at most tree_nodes), the head two per token of a depth and one more."""
+        return 1 if self.draft_topk == 1 else max(self.tree_nodes, 1 + 2 * self.draft_topk)
 
     @classmethod
     def from_flags(cls, **values) -> "DraftConfig":

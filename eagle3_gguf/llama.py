@@ -125,6 +125,13 @@ class _Turn:
             self.llm._e3_running.release()
 
 
+def _check_chains(config: DraftConfig) -> None:
+    """A draft tree needs sequences of its own in the target's context; llama-cpp-python opens it with one."""
+    if config.draft_topk > 1:
+        raise Eagle3Error("Eagle3Llama drafts chains (llama-cpp-python opens its context with one sequence, a draft "
+                          "tree needs several): set draft_topk to 1; `eagle3-gguf generate --draft-topk` drafts trees")
+
+
 class Eagle3Llama(Llama):
     """`llama_cpp.Llama(model_path=..., **kwargs)` plus an EAGLE-3 head (`draft_model_path`)."""
 
@@ -142,6 +149,7 @@ class Eagle3Llama(Llama):
             raise Eagle3Error("draft_model (prompt lookup) and an EAGLE-3 head cannot be combined: drop draft_model")
         config = draft_config or DraftConfig(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale,
                                              draft_lookup, draft_lookup_max)
+        _check_chains(config)
         kwargs.setdefault("flash_attn", True)  # see EXACTNESS
         kwargs.setdefault("type_v", CACHE_TYPES["bf16"])
         super().__init__(model_path=model_path, **kwargs)
@@ -240,6 +248,7 @@ class Eagle3Llama(Llama):
     def draft_config(self, config: DraftConfig) -> None:
         if not isinstance(config, DraftConfig):
             raise Eagle3Error(f"draft_config must be an eagle3_gguf.config.DraftConfig (got {type(config).__name__})")
+        _check_chains(config)
         self._draft_config = config
         self._calibrate_if_needed()
 
@@ -547,6 +556,7 @@ def attach_eagle3(llm: Llama, head_path: str | Path, *, draft_max: int = _LIBRAR
         raise Eagle3Error("this Llama already has an EAGLE-3 head: use the Eagle3Llama attach_eagle3 returned")
     config = draft_config or DraftConfig(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale,
                                          draft_lookup, draft_lookup_max)
+    _check_chains(config)
     cls = type(llm)
     attached_cls = _AttachedLlama if cls is Llama else type(f"Eagle3{cls.__name__}", (_AttachedLlama, cls), {})
     attached = attached_cls(llm, head_path, config)

@@ -722,9 +722,10 @@ class Batch(_Owner):
         self._fit(n)
         self._point("token", n, seq_ids=True)
 
-    def set_embd(self, rows: np.ndarray, pos, tokens=None) -> int:
+    def set_embd(self, rows: np.ndarray, pos, tokens=None, seq_ids=None) -> int:
         """Embedding rows (with tokens: token + embedding entries) at positions `pos`, every row an output
-        (the pinned eagle3 graphs have no output-row selection).  # rows: [n, n_embd]; pos, tokens: [n]"""
+        (the pinned eagle3 graphs have no output-row selection), of sequence 0 or of `seq_ids` (one a row).
+        # rows: [n, n_embd]; pos, tokens, seq_ids: [n]"""
         n = rows.shape[0]
         self._fit(n)
         if rows.shape[1] != self.n_embd:
@@ -734,7 +735,10 @@ class Batch(_Owner):
         self._logits[:n] = 1
         if tokens is not None:
             self._token[:n] = tokens
-        self._point("both" if tokens is not None else "embd", n)
+        if seq_ids is not None:
+            self._seq[:n] = seq_ids
+            self._n_seq[:n] = 1
+        self._point("both" if tokens is not None else "embd", n, seq_ids=seq_ids is not None)
         return n
 
     def set_embd_one(self, row: np.ndarray, pos: int, token: int) -> None:

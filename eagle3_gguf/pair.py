@@ -34,7 +34,7 @@ class PairConfig:
     cache_type_k: str = "f16"
     cache_type_v: str = "bf16"
     flash_attn: bool = True  # batch-invariant rows need it on CPU (README, exactness)
-    n_seq_max: int = 1  # the target's sequences: 1 + a draft tree's branches (tree.py)
+    n_seq_max: int = 1  # each context's sequences: a draft tree's (DraftConfig.tree_sequences)
 
 
 def check_pair(target: TargetInfo, head: HeadInfo, d2t: np.ndarray | None = None) -> None:
@@ -128,7 +128,7 @@ def load_pair(target_path: str | Path, head_path: str | Path, config: PairConfig
         head_model = Model(head_path, n_gpu_layers=config.n_gpu_layers)
         opened.append(head_model)
         head_ctx = Context(head_model, n_ctx=config.draft_n_ctx or config.n_ctx, n_batch=config.n_batch,
-                           n_threads=threads, ctx_other=target_ctx)
+                           n_threads=threads, ctx_other=target_ctx, n_seq_max=config.n_seq_max)
     except BaseException:
         for owner in reversed(opened):
             owner.close()

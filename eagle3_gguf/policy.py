@@ -341,13 +341,14 @@ class FixedPolicy:
     keep_rows = True  # the head reads every cycle's rows
 
     def __init__(self, k: int, p_min: float = 0.0, topk: int = 1, nodes: int = 0):
-        """topk > 1: a draft tree, the chain and up to topk - 1 runner-ups per depth, nodes - k of them at
-        most (tree.py)."""
+        """topk > 1: a draft tree of depth k, EAGLE-2's dynamic expansion of topk tokens per depth, its nodes
+        likeliest candidates verified (Eagle3Session.draft_tree; p_min does not cut it)."""
         self.k = self.k_max = k
         self.lookup_max = 0  # verifies no lookup drafts
         self.p_min = p_min
-        self.n_alt = topk - 1  # runner-up tokens the head reports per step
-        self.branches = max(nodes - k, 0)  # a tree's branches at most (the target has a sequence for each)
+        self.n_alt = 0  # runner-up tokens the head reports per chain step (the adaptive policy's branches)
+        self.expand = topk if topk > 1 else 0  # a tree's tokens per depth (0: chains)
+        self.nodes = nodes
         self.stats = PolicyStats("fixed", [0] * (k + 1))
 
     def begin(self) -> None:
@@ -368,15 +369,6 @@ class FixedPolicy:
 
     def observe_tree(self, tree: DraftTree, path: list[int]) -> None:
         pass
-
-    def tree(self, id_last: int, draft: Draft, room: int) -> DraftTree | None:
-        """The draft as a tree: the chain and the likeliest runner-ups, `nodes` tokens in all and at most `room`
-        (the rows that fit; None: a chain)."""
-        if not self.n_alt or not draft.tokens:
-            return None
-        chain = chain_tree(id_last, draft)
-        branches = branch_candidates(chain, draft)[:min(self.branches, room - len(draft.tokens))]
-        return with_branches(chain, branches) if branches else None
 
     def judge(self, confs: list[float], n_max: int) -> int:
         """-1: draft another step; j >= 0: stop and verify the first j drafts."""
@@ -413,8 +405,9 @@ class AdaptivePolicy:
         self.costs = costs
         self.k_max = k_max
         self.lookup_max = lookup_max
-        self.n_alt = topk - 1  # runner-up tokens the head reports per step (tree branches)
-        self.branches = max(nodes - k_max, 0)  # a tree's branches at most (the target has a sequence for each)
+        self.n_alt = topk - 1  # runner-up tokens the head reports per chain step (tree branches)
+        self.expand = 0  # no dynamic trees: a branch costs this policy a verify row, never a head row
+        self.branches = max(nodes - k_max, 0)  # a tree's branches at most
         self.shape = (k_max, lookup_max, topk, nodes)
         self.branch_acc = BranchAcceptance()
         self.window = window

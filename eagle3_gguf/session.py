@@ -42,6 +42,7 @@ from .head_norms import HeadNorms
 from .native import Batch, Context
 from .policy import CATCH_UP_WINDOW, FixedPolicy
 from .spec_sampling import Dist, RejectionSampler
+from .tree import DraftTree, Expansion
 
 
 class RowsAside:
@@ -376,6 +377,33 @@ class Eagle3Session:
         qs.append(q)
         return token, conf
 
+    def _seed(self, id_last: int) -> int:
+        """Fill the decoder batch with the seed step (id_last, pending_g) at pending_pos, after the queued
+        pairs: the seed's row in it."""
+        self.catch_up()
+        if self.pending_pos < 0:
+            raise Eagle3Error("draft() before process(): feed the head the prompt first")
+        self.draft_ctx.seq_rm(0, self.pending_pos, -1)
+        # The queued pairs ride along with the seed step (one graph instead of two), all rows marked as
+        # outputs: the pinned eagle3 decoder graph has no output-row selection (no inp_out_ids), so with
+        # outputs on a subset of rows llama.cpp hands back the first rows' logits, not the marked ones.
+        if len(self._q_tok) + 1 > self.n_ubatch:
+            self.flush()
+        q = len(self._q_tok)
+        tok = np.append(self._q_tok, np.int32(id_last))  # [q + 1]
+        pos = np.append(self._q_pos, np.int32(self.pending_pos))  # [q + 1]
+        g = np.concatenate([self._q_g, self.pending_g[None]])  # [q + 1, n_embd]
+        self._set_queue(self._q_tok[:0], self._q_pos[:0], self._q_g[:0])
+        self._open = False  # the seed step writes the deferred pair
+        self.dec_batch.set_embd(g, pos, tok)
+        return q
+
+    def _feedback(self, row: int) -> np.ndarray:
+        """The next step's g from the decoder's row: its pre-norm hidden state (EAGLE 3.1 norm_output: the
+        output norm of it), a copy.  # [n_embd]"""
+        h = self.draft_ctx.nextn_ith(row)
+        return np.array(self.norms.feedback(h) if self.norms is not None else h)
+
     def draft(self, id_last: int, n_max: int, judge: Callable[[list[float], int], int] | None = None,
               p_min: float = 0.0, sampler: RejectionSampler | None = None, n_alt: int = 0) -> Draft:
         """Draft up to n_max tokens that follow id_last (the target's newest token). After each step,
@@ -389,29 +417,14 @@ class Eagle3Session:
         Draft also holds each step's n_alt runner-up tokens (the branches of a draft tree)."""
         if n_max <= 0:
             return Draft()
-        self.catch_up()
-        if self.pending_pos < 0:
-            raise Eagle3Error("draft() before process(): feed the head the prompt first")
         if judge is None:
             judge = FixedPolicy(n_max, p_min).judge
         ctx = self.draft_ctx
-        ctx.seq_rm(0, self.pending_pos, -1)
-        # The queued pairs ride along with the seed step (one graph instead of two), all rows marked as
-        # outputs: the pinned eagle3 decoder graph has no output-row selection (no inp_out_ids), so with
-        # outputs on a subset of rows llama.cpp hands back the first rows' logits, not the marked ones.
-        if len(self._q_tok) + 1 > self.n_ubatch:
-            self.flush()
-        q = len(self._q_tok)
-        tok = np.append(self._q_tok, np.int32(id_last))  # [q + 1]
-        pos = np.append(self._q_pos, np.int32(self.pending_pos))  # [q + 1]
-        g = np.concatenate([self._q_g, self.pending_g[None]])  # [q + 1, n_embd]
-        self._set_queue(self._q_tok[:0], self._q_pos[:0], self._q_g[:0])
-        self._open = False  # the seed step writes the deferred pair
+        row = self._seed(id_last)
+        p = self.pending_pos
         out, confs, qs = [], [], []
         alts = Draft() if n_alt else None
         batch = self.dec_batch
-        batch.set_embd(g, pos, tok)  # the seed step, with the queued pairs
-        row, p = q, self.pending_pos
         while True:
             ctx.decode(batch)
             token, conf = self._choose(ctx.logits_ith(row), sampler, qs, alts, n_alt)
@@ -428,6 +441,54 @@ class Eagle3Session:
             p += 1
             batch.set_embd_one(h, p, token)
             row = 0
+
+    def draft_tree(self, id_last: int, depth: int, topk: int, n_nodes: int) -> tuple[Draft, DraftTree]:
+        """EAGLE-2's dynamic draft tree after id_last (tree.py): the seed step's topk likeliest tokens are
+        the first depth's candidates; then, depth after depth, the topk candidates of the depth likeliest
+        to be reached (cumulative probability) run as one decoder batch, each over its own path, and their
+        topk children join the candidates; the n_nodes likeliest candidates are the tree. The Draft holds the
+        tree's chain (its likeliest path) and the head's probability of each chain step. The head's cache
+        holds the seed after it, as after draft()."""
+        ctx = self.draft_ctx
+        if ctx.n_seq_max < 1 + 2 * topk:
+            raise Eagle3Error(f"a draft tree of top-{topk} needs a head context with {1 + 2 * topk} sequences "
+                              f"(this one has {ctx.n_seq_max}): PairConfig(n_seq_max=...)")
+        row = self._seed(id_last)
+        pos0 = self.pending_pos
+        cands = Expansion(id_last)
+        seq_of = {0: 0}  # an expanded candidate's head sequence: its path's cells (the root: the prefix's)
+        g_of = {}  # an expanded candidate's hidden state: its children's g
+        try:
+            ctx.decode(self.dec_batch)
+            g_of[0] = self._feedback(row)
+            cands.add_children(0, *self._top(ctx.logits_ith(row), topk))
+            for d in range(1, depth):
+                front = cands.likeliest(d, topk)  # [w]
+                sets = 1 + (d % 2) * topk  # depths alternate between two sets of sequences
+                for j, i in enumerate(front):
+                    ctx.seq_rm(sets + j, -1, -1)  # a grandparent's path, copied into its child's already
+                    ctx.seq_cp(seq_of[cands.parents[i]], sets + j)
+                    seq_of[i] = sets + j
+                self.dec_batch.set_embd(np.stack([g_of[cands.parents[i]] for i in front]),
+                                        np.full(len(front), pos0 + d, np.int32), [cands.tokens[i] for i in front],
+                                        seq_ids=[seq_of[i] for i in front])
+                ctx.decode(self.dec_batch)
+                for r, i in enumerate(front):
+                    g_of[i] = self._feedback(r)
+                    cands.add_children(i, *self._top(ctx.logits_ith(r), topk))
+        finally:
+            for s in range(1, 1 + 2 * topk):
+                ctx.seq_rm(s, -1, -1)
+        tree = cands.best(n_nodes)
+        chain = range(1, tree.chain + 1)
+        return Draft([tree.tokens[i] for i in chain], [tree.probs[i] / tree.probs[i - 1] for i in chain]), tree
+
+    def _top(self, logits: np.ndarray, k: int) -> tuple[list[int], list[float]]:
+        """A draft step's k likeliest tokens and their probabilities, the likeliest first.
+        # logits: [n_vocab], -inf outside the draft vocab"""
+        alts = Draft()
+        token, conf = self._choose(logits, None, [], alts, k - 1)
+        return [token, *(alts.alt_tokens[0] if k > 1 else [])], [conf, *(alts.alt_probs[0] if k > 1 else [])]
 
     def accept(self, n_accepted: int) -> None:
         """The target kept n_accepted drafted tokens: drop the draft's speculative KV entries past the

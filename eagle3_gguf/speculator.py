@@ -167,15 +167,15 @@ class Speculator:
         return policy
 
     def _check_tree(self, config: DraftConfig) -> None:
-        """A draft tree needs a sequence per branch in the target's unified cache (tree.py)."""
-        n_branch = config.tree_branches
+        """A draft tree needs sequences in the target's and the head's unified caches (tree.py)."""
+        n = config.tree_sequences
         if not self.trees:
             raise Eagle3Error("parallel slots draft chains: set draft_topk 1")
-        if self.target.n_seq_max < 1 + n_branch:
-            raise Eagle3Error(f"a draft tree of {config.tree_nodes} tokens needs a target context with "
-                              f"{1 + n_branch} sequences (this one has {self.target.n_seq_max}): "
-                              f"PairConfig(n_seq_max={1 + n_branch}), as `generate --draft-topk` opens it; "
-                              "Eagle3Llama and serve draft chains (draft_topk=1)")
+        have = min(self.target.n_seq_max, self.session.draft_ctx.n_seq_max)
+        if have < n:
+            raise Eagle3Error(f"a draft tree of top-{config.draft_topk}, {config.tree_nodes} tokens needs contexts "
+                              f"with {n} sequences (these have {have}): PairConfig(n_seq_max={n}), as "
+                              "`generate --draft-topk` opens them; Eagle3Llama and serve draft chains (draft_topk=1)")
 
     def calibrate(self, k_max: int) -> CostCurve:
         """The cost curve from the cache, or measured now (a fraction of a second) and cached."""
@@ -230,6 +230,9 @@ class Speculator:
         `rejection`: verify drafts drawn from the head's q by rejection sampling instead of hooks.pick.
         `spec_sampling`: how drafts are verified, for the statistics. May calibrate (see policy_for)."""
         speculative = config is not None and config.draft_max > 0 and self.session is not None
+        if speculative and config.draft_topk > 1 and rejection is not None:
+            raise Eagle3Error("a draft tree keeps the target's own samples (spec_sampling 'match'): at temperature "
+                              "> 0 set spec_sampling to match (--spec-sampling match) or draft_topk to 1")
         if speculative and self.needs_calibration(config):
             keep = 0  # calibrating clears both caches
         policy = self.policy_for(config) if speculative else None
@@ -318,9 +321,13 @@ class Speculator:
             draft = Draft(found.tokens, [], [one_hot(tok) for tok in found.tokens] if rejection is not None else [])
         elif k > 0:
             t = time.perf_counter()
-            draft = session.draft(id_last, k, policy.judge, sampler=rejection,
-                                  n_alt=policy.n_alt if rejection is None else 0)
-            tree = policy.tree(id_last, draft, k_cap) if draft.alt_tokens else None
+            if policy.expand and rejection is None:
+                draft, tree = session.draft_tree(id_last, k, policy.expand, min(policy.nodes, k_cap))
+                tree = tree if tree.n_nodes > tree.chain else None  # a chain alone: verified as one
+            else:
+                draft = session.draft(id_last, k, policy.judge, sampler=rejection,
+                                      n_alt=policy.n_alt if rejection is None else 0)
+                tree = policy.tree(id_last, draft, k_cap) if draft.alt_tokens else None
             t_draft = time.perf_counter() - t
             st.t_draft += t_draft
         drafts = draft.tokens if draft is not None else []

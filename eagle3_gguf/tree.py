@@ -1,21 +1,27 @@
 """Draft trees: several candidates where the head is unsure, verified in one target batch.
 
 A tree's root is the cycle's first row (id_last, the target's newest token); its nodes are draft tokens, each
-the child of the node before it in its path. The main chain is the head's draft (nodes 1..chain, each the
-child of the one before); the branches are the head's runner-up tokens at a chain depth (`Draft.alt_tokens`),
-so a tree costs no head step beyond the chain's, only verify rows: a node at depth d whose chain sibling the
-target rejects may still be the target's choice there.
+the child of the node before it in its path; the chain (nodes 1..chain) is its likeliest path. Two drafts make
+one:
+- EAGLE-2's dynamic tree (`Expansion`, Eagle3Session.draft_tree; the fixed policy's): depth by depth, the head
+  runs the topk candidates likeliest to be reached in one batch and their topk likeliest tokens join the
+  candidates; the N likeliest candidates are the tree. It costs topk head rows a depth.
+- The chain plus runner-ups (`branch_candidates`, the adaptive policy's): the head's draft is the chain and its
+  runner-up tokens at each chain depth (`Draft.alt_tokens`) are leaves beside it, so the tree costs no head
+  step beyond the chain's, only verify rows: a node whose chain sibling the target rejects may still be the
+  target's choice there.
 
 The target verifies all nodes in one batch with no new kernel: a batch row may carry several sequence ids,
 and attention keeps a cell for a row when they share a sequence and the cell's position is not past the
 row's (llama.cpp's unified KV cache). The chain's rows and the prefix are sequence 0; each branch leaf gets a
 sequence of its own, which the prefix's cells are given (`seq_cp`, no copy of data) and every ancestor of the
-leaf carries, so each node attends exactly its own path.
+leaf carries, so each node attends exactly its own path. (The head's dynamic expansion does the same in its
+own cache: a sequence per candidate it runs, its parent's copied into it.)
 
 After the walk (`walk`: from the root, the target's token at a row is kept while it is one of the row's
 children), the cache keeps the prefix and the accepted part of the chain; every branch sequence is removed.
 An accepted branch node's cell goes too, and the node is decoded again at the head of the next cycle's
-batch (`TreeCycle.redo`): its cell would otherwise sit after the freed cells of the rejected chain, later
+batch (`Speculator._redo`): its cell would otherwise sit after the freed cells of the rejected chain, later
 rows would fill those, and attention (which sums cells in their order) would stop matching plain decoding
 bit for bit. The logits its tree row gave are the ones the walk used, so nothing is decided twice.
 """
@@ -76,6 +82,49 @@ def chain_tree(id_last: int, draft: Draft, accept: Callable[[int, float], float]
         p *= accept(i, conf) if accept is not None else conf
         reach.append(p)
     return DraftTree([id_last, *draft.tokens], list(range(-1, n)), list(range(n + 1)), n, reach)
+
+
+class Expansion:
+    """The candidates of EAGLE-2's dynamic expansion (Eagle3Session.draft_tree): node 0 is the root (id_last);
+    every other candidate is a head token under its parent, scored by the head's probability of its whole
+    path (the product of its steps' probabilities). A parent is added before its children."""
+
+    def __init__(self, id_last: int):
+        self.tokens = [id_last]
+        self.parents = [-1]
+        self.depths = [0]
+        self.scores = [1.0]
+
+    def add_children(self, parent: int, tokens: list[int], probs: list[float]) -> None:
+        """The head's likeliest tokens after `parent`, with their probabilities there."""
+        for tok, p in zip(tokens, probs):
+            self.tokens.append(tok)
+            self.parents.append(parent)
+            self.depths.append(self.depths[parent] + 1)
+            self.scores.append(self.scores[parent] * p)
+
+    def likeliest(self, depth: int, n: int) -> list[int]:
+        """The n candidates at `depth` likeliest to be reached (the first added on a tie)."""
+        level = [i for i, d in enumerate(self.depths) if d == depth]
+        return sorted(level, key=lambda i: -self.scores[i])[:n]
+
+    def best(self, n: int) -> DraftTree:
+        """The n likeliest candidates as a tree (an ancestor is at least as likely and was added first, so
+        each one's path comes along): the chain is the likeliest path (from the root, the likeliest child at
+        each step), then the other nodes by depth."""
+        chosen = set(sorted(range(1, len(self.tokens)), key=lambda i: -self.scores[i])[:n])
+        children: dict[int, list[int]] = {}
+        for i in sorted(chosen):
+            children.setdefault(self.parents[i], []).append(i)
+        chain, node = [], 0
+        while node in children:
+            node = max(children[node], key=lambda i: self.scores[i])  # the first added on a tie
+            chain.append(node)
+        rest = sorted(chosen.difference(chain), key=lambda i: (self.depths[i], i))
+        order = [0, *chain, *rest]
+        row = {i: r for r, i in enumerate(order)}
+        return DraftTree([self.tokens[i] for i in order], [row[self.parents[i]] if i else -1 for i in order],
+                         [self.depths[i] for i in order], len(chain), [self.scores[i] for i in order])
 
 
 @dataclass

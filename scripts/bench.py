@@ -38,6 +38,7 @@ import bench_data  # noqa: E402
 from build_upstream import bin_dir, requantized  # noqa: E402
 
 from eagle3_gguf.assets import default_head_path, smollm2_path  # noqa: E402
+from eagle3_gguf.config import DraftConfig  # noqa: E402
 from eagle3_gguf.decode import GenerateConfig, Runner  # noqa: E402
 from eagle3_gguf.native import install_log_callback  # noqa: E402
 from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
@@ -159,7 +160,8 @@ def bench_target(quant: str, target: Path, head: Path, args, tools: Path | None)
         pp, tg = llama_bench(tools, target, args.threads, args.n_gpu_layers)
         physics = Physics(quant, pp, tg)
     prompt_file = Path(tempfile.mkdtemp(prefix="eagle3-bench-")) / "prompt.txt"
-    n_seq_max = 1 + max((nodes for _, nodes in args.trees), default=0)  # a sequence per tree branch at most
+    n_seq_max = max((DraftConfig(draft_max=max(args.ks), draft_topk=topk, draft_nodes=nodes).tree_sequences
+                     for topk, nodes in args.trees), default=1)
     with load_pair(target, head, PairConfig(n_ctx=4096, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers,
                                             n_seq_max=n_seq_max)) as pair:
         model = pair.target_model

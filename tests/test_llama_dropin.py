@@ -12,6 +12,7 @@ import llama_cpp
 import pytest
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
+from eagle3_gguf.config import DraftConfig
 from eagle3_gguf.errors import Eagle3Error
 from eagle3_gguf.llama import Eagle3Llama, attach_eagle3
 from eagle3_gguf.native import CACHE_TYPES
@@ -440,6 +441,20 @@ def test_bad_construction(tiny_target, tiny_head, smollm2_path):
         Eagle3Llama(model_path=str(smollm2_path), draft_model_path=tiny_head, draft_policy="fixed", **KW)
     with pytest.raises(Eagle3Error, match="no such file"):
         Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head.with_name("missing.gguf"), **KW)
+    tree = DraftConfig(draft_topk=2)
+    chains = r"^Eagle3Llama drafts chains \(llama-cpp-python opens its context with one sequence"
+    with pytest.raises(Eagle3Error, match=chains):
+        Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_config=tree, **KW)
+    llm = llama_cpp.Llama(model_path=str(tiny_target), **KW)
+    try:
+        with pytest.raises(Eagle3Error, match=chains):
+            attach_eagle3(llm, tiny_head, draft_config=tree)
+        ours = attach_eagle3(llm, tiny_head)
+        with pytest.raises(Eagle3Error, match=chains):
+            ours.draft_config = tree
+        assert ours.draft_config.draft_topk == 1
+    finally:
+        llm.close()
 
 
 # -- SmolLM2 ------------------------------------------------------------------------------------------------

@@ -10,13 +10,13 @@ import pytest
 
 from eagle3_gguf.assets import default_head_path
 from eagle3_gguf.config import DraftConfig
-from eagle3_gguf.decode import GenerateConfig, Runner
+from eagle3_gguf.decode import GenerateConfig, Runner, Sampler
 from eagle3_gguf.errors import Eagle3Error
 from eagle3_gguf.native import Batch
 from eagle3_gguf.pair import PairConfig, load_pair
 from eagle3_gguf.session import Draft, Eagle3Session
 from eagle3_gguf.tokens import chat_tokens, tokenize
-from eagle3_gguf.tree import DraftTree, branch_candidates, chain_tree, walk, with_branches
+from eagle3_gguf.tree import DraftTree, Expansion, branch_candidates, chain_tree, walk, with_branches
 
 PROMPT = "Write a short poem about the sea, then explain its imagery in two sentences."
 
@@ -77,21 +77,39 @@ def test_branches_are_the_likeliest_runner_ups():
     assert [b.token for b in branch_candidates(chain, draft, lambda d, reach, p: p if d == 2 else 0.0)] == [22, 32]
 
 
-def test_a_tree_needs_a_sequence_per_branch(tiny_target, tiny_head):
+def test_the_likeliest_candidates_make_the_tree():
+    """EAGLE-2's selection: the n candidates likeliest to be reached, each with its path; the chain follows the
+    likeliest child from the root, the other nodes come after it by depth."""
+    cands = Expansion(10)
+    cands.add_children(0, [11, 21], [0.6, 0.3])  # nodes 1, 2
+    cands.add_children(1, [12, 22], [0.5, 0.4])  # nodes 3, 4: reached 0.3 and 0.24
+    cands.add_children(2, [23, 33], [0.9, 0.1])  # nodes 5, 6: 0.27 and 0.03
+    cands.add_children(3, [13, 24], [0.7, 0.2])  # nodes 7, 8: 0.21 and 0.06
+    assert cands.likeliest(2, 2) == [3, 5] and cands.likeliest(1, 5) == [1, 2]
+    tree = cands.best(5)  # 11 0.6, 21 and 12 0.3, 23 0.27, 22 0.24
+    assert tree.tokens == [10, 11, 12, 21, 22, 23] and tree.parents == [-1, 0, 1, 0, 1, 3]
+    assert tree.depths == [0, 1, 2, 1, 2, 2] and tree.chain == 2
+    assert tree.probs == pytest.approx([1.0, 0.6, 0.3, 0.3, 0.24, 0.27])
+    tree = cands.best(6)  # and 13 at 0.21, under 12: the chain grows
+    assert tree.tokens == [10, 11, 12, 13, 21, 22, 23] and tree.chain == 3
+    assert cands.best(1).tokens == [10, 11] and cands.best(1).chain == 1
+
+
+def test_a_tree_needs_sequences_in_both_contexts(tiny_target, tiny_head):
     config = GenerateConfig(draft_policy="fixed", draft_topk=2, n_predict=4)
-    assert config.tree_nodes == 8 and config.tree_branches == 4
-    assert DraftConfig(draft_topk=3, draft_nodes=6).tree_branches == 2 and DraftConfig().tree_branches == 0
+    assert config.tree_nodes == 8 and config.tree_sequences == 8
+    assert DraftConfig(draft_topk=4, draft_nodes=6).tree_sequences == 9 and DraftConfig().tree_sequences == 1
     with pytest.raises(Eagle3Error, match="--draft-topk must be between 1 and 8 \\(got 9\\)"):
         DraftConfig.from_flags(draft_topk=9)
     with load_pair(tiny_target, tiny_head, PairConfig(n_ctx=256, n_batch=64)) as pair, \
             Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
-        with pytest.raises(Eagle3Error, match=r"needs a target context with 5 sequences \(this one has 1\)"):
+        with pytest.raises(Eagle3Error, match=r"needs contexts with 8 sequences \(these have 1\)"):
             d.generate(tokenize(pair.target_model, "Hello"), config)
 
 
 @pytest.fixture(scope="module")
 def pair(smollm2_path):
-    with load_pair(smollm2_path, default_head_path(), PairConfig(n_ctx=1024, n_threads=2, n_seq_max=8)) as p:
+    with load_pair(smollm2_path, default_head_path(), PairConfig(n_ctx=1024, n_threads=2, n_seq_max=9)) as p:
         yield p
 
 
@@ -124,19 +142,29 @@ def test_a_tree_row_is_its_path_decoded_as_a_chain(pair):
 
 class SecondChoice(Eagle3Session):
     """A head whose first draft is always wrong and whose runner-up there is the target's token (what a tree
-    exists for): the chain drafts are the target's future shifted by one token id; the first runner-up is the
-    true token, with probability 0.3."""
+    exists for): a chain drafts the target's future shifted by one token id; a tree's first depth holds that
+    wrong token and the true one, equally likely (the deeper nodes are the head's own)."""
 
     truth: list[int] = []
 
+    def _next_true(self, depth: int) -> int:
+        return self.truth[self.pending_pos + self.shift + 1 + depth]  # id_last sits at pending_pos + shift + 1
+
     def draft(self, id_last, n_max, judge=None, p_min=0.0, sampler=None, n_alt=0) -> Draft:
         real = super().draft(id_last, n_max, judge, p_min, sampler, n_alt)
-        start = self.pending_pos + self.shift + 2  # id_last sits at target position pending_pos + shift + 1
-        future = self.truth[start:start + len(real.tokens)]
-        wrong = [(t + 1) % 49152 for t in future]
-        alts = [[t, *a[1:]] for t, a in zip(future, real.alt_tokens)]
-        probs = [[0.3, *p[1:]] for p in real.alt_probs[:len(alts)]]
-        return dataclasses.replace(real, tokens=wrong, alt_tokens=alts, alt_probs=probs)
+        wrong = [(self._next_true(1 + i) + 1) % 49152 for i in range(len(real.tokens))]
+        return dataclasses.replace(real, tokens=wrong)
+
+    def draft_tree(self, id_last, depth, topk, n_nodes):
+        self._seeded = False
+        return super().draft_tree(id_last, depth, topk, n_nodes)
+
+    def _top(self, logits, k):
+        if self._seeded:
+            return super()._top(logits, k)
+        self._seeded = True  # the seed step: the first depth
+        true = self._next_true(1)
+        return [(true + 1) % 49152, true], [0.5, 0.5]
 
 
 def test_a_runner_up_is_kept_through_a_tree_and_never_through_a_chain(pair):
@@ -152,10 +180,34 @@ def test_a_runner_up_is_kept_through_a_tree_and_never_through_a_chain(pair):
     assert by_chain.tokens == base.tokens == by_tree.tokens
     assert by_chain.stats.n_accepted == 0 and by_chain.stats.tree_cycles == 0
     st = by_tree.stats
-    # every tree cycle keeps the depth-1 branch: two tokens a forward
-    assert st.tree_cycles > 10 and st.tree_branch_kept == st.tree_cycles == st.n_accepted
+    # every tree cycle keeps the depth-1 branch (and the head's tokens under it, now and then)
+    assert st.tree_cycles > 10 and st.tree_branch_kept == st.tree_cycles <= st.n_accepted
     assert 4 * st.tree_cycles < st.tree_nodes <= 5 * st.tree_cycles  # (the last cycles draft what n_predict leaves)
     assert st.n_accepted + st.n_target_forwards == st.n_generated
+
+
+def test_the_head_drafts_a_chain_as_a_tree_of_one_token_a_depth(pair):
+    """draft_tree at top-1 runs each depth's node over its own sequence of the head's cache: it drafts what
+    draft() drafts, and leaves the head's cache as draft() does."""
+    prompt = tokenize(pair.target_model, "The quick brown fox jumps over the lazy dog. The quick")
+    got = {}
+    with Batch(64) as batch:
+        for how in ("chain", "tree"):
+            with Eagle3Session(pair.target, pair.head) as s:  # (it asks the target for the head's layers)
+                pair.target.clear()
+                batch.set(prompt, 0, logits="last")
+                pair.target.decode(batch)
+                s.reset()
+                s.process(prompt, 0)
+                if how == "chain":
+                    draft = s.draft(prompt[2], 5, p_min=0.0)
+                else:
+                    draft, tree = s.draft_tree(prompt[2], 5, 1, 5)
+                    assert tree.chain == tree.n_nodes == 5 and tree.tokens[1:] == draft.tokens
+                got[how] = (draft, pair.head.pos_max(), pair.head.pos_max(1))
+    (chain, end_c, _), (tree, end_t, branch) = got["chain"], got["tree"]
+    assert tree.tokens == chain.tokens and tree.confs == pytest.approx(chain.confs[:5], rel=1e-4)
+    assert end_t == end_c - 4 and branch == -1  # the chain's steps stay until accept(); the tree's go at once
 
 
 @pytest.mark.parametrize("k, topk, nodes", [(3, 2, 4), (4, 2, 8), (2, 4, 8)])
@@ -194,3 +246,28 @@ def test_the_adaptive_policy_adds_a_branch_where_its_row_pays():
         cheap.observe_tree(tree, [])
     assert 21 not in cheap.tree(10, draft, 8).tokens
     assert cheap.tree(10, draft, 4).n_nodes == 4  # where only 4 rows fit after id_last (the context's end)
+
+
+def test_a_tree_at_temperature_keeps_the_targets_samples(pair):
+    """At T > 0 a tree keeps a node only where it is the target's own sample there (the sampler draws once per
+    emitted token, in order): every seed gives target-only's text, with the shipped head and with one whose
+    first draft is always wrong; rejection sampling is refused for trees, in one line."""
+    prompt = chat_tokens(pair.target_model, PROMPT)
+    config = GenerateConfig(n_predict=48, draft_max=3, draft_policy="fixed", draft_topk=2, draft_nodes=6,
+                            spec_sampling="match")
+    kept = 0
+    for head in (Eagle3Session, SecondChoice):
+        for seed in (1, 2, 3):
+            with Runner(pair.target) as plain:
+                base = plain.generate(prompt, config, Sampler(temperature=0.9, seed=seed), speculative=False)
+            with head(pair.target, pair.head) as s, Runner(pair.target, s) as d:
+                s.truth = prompt + base.tokens  # SecondChoice's oracle: the sampled text is the truth here
+                got = d.generate(prompt, config, Sampler(temperature=0.9, seed=seed))
+            assert got.tokens == base.tokens, (head.__name__, seed)
+            kept += got.stats.tree_branch_kept
+            if head is SecondChoice:
+                assert got.stats.tree_branch_kept == got.stats.tree_cycles > 0
+    assert kept > 0
+    with Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
+        with pytest.raises(Eagle3Error, match=r"^a draft tree keeps the target's own samples \(spec_sampling 'match'\)"):
+            d.generate(prompt, dataclasses.replace(config, spec_sampling="rejection"), Sampler(temperature=0.9))

@@ -50,7 +50,7 @@ def register(app: typer.Typer) -> None:
             drafting = drafting_from_flags(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale,
                                            draft_lookup, draft_lookup_max, temp, draft_topk, draft_nodes)
             pair_config = _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max,
-                                       1 + drafting.tree_branches)
+                                       drafting.tree_sequences)
             from ..decode import GenerateConfig
 
             config = GenerateConfig(n_predict=n_predict, **asdict(drafting))

@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""Benchmark: draft trees against chains at the same verify rows, in tokens per target forward (tau).
+
+    python scripts/bench_tree.py --limit 10     # quick: 10 prompts per workload
+    python scripts/bench_tree.py                # all 80 MT-bench + 164 HumanEval prompts
+
+Every prompt runs target-only, then every contender back to back (fixed shapes DEPTHxTOPKxNODES, chains
+as Kx1xK, and the adaptive policy with each of --adaptive's tree caps), greedy, in one process. Tau does not depend
+on timing, so one pass decides it; each run's text is compared with target-only's. The table puts each
+contender beside the best chain whose verify batch is no larger (K + 1 rows against N + 1): the median of
+tau over prompts against that chain's, and the median of per-prompt ratios. Wall time per generation is
+reported beside it (on a CPU the extra rows cost more than they save). Writes <workload>.json and
+results.md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_data  # noqa: E402
+
+from eagle3_gguf.assets import default_head_path, smollm2_path  # noqa: E402
+from eagle3_gguf.decode import GenerateConfig, Runner  # noqa: E402
+from eagle3_gguf.native import install_log_callback  # noqa: E402
+from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
+from eagle3_gguf.session import Eagle3Session  # noqa: E402
+from eagle3_gguf.tokens import Message, apply_chat_template, tokenize  # noqa: E402
+
+
+@dataclass
+class Contender:
+    name: str
+    config: GenerateConfig
+
+    @property
+    def rows(self) -> int:
+        """The most rows one verify batch holds: id_last and the drafts (a tree's nodes)."""
+        return 1 + self.config.tree_nodes
+
+
+@dataclass
+class Prompt:
+    """One prompt's runs: each contender's tau, wall seconds and whether its text was target-only's."""
+
+    id: str
+    n_generated: int
+    t_target: float
+    tau: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    identical: dict[str, bool] = field(default_factory=dict)
+    tree_cycles: dict[str, int] = field(default_factory=dict)
+    branch_kept: dict[str, int] = field(default_factory=dict)
+
+
+def contenders(args) -> list[Contender]:
+    out = []
+    for shape in args.shapes.split(","):
+        depth, topk, nodes = (int(x) for x in shape.split("x"))
+        name = f"chain K={depth}" if topk == 1 else f"tree {depth}x{topk}x{nodes}"
+        out.append(Contender(name, GenerateConfig(n_predict=args.n_predict, draft_max=depth, draft_policy="fixed",
+                                                  draft_p_min=0.0, draft_topk=topk, draft_nodes=nodes)))
+    for caps in filter(None, args.adaptive.split(",")):
+        topk, nodes = (int(x) for x in caps.split("x"))
+        name = f"adaptive K={args.adaptive_max}" + (f", trees {topk}x{nodes}" if topk > 1 else "")
+        out.append(Contender(name, GenerateConfig(n_predict=args.n_predict, draft_max=args.adaptive_max,
+                                                  draft_topk=topk, draft_nodes=nodes)))
+    return out
+
+
+def run(args, workload: str, runs: list[Contender]) -> list[Prompt]:
+    n_seq = max(c.config.tree_sequences for c in runs)
+    out = []
+    with load_pair(smollm2_path(), default_head_path(), PairConfig(n_ctx=4096, n_threads=args.threads,
+                                                                   n_seq_max=n_seq)) as pair, \
+            Eagle3Session(pair.target, pair.head) as session, Runner(pair.target, session) as dec:
+        for p in bench_data.load(workload, args.limit or None):
+            prompt = tokenize(pair.target_model, apply_chat_template(pair.target_model, [Message("user", p.text)]),
+                              add_special=False)
+            t = time.perf_counter()
+            base = dec.generate(prompt, GenerateConfig(n_predict=args.n_predict), speculative=False)
+            rec = Prompt(p.id, len(base.tokens), time.perf_counter() - t)
+            for c in runs:
+                t = time.perf_counter()
+                r = dec.generate(prompt, c.config)
+                rec.seconds[c.name] = time.perf_counter() - t
+                rec.tau[c.name] = r.stats.tau
+                rec.identical[c.name] = r.tokens == base.tokens
+                rec.tree_cycles[c.name] = r.stats.tree_cycles
+                rec.branch_kept[c.name] = r.stats.tree_branch_kept
+            out.append(rec)
+            print(f"{workload} {p.id}: " + " ".join(f"{c.name} {rec.tau[c.name]:.2f}" for c in runs), file=sys.stderr)
+    return out
+
+
+def table(workload: str, runs: list[Contender], prompts: list[Prompt]) -> list[str]:
+    median_tau = {c.name: statistics.median(p.tau[c.name] for p in prompts) for c in runs}
+    chains = [c for c in runs if c.config.draft_topk == 1]
+    lines = [f"### {workload} ({len(prompts)} prompts)", "",
+             "| contender | verify rows | tau, median | vs the best chain at <= rows | per-prompt ratio, median "
+             "| s / generation vs target-only | tree cycles | branch kept | identical |", "|" + "---|" * 9]
+    t_base = statistics.median(p.t_target for p in prompts)
+    for c in runs:
+        fits = [ch for ch in chains if ch.rows <= c.rows]
+        best = max(fits, key=lambda ch: median_tau[ch.name]) if fits else None
+        vs = f"{median_tau[c.name] / median_tau[best.name]:.3f}x ({best.name})" if best else ""
+        ratio = (f"{statistics.median(p.tau[c.name] / p.tau[best.name] for p in prompts):.3f}x"
+                 if best else "")
+        slow = statistics.median(p.seconds[c.name] for p in prompts) / t_base
+        ident = sum(p.identical[c.name] for p in prompts)
+        lines.append(f"| {c.name} | {c.rows} | {median_tau[c.name]:.3f} | {vs} | {ratio} | {slow:.2f}x | "
+                     f"{sum(p.tree_cycles[c.name] for p in prompts)} | {sum(p.branch_kept[c.name] for p in prompts)} | "
+                     f"{ident}/{len(prompts)} |")
+    return lines + [""]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workloads", default="mtbench,humaneval")
+    ap.add_argument("--limit", type=int, default=0, help="prompts per workload (0: all)")
+    ap.add_argument("--n-predict", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--shapes", default="7x1x7,3x3x7",
+                    help="fixed contenders, DEPTHxTOPKxNODES each (a chain of K: Kx1xK)")
+    ap.add_argument("--adaptive", default="", help="also the adaptive policy with these tree caps, TOPKxNODES each "
+                    "(1x0: chains)")
+    ap.add_argument("--adaptive-max", type=int, default=4, help="the adaptive policy's K")
+    ap.add_argument("--out", type=Path, default=Path("bench/tree-cpu"))
+    args = ap.parse_args()
+    install_log_callback()
+    runs = contenders(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    md = ["# Draft trees against chains: tokens per target forward at the same verify rows", "",
+          f"SmolLM2-135M-Instruct Q4_1 + the shipped head, greedy, chat template, {args.n_predict} new tokens, "
+          f"{args.threads} threads, p_min 0 (`python scripts/bench_tree.py {' '.join(sys.argv[1:])}`). Shapes are "
+          "DEPTHxTOPKxNODES: the fixed policy's EAGLE-2 tree, DEPTH deep, TOPK tokens a depth, its NODES likeliest "
+          "verified.", ""]
+    same = True
+    for workload in args.workloads.split(","):
+        prompts = run(args, workload, runs)
+        same = same and all(all(p.identical.values()) for p in prompts)
+        (args.out / f"{workload}.json").write_text(json.dumps([asdict(p) for p in prompts], indent=1))
+        md += table(workload, runs, prompts)
+        (args.out / "results.md").write_text("\n".join(md))
+    print("\n".join(md))
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
