@@ -128,6 +128,8 @@ MANGLED_SYMBOLS = {
     "llama_get_embeddings_nextn_ith": "_Z30llama_get_embeddings_nextn_ithP13llama_contexti",
     "llama_model_target_layer_ids": "_Z28llama_model_target_layer_idsPK11llama_model",
     "llama_model_target_layer_ids_n": "_Z30llama_model_target_layer_ids_nPK11llama_model",
+    "llama_model_n_devices": "_Z21llama_model_n_devicesPK11llama_model",
+    "llama_model_get_device": "_Z22llama_model_get_devicePK11llama_modeli",
 }
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"

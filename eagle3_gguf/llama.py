@@ -140,9 +140,10 @@ class Eagle3Llama(Llama):
                  draft_policy: str = _LIBRARY.draft_policy, spec_sampling: str = _LIBRARY.spec_sampling,
                  draft_temp_scale: float = _LIBRARY.draft_temp_scale, draft_lookup: bool = _LIBRARY.draft_lookup,
                  draft_lookup_max: int = _LIBRARY.draft_lookup_max, draft_config: DraftConfig | None = None,
-                 **kwargs: Any):
+                 n_gpu_layers_draft: int | None = None, **kwargs: Any):
         """The drafting knobs are config.DraftConfig's (checked before anything loads), one by one or as one
-        `draft_config`; `draft_config` holds them afterwards."""
+        `draft_config`; `draft_config` holds them afterwards. n_gpu_layers_draft: the head's layers on the GPU
+        (-1: all), beside llama-cpp-python's n_gpu_layers for the target; None: as the target's."""
         if draft_model_path is None:
             raise Eagle3Error("Eagle3Llama needs the EAGLE-3 head: Eagle3Llama(model_path=..., draft_model_path=HEAD.gguf)")
         if kwargs.get("draft_model") is not None:
@@ -154,7 +155,7 @@ class Eagle3Llama(Llama):
         kwargs.setdefault("type_v", CACHE_TYPES["bf16"])
         super().__init__(model_path=model_path, **kwargs)
         try:
-            self._eagle3_setup(draft_model_path, config)
+            self._eagle3_setup(draft_model_path, config, n_gpu_layers_draft)
         except BaseException:
             self.close()
             raise
@@ -175,7 +176,7 @@ class Eagle3Llama(Llama):
             scores[:self.scores.shape[0]] = self.scores
             self.scores = scores
 
-    def _eagle3_setup(self, head_path: str | Path, config: DraftConfig) -> None:
+    def _eagle3_setup(self, head_path: str | Path, config: DraftConfig, n_gpu_layers_draft: int | None) -> None:
         if self.draft_model is not None:
             raise Eagle3Error("this Llama already has a draft_model (prompt lookup); create it without one")
         if self.context_params.embeddings:
@@ -193,17 +194,18 @@ class Eagle3Llama(Llama):
         self.spec_stats = SpecStats()
         self.spec_fallback: str | None = None
         self._e3_head_path = Path(head_path)
+        self._e3_head_ngl = n_gpu_layers_draft
         self._e3_budget: int | None = None  # tokens the running completion still wants (a hint)
         self._e3_running = threading.Lock()  # held by the generation that is running (see _Turn)
         self._e3_generation = 0  # generations started so far; the latest is the current one
         self._e3_unfinished = False  # a generation started and has not ended
         self._e3_runner: Callable | None = None  # computes plain decoding's graphs (run_graphs_with)
-        n_gpu_layers = max(self.model_params.n_gpu_layers, 0)
+        n_gpu_layers = self.model_params.n_gpu_layers
         model = Model(self.model_path, n_gpu_layers=n_gpu_layers, borrowed=self._model.model)
         target = Context(model, n_ctx=self._n_ctx, n_batch=self.n_batch, n_threads=cp.n_threads, type_k=cp.type_k,
                          type_v=cp.type_v, flash_attn=cp.flash_attn_type, borrowed=self._ctx.ctx)
         pair_config = PairConfig(n_ctx=self._n_ctx, n_batch=self.n_batch, n_threads=cp.n_threads,
-                                 n_gpu_layers=n_gpu_layers)
+                                 n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft)
         self._e3_pair: Pair | None = load_pair(self.model_path, head_path, pair_config, target_model=model,
                                                target_ctx=target)
         self._e3_spec: Speculator | None = None
@@ -237,7 +239,8 @@ class Eagle3Llama(Llama):
             super().close()
 
     def __getstate__(self):
-        return {**super().__getstate__(), "draft_model_path": str(self._e3_head_path), "draft_config": self.draft_config}
+        return {**super().__getstate__(), "draft_model_path": str(self._e3_head_path), "draft_config": self.draft_config,
+                "n_gpu_layers_draft": self._e3_head_ngl}
 
     @property
     def draft_config(self) -> DraftConfig:
@@ -305,7 +308,7 @@ class Eagle3Llama(Llama):
             self._e3_unfinished = True
             self.spec_fallback = self._fallback_reason(tokens, reset)
             if self.spec_fallback is not None:
-                self.spec_stats = SpecStats(n_prompt=len(tokens),
+                self.spec_stats = SpecStats(n_prompt=len(tokens), target_on=str(self._e3_pair.target_model.placement),
                                             stop_reason=f"plain decoding: {self.spec_fallback}")
                 inner = self._plain_generate(tokens, reset, stopping_criteria, sampling)
             else:
@@ -509,9 +512,9 @@ class _AttachedLlama(Eagle3Llama):
 
     _OWN = frozenset({"_draft_config", "spec_stats", "spec_fallback"})
 
-    def __init__(self, llm: Llama, head_path: str | Path, config: DraftConfig):
+    def __init__(self, llm: Llama, head_path: str | Path, config: DraftConfig, n_gpu_layers_draft: int | None):
         object.__setattr__(self, "_e3_llama", llm)
-        self._eagle3_setup(head_path, config)
+        self._eagle3_setup(head_path, config, n_gpu_layers_draft)
 
     def __getattr__(self, name: str):  # only for names this object does not hold: the Llama's
         llm = self.__dict__.get("_e3_llama")
@@ -543,11 +546,12 @@ def attach_eagle3(llm: Llama, head_path: str | Path, *, draft_max: int = _LIBRAR
                   draft_temp_scale: float = _LIBRARY.draft_temp_scale,
                   draft_lookup: bool = _LIBRARY.draft_lookup,
                   draft_lookup_max: int = _LIBRARY.draft_lookup_max,
-                  draft_config: DraftConfig | None = None) -> Eagle3Llama:
+                  draft_config: DraftConfig | None = None, n_gpu_layers_draft: int | None = None) -> Eagle3Llama:
     """An Eagle3Llama over an existing `llama_cpp.Llama`, sharing its model, context and settings (nothing is
     loaded again): `llm = attach_eagle3(llm, "head.gguf")`. The Llama passed in stays usable and plain; both
     are one KV cache (see _AttachedLlama). A subclass of Llama keeps its methods: the result is an instance
-    of it too. `draft_config`: the drafting knobs as one DraftConfig (serve's), instead of one by one."""
+    of it too. `draft_config`: the drafting knobs as one DraftConfig (serve's), instead of one by one.
+    n_gpu_layers_draft: the head's layers on the GPU (-1: all); None: as the Llama's n_gpu_layers."""
     if isinstance(llm, Eagle3Llama):
         raise Eagle3Error("this Llama already has an EAGLE-3 head")
     if not isinstance(llm, Llama):
@@ -559,7 +563,7 @@ def attach_eagle3(llm: Llama, head_path: str | Path, *, draft_max: int = _LIBRAR
     _check_chains(config)
     cls = type(llm)
     attached_cls = _AttachedLlama if cls is Llama else type(f"Eagle3{cls.__name__}", (_AttachedLlama, cls), {})
-    attached = attached_cls(llm, head_path, config)
+    attached = attached_cls(llm, head_path, config, n_gpu_layers_draft)
     _ATTACHED.add(llm)
     return attached
 

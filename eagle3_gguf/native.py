@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -116,6 +117,46 @@ llama_model_target_layer_ids = _bind(
 # LLAMA_API uint32_t llama_model_target_layer_ids_n(const struct llama_model * model);
 llama_model_target_layer_ids_n = _bind(
     "llama_model_target_layer_ids_n", [model_p], ctypes.c_uint32)
+
+# LLAMA_API int32_t llama_model_n_devices(const struct llama_model * model);
+llama_model_n_devices = _bind("llama_model_n_devices", [model_p], ctypes.c_int32)
+
+# LLAMA_API ggml_backend_dev_t llama_model_get_device(const struct llama_model * model, int i);
+llama_model_get_device = _bind("llama_model_get_device", [model_p, ctypes.c_int], ctypes.c_void_p)
+
+
+def _ggml_base() -> ctypes.CDLL | None:
+    """ggml's base library beside libllama (the one libllama runs on: loading it again shares it)."""
+    libdir = Path(_lib._name).parent
+    for name in ("libggml-base.so", "libggml-base.dylib", "ggml-base.dll"):
+        if (libdir / name).is_file():
+            lib = ctypes.CDLL(str(libdir / name))
+            # GGML_API const char * ggml_backend_dev_name(ggml_backend_dev_t device);
+            lib.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
+            lib.ggml_backend_dev_name.restype = ctypes.c_char_p
+            # GGML_API const char * ggml_backend_dev_description(ggml_backend_dev_t device);
+            lib.ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
+            lib.ggml_backend_dev_description.restype = ctypes.c_char_p
+            return lib
+    return None
+
+
+_GGML_BASE = _ggml_base()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a model runs: the GPU devices llama.cpp gave it, and how many of its layers (the output layer
+    counted, as llama.cpp's "offloaded N/M layers" counts) are on them; none offloaded: the CPU."""
+
+    devices: tuple[str, ...]  # "CUDA0 (NVIDIA H100 80GB HBM3)", ...
+    offloaded: int
+    n_layers: int
+
+    def __str__(self) -> str:
+        if not self.offloaded:
+            return "CPU"
+        return f"{', '.join(self.devices)}: {self.offloaded}/{self.n_layers} layers offloaded"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -281,6 +322,22 @@ class Model(_Owner):
     @property
     def arch(self) -> str:
         return self.meta(keys.KEY_ARCHITECTURE) or ""
+
+    @functools.cached_property
+    def placement(self) -> Placement:
+        """Where it runs (n_gpu_layers < 0: every layer offloaded, as llama.cpp reads it)."""
+        ptr = self._live()
+        devices = []
+        for i in range(llama_model_n_devices(ptr)):
+            dev = llama_model_get_device(ptr, i)
+            if dev and _GGML_BASE is not None:
+                name = _GGML_BASE.ggml_backend_dev_name(dev).decode(errors="replace")
+                devices.append(f"{name} ({_GGML_BASE.ggml_backend_dev_description(dev).decode(errors='replace')})")
+            elif dev:
+                devices.append(f"device {i}")
+        n_layers = self.n_layer + 1
+        wanted = n_layers if self.n_gpu_layers < 0 else self.n_gpu_layers
+        return Placement(tuple(devices), min(wanted, n_layers) if devices else 0, n_layers)
 
     def meta(self, key: str) -> str | None:
         """A metadata value as llama.cpp renders it, or None when absent."""

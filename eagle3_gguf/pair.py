@@ -24,7 +24,8 @@ class PairConfig:
     n_ctx: int = 4096
     n_batch: int = 512
     n_threads: int | None = None
-    n_gpu_layers: int = 0
+    n_gpu_layers: int = 0  # the target's layers offloaded to a GPU (< 0: all), as llama.cpp's -ngl
+    n_gpu_layers_draft: int | None = None  # the head's (-ngld); None: as the target's
     draft_n_ctx: int | None = None  # defaults to n_ctx
     # The target's KV cache (llama.cpp's -ctk/-ctv). V in bf16 keeps ggml-cpu's flash attention
     # batch-invariant (native.batch_invariant_cache), so speculative output equals target-only output
@@ -125,7 +126,8 @@ def load_pair(target_path: str | Path, head_path: str | Path, config: PairConfig
                                  type_k=type_k, type_v=type_v, flash_attn=flash_attn_type(config.flash_attn),
                                  n_seq_max=config.n_seq_max)
             opened.append(target_ctx)
-        head_model = Model(head_path, n_gpu_layers=config.n_gpu_layers)
+        head_ngl = config.n_gpu_layers if config.n_gpu_layers_draft is None else config.n_gpu_layers_draft
+        head_model = Model(head_path, n_gpu_layers=head_ngl)
         opened.append(head_model)
         head_ctx = Context(head_model, n_ctx=config.draft_n_ctx or config.n_ctx, n_batch=config.n_batch,
                            n_threads=threads, ctx_other=target_ctx, n_seq_max=config.n_seq_max)

@@ -146,7 +146,7 @@ class CostKey:
     target: str  # path, size, mtime
     head: str
     n_threads: int
-    setup: str  # the rest of how they run: KV cache types, flash attention, layers offloaded
+    setup: str  # the rest of how they run: KV cache types, flash attention, devices and layers offloaded
     n_batch: int
     machine: str  # CPU, core count and llama.cpp's backends and CPU features
 
@@ -166,7 +166,7 @@ class CostKey:
         """The key of a target context and a head context (native.Context) verifying n_batch rows at most:
         the same set-up gives the same key on every surface."""
         setup = (f"kv {target.kv_types[0]}/{target.kv_types[1]} fa {target.flash_attn} "
-                 f"ngl {target.model.n_gpu_layers}/{head.model.n_gpu_layers}")
+                 f"on {target.model.placement} / {head.model.placement}")  # the devices and layers offloaded
         return cls.for_files(target.model.path, head.model.path, target.n_threads, setup, n_batch)
 
     def path(self) -> Path:

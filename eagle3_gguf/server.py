@@ -60,6 +60,8 @@ class ServeConfig:
     strict_model: bool = False  # 404 for other model names (llama-cpp-python answers them with its model)
     interrupt_requests: bool = False  # llama-cpp-python's default (True) ends a running stream for a new request
     parallel: int = 1  # requests served at once (slots.SlotPool), n_ctx split among them; 1: one at a time
+    n_gpu_layers: int = 0  # the target's layers on the GPU (< 0: all), llama-cpp-python's n_gpu_layers
+    n_gpu_layers_draft: int | None = None  # the head's; None: as the target's
 
     @property
     def model_alias(self) -> str:
@@ -98,7 +100,8 @@ def build_app(config: ServeConfig):
     def load(settings):
         llm = LlamaProxy.load_llama_from_model_settings(settings)
         try:
-            return attach_eagle3(llm, config.draft, draft_config=config.drafting)
+            return attach_eagle3(llm, config.draft, draft_config=config.drafting,
+                                 n_gpu_layers_draft=config.n_gpu_layers_draft)
         except BaseException:
             llm.close()
             raise
@@ -137,7 +140,7 @@ def build_app(config: ServeConfig):
     if config.parallel > 1:
         extra["logits_all"] = False
     model_settings = ModelSettings(model=str(config.model), model_alias=config.model_alias, n_ctx=n_ctx,
-                                   flash_attn=True, type_v=CACHE_TYPES["bf16"], verbose=False, **extra)  # EXACTNESS
+                                   n_gpu_layers=config.n_gpu_layers, flash_attn=True, type_v=CACHE_TYPES["bf16"], verbose=False, **extra)  # EXACTNESS
     server_settings = ServerSettings(host=config.host, port=config.port, interrupt_requests=config.interrupt_requests)
     app = create_app_with(server_app, Eagle3LlamaProxy, server_settings, model_settings)
     app.add_middleware(RequestCheck)

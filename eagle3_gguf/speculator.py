@@ -359,7 +359,7 @@ class Speculator:
         st.t_target += t_verify
         st.n_target_forwards += 1
         if session is not None:
-            st.record_cycle(len(drafts), n_acc)
+            st.record_cycle(len(drafts) if tree is None else max(tree.depths), n_acc)  # a tree: the depths drafted
             if tree is not None:
                 st.record_tree(tree.n_nodes, on_chain < n_acc)
             t = time.perf_counter()
@@ -413,7 +413,8 @@ class Run:
             raise Eagle3Error("the prompt is empty")
         self.stats = SpecStats(draft_max=policy.k_max if policy is not None else 0,
                                lookup_max=policy.lookup_max if index is not None else 0, n_prompt=len(prompt),
-                               spec_sampling=spec_sampling)
+                               spec_sampling=spec_sampling, target_on=str(spec.target.model.placement),
+                               head_on=str(spec.session.draft_ctx.model.placement) if policy is not None else "")
         self._cycles = self._run(spec, prompt, hooks, policy, rejection, min(keep, len(prompt) - 1), index)
 
     def __iter__(self) -> Iterator[Cycle]:

@@ -38,6 +38,8 @@ class SpecStats:
     t_native: float = 0.0  # of t_total: inside llama.cpp (target + draft decodes and encodes)
     stop_reason: str = ""
     spec_sampling: str = ""  # how drafts were verified: greedy, match, or rejection (decode.spec_sampling_label)
+    target_on: str = ""  # where the target ran: "CPU", or its GPU devices and layers offloaded (native.Placement)
+    head_on: str = ""  # where the head ran (speculative runs)
     policy: PolicyStats | None = None  # what the drafting policy chose (speculative runs)
 
     def __post_init__(self) -> None:
@@ -128,7 +130,8 @@ class SpecStats:
         return d
 
     def table(self) -> str:
-        rows = [
+        rows = [("ran on", f"target {self.target_on}" + (f"; head {self.head_on}" if self.head_on else ""))]
+        rows += [
             ("prompt tokens", f"{self.n_prompt}"),
             ("generated tokens", f"{self.n_generated}"),
             ("target forwards", f"{self.n_target_forwards}"),

@@ -158,3 +158,25 @@ def test_identical_past_256_tokens_on_two_threads(tiny_target, tiny_head, ctv):
         assert d["identical"] is True and r.stderr == ""
     else:
         assert r.stderr.startswith("note: with a f16/f16 KV cache, llama.cpp computes a lone row differently")
+
+
+def test_offload_flags(tiny_target, tiny_head):
+    """-ngl / -ngld (llama.cpp's names) on both commands; on this CPU-only build `-ngl 99 -ngld 99` runs
+    with target-only's text, the statistics say where each model ran, and bad values get one line."""
+    for command in ("generate", "serve"):
+        help_text = invoke(command, "--help").output
+        for flag in ("-ngl", "--n-gpu-layers", "-ngld", "--n-gpu-layers-draft"):
+            assert flag in help_text, (command, flag)
+    r = invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-p", "The capital of France is",
+               "-n", "16", "--baseline", "--json", "-ngl", "99", "-ngld", "99")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["identical"] is True and d["stats"]["n_accepted"] > 0
+    assert d["stats"]["target_on"] == "CPU" and d["stats"]["head_on"] == "CPU"  # no GPU backend in this build
+    assert d["baseline"]["target_on"] == "CPU" and d["baseline"]["head_on"] == ""
+    r = invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-p", "Hi", "-n", "4", "-ngl", "all")
+    assert r.exit_code == 0 and "ran on" in r.stderr and "target CPU; head CPU" in r.stderr, r.output
+    for flag, value in (("-ngl", "x"), ("-ngld", "-3"), ("--n-gpu-layers", "1.5")):
+        one_line_error(invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-p", "x", flag, value),
+                       f"{flag.replace('--n-gpu-layers', '-ngl')} must be a number of layers, 'auto' or 'all' "
+                       f"(got {value})")

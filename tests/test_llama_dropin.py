@@ -457,6 +457,22 @@ def test_bad_construction(tiny_target, tiny_head, smollm2_path):
         llm.close()
 
 
+def test_the_heads_offload_is_an_argument(tiny_target, tiny_head):
+    """n_gpu_layers_draft places the head beside llama-cpp-python's n_gpu_layers for the target (default: as
+    the target's), survives a pickle, and attach_eagle3 takes it too."""
+    with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, n_gpu_layers=5,
+                             n_gpu_layers_draft=1, **KW)) as llm:
+        assert (llm._e3_pair.target_model.n_gpu_layers, llm._e3_pair.head_model.n_gpu_layers) == (5, 1)
+        assert llm.__getstate__()["n_gpu_layers_draft"] == 1
+        llm.create_completion("Hello", max_tokens=4)
+        assert (llm.spec_stats.target_on, llm.spec_stats.head_on) == ("CPU", "CPU")
+    with closing(llama_cpp.Llama(model_path=str(tiny_target), n_gpu_layers=-1, **KW)) as plain_llm:
+        attached = attach_eagle3(plain_llm, tiny_head)  # (llama-cpp-python passes -1 on as INT32_MAX: all)
+        assert attached._e3_pair.head_model.n_gpu_layers == plain_llm.model_params.n_gpu_layers > 1000
+    with closing(llama_cpp.Llama(model_path=str(tiny_target), **KW)) as plain_llm:
+        assert attach_eagle3(plain_llm, tiny_head, n_gpu_layers_draft=2)._e3_pair.head_model.n_gpu_layers == 2
+
+
 # -- SmolLM2 ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smol_head(tmp_path_factory, smollm2_path):

@@ -223,3 +223,20 @@ def test_batch_invariant_cache_pairs():
     with pytest.raises(Eagle3Error) as e:
         native.cache_type("fp8")
     assert str(e.value) == "unknown KV cache type 'fp8' (one of: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1)"
+
+
+def test_where_a_model_runs(tiny_target, tiny_head):
+    """Each model's offload reaches llama.cpp's model parameters (the head's follows the target's unless given),
+    and its placement names the GPU devices llama.cpp gave it and the layers on them; none here: the CPU."""
+    from eagle3_gguf.pair import PairConfig, load_pair
+
+    with load_pair(tiny_target, tiny_head, PairConfig(n_ctx=64, n_gpu_layers=3, n_gpu_layers_draft=1)) as pair:
+        assert (pair.target_model.n_gpu_layers, pair.head_model.n_gpu_layers) == (3, 1)
+        n = pair.target_model.n_layer + 1  # llama.cpp counts the output layer
+        assert native.llama_model_n_devices(pair.target_model.ptr) == 0  # a CPU-only build
+        assert pair.target_model.placement == native.Placement((), 0, n) and str(pair.target_model.placement) == "CPU"
+    with load_pair(tiny_target, tiny_head, PairConfig(n_ctx=64, n_gpu_layers=-1)) as pair:
+        assert pair.head_model.n_gpu_layers == -1 and str(pair.head_model.placement) == "CPU"
+    gpu = native.Placement(("CUDA0 (NVIDIA H100 80GB HBM3)",), 31, 31)
+    assert str(gpu) == "CUDA0 (NVIDIA H100 80GB HBM3): 31/31 layers offloaded"
+    assert str(native.Placement(("CUDA0 (NVIDIA H100 80GB HBM3)",), 0, 31)) == "CPU"

@@ -115,3 +115,22 @@ def drafting_from_flags(draft_max: int, draft_p_min: float, draft_policy: str, s
         if temp == 0.0:
             raise Eagle3Error("--draft-temp-scale needs --temp > 0 (at --temp 0 drafts and tokens are greedy)")
     return drafting
+
+
+GPU_LAYERS_HELP = ("{what}'s layers on the GPU: a number, 'auto' or 'all' (llama.cpp's {flag}; default auto: every layer "
+                   "where llama.cpp was built with a GPU backend, none on a CPU-only build; unlike llama.cpp, auto does "
+                   "not first fit them to free memory: give a number if {what_lc} does not fit). 0: the CPU only.")
+
+
+def gpu_layers_option(what: str, *flags: str):
+    """-ngl / -ngld as llama.cpp names them."""
+    return typer.Option("auto", *flags, help=GPU_LAYERS_HELP.format(what=what, what_lc=what.lower(), flag=flags[0]))
+
+
+def gpu_layers(value: str, flag: str) -> int:
+    """A -ngl / -ngld value as llama.cpp's n_gpu_layers (< 0: every layer)."""
+    if value in ("auto", "all"):
+        return -1
+    if not value.isdigit():
+        raise Eagle3Error(f"{flag} must be a number of layers, 'auto' or 'all' (got {value})")
+    return int(value)

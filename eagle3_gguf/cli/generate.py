@@ -11,7 +11,8 @@ from typing import Optional
 import typer
 
 from ..errors import Eagle3Error
-from .common import check_context_flags, draft_option, drafting_from_flags, fail, setup_logging
+from .common import (check_context_flags, draft_option, drafting_from_flags, fail, gpu_layers, gpu_layers_option,
+                     setup_logging)
 
 
 def register(app: typer.Typer) -> None:
@@ -24,6 +25,8 @@ def register(app: typer.Typer) -> None:
         n_predict: int = typer.Option(128, "-n", "--n-predict", help="Tokens to generate."),
         n_ctx: int = typer.Option(4096, "-c", "--ctx-size", help="Context size (tokens)."),
         threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads (default: all cores up to 4, else half)."),
+        n_gpu_layers: str = gpu_layers_option("The target", "-ngl", "--n-gpu-layers", "--gpu-layers"),
+        n_gpu_layers_draft: str = gpu_layers_option("The head", "-ngld", "--n-gpu-layers-draft", "--gpu-layers-draft"),
         cache_type_k: str = typer.Option("f16", "-ctk", "--cache-type-k", help="Target KV cache type for K."),
         cache_type_v: str = typer.Option("bf16", "-ctv", "--cache-type-v", help="Target KV cache type for V (bf16 keeps output identical to target-only at any length; README)."),
         temp: float = typer.Option(0.0, "--temp", help="Temperature; 0 = greedy."),
@@ -50,7 +53,8 @@ def register(app: typer.Typer) -> None:
             drafting = drafting_from_flags(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale,
                                            draft_lookup, draft_lookup_max, temp, draft_topk, draft_nodes)
             pair_config = _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max,
-                                       drafting.tree_sequences)
+                                       drafting.tree_sequences, gpu_layers(n_gpu_layers, "-ngl"),
+                                       gpu_layers(n_gpu_layers_draft, "-ngld"))
             from ..decode import GenerateConfig
 
             config = GenerateConfig(n_predict=n_predict, **asdict(drafting))
@@ -74,7 +78,7 @@ INEXACT_NOTE = ("note: with a {k}/{v} KV cache, llama.cpp computes a lone row di
                 "(-ctv bf16 keeps them identical)")
 
 
-def _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max, n_seq_max):
+def _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max, n_seq_max, ngl, ngld):
     from ..native import batch_invariant_cache, cache_type
     from ..pair import PairConfig
 
@@ -82,7 +86,7 @@ def _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max, n_seq_ma
     if draft_max > 0 and not batch_invariant_cache(type_k, type_v):
         typer.echo(INEXACT_NOTE.format(k=cache_type_k, v=cache_type_v), err=True)
     return PairConfig(n_ctx=n_ctx, n_threads=threads, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
-                      n_seq_max=n_seq_max)
+                      n_seq_max=n_seq_max, n_gpu_layers=ngl, n_gpu_layers_draft=ngld)
 
 
 def _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, baseline, as_json) -> None:

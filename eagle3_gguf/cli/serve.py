@@ -10,7 +10,8 @@ import typer
 
 from ..errors import Eagle3Error
 from ..server import ServeConfig, build_app, configure_heap
-from .common import TERMINATION, check_context_flags, draft_option, drafting_from_flags, fail, setup_logging
+from .common import (TERMINATION, check_context_flags, draft_option, drafting_from_flags, fail, gpu_layers,
+                     gpu_layers_option, setup_logging)
 
 
 MAX_PARALLEL = 64
@@ -42,6 +43,8 @@ def register(app: typer.Typer) -> None:
         draft_p_min: float = draft_option("draft_p_min"),
         n_ctx: int = typer.Option(4096, "-c", "--ctx-size", help="Context size (tokens)."),
         threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads."),
+        n_gpu_layers: str = gpu_layers_option("The target", "-ngl", "--n-gpu-layers", "--gpu-layers"),
+        n_gpu_layers_draft: str = gpu_layers_option("The head", "-ngld", "--n-gpu-layers-draft", "--gpu-layers-draft"),
         alias: Optional[str] = typer.Option(None, "--alias", help="Model name clients send (default: the target file name without .gguf)."),
         draft_policy: str = draft_option("draft_policy"),
         spec_sampling: str = draft_option("spec_sampling"),
@@ -62,7 +65,9 @@ def register(app: typer.Typer) -> None:
             check_context_flags(n_ctx, threads)
             config = ServeConfig(model=model, draft=draft, drafting=drafting, host=host, port=port, n_ctx=n_ctx,
                                  n_threads=threads, alias=alias, strict_model=strict_model,
-                                 interrupt_requests=interrupt_requests, parallel=parallel)
+                                 interrupt_requests=interrupt_requests, parallel=parallel,
+                                 n_gpu_layers=gpu_layers(n_gpu_layers, "-ngl"),
+                                 n_gpu_layers_draft=gpu_layers(n_gpu_layers_draft, "-ngld"))
             if not 0 < port < 65536:
                 raise Eagle3Error(f"--port must be in 1..65535 (got {port})")
             check_parallel(parallel, n_ctx, draft_max, interrupt_requests)
