@@ -28,6 +28,7 @@ request's, streamed or not, with totals since the server started.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import importlib
 import itertools
 import json
@@ -62,6 +63,17 @@ class ServeConfig:
     parallel: int = 1  # requests served at once (slots.SlotPool), n_ctx split among them; 1: one at a time
     n_gpu_layers: int = 0  # the target's layers on the GPU (< 0: all), llama-cpp-python's n_gpu_layers
     n_gpu_layers_draft: int | None = None  # the head's; None: as the target's
+    api_key: str | None = None  # requests must send it (Authorization: Bearer KEY); None: none asked
+
+    @property
+    def loopback(self) -> bool:
+        """Whether --host listens on this machine only."""
+        import ipaddress
+
+        try:
+            return self.host == "localhost" or ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
 
     @property
     def model_alias(self) -> str:
@@ -141,11 +153,14 @@ def build_app(config: ServeConfig):
         extra["logits_all"] = False
     model_settings = ModelSettings(model=str(config.model), model_alias=config.model_alias, n_ctx=n_ctx,
                                    n_gpu_layers=config.n_gpu_layers, flash_attn=True, type_v=CACHE_TYPES["bf16"], verbose=False, **extra)  # EXACTNESS
-    server_settings = ServerSettings(host=config.host, port=config.port, interrupt_requests=config.interrupt_requests)
+    server_settings = ServerSettings(host=config.host, port=config.port, interrupt_requests=config.interrupt_requests,
+                                     api_key=config.api_key)
     app = create_app_with(server_app, Eagle3LlamaProxy, server_settings, model_settings)
     app.add_middleware(RequestCheck)
     app.add_middleware(SpeculationReport)
     app.get("/v1/eagle3/stats", dependencies=[Depends(server_app.authenticate)])(speculation_stats)
+    if config.api_key is not None:  # outermost: a request without the key reaches nothing else
+        app.add_middleware(ApiKeyCheck, key=config.api_key, paths=keyed_paths(app, server_app.authenticate))
     return app
 
 
@@ -356,6 +371,38 @@ async def event_publisher(request, inner_send_chan, body, body_model, llama_call
                 if iterator is not None and hasattr(iterator, "close"):
                     with anyio.CancelScope(shield=True):
                         await anyio.to_thread.run_sync(iterator.close)
+
+
+def keyed_paths(app, authenticate) -> frozenset[str]:
+    """The paths whose routes llama-cpp-python's server guards with its API key (`authenticate`)."""
+    return frozenset(route.path for route in app.routes
+                     if any(dep.call is authenticate for dep in getattr(getattr(route, "dependant", None),
+                                                                         "dependencies", ())))
+
+
+class ApiKeyCheck:
+    """ASGI middleware: a request to a path llama-cpp-python guards with its API key gets 401 (its answer) unless
+    it sends `Authorization: Bearer KEY`, compared in constant time (llama-cpp-python compares with ==, which
+    a wrong key then never reaches)."""
+
+    def __init__(self, app, key: str, paths: frozenset[str]):
+        self.app = app
+        self.key = key.encode()
+        self.paths = paths
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope.get("path", "") in self.paths:
+            auth = dict(scope.get("headers", ())).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if not (hmac.compare_digest(scheme.lower(), b"bearer") & hmac.compare_digest(token, self.key)):
+                payload = b'{"detail":"Invalid API key"}'
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(payload)).encode()),
+                                        (b"www-authenticate", b"Bearer")]})
+                await send({"type": "http.response.body", "body": payload})
+                return
+        await self.app(scope, receive, send)
 
 
 class RequestCheck:

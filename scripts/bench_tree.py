@@ -8,9 +8,9 @@ Every prompt runs target-only, then every contender back to back (fixed shapes D
 as Kx1xK, and the adaptive policy with each of --adaptive's tree caps), greedy, in one process. Tau does not depend
 on timing, so one pass decides it; each run's text is compared with target-only's. The table puts each
 contender beside the best chain whose verify batch is no larger (K + 1 rows against N + 1): the median of
-tau over prompts against that chain's, and the median of per-prompt ratios. Wall time per generation is
-reported beside it (on a CPU the extra rows cost more than they save). Writes <workload>.json and
-results.md under --out.
+tau over prompts against that chain's, and the median of per-prompt ratios (speed is scripts/bench.py's:
+on a CPU the extra rows cost more than they save). Writes <workload>.json and results.md under --out;
+--summarize writes results.md again from them.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import argparse
 import json
 import statistics
 import sys
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,16 +46,17 @@ class Contender:
 
 @dataclass
 class Prompt:
-    """One prompt's runs: each contender's tau, wall seconds and whether its text was target-only's."""
+    """One prompt's runs: each contender's tau and whether its text was target-only's."""
 
     id: str
     n_generated: int
-    t_target: float
     tau: dict[str, float] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
     identical: dict[str, bool] = field(default_factory=dict)
     tree_cycles: dict[str, int] = field(default_factory=dict)
     branch_kept: dict[str, int] = field(default_factory=dict)
+
+
+FIELDS = {f.name for f in fields(Prompt)}
 
 
 def contenders(args) -> list[Contender]:
@@ -83,13 +83,10 @@ def run(args, workload: str, runs: list[Contender]) -> list[Prompt]:
         for p in bench_data.load(workload, args.limit or None):
             prompt = tokenize(pair.target_model, apply_chat_template(pair.target_model, [Message("user", p.text)]),
                               add_special=False)
-            t = time.perf_counter()
             base = dec.generate(prompt, GenerateConfig(n_predict=args.n_predict), speculative=False)
-            rec = Prompt(p.id, len(base.tokens), time.perf_counter() - t)
+            rec = Prompt(p.id, len(base.tokens))
             for c in runs:
-                t = time.perf_counter()
                 r = dec.generate(prompt, c.config)
-                rec.seconds[c.name] = time.perf_counter() - t
                 rec.tau[c.name] = r.stats.tau
                 rec.identical[c.name] = r.tokens == base.tokens
                 rec.tree_cycles[c.name] = r.stats.tree_cycles
@@ -104,17 +101,15 @@ def table(workload: str, runs: list[Contender], prompts: list[Prompt]) -> list[s
     chains = [c for c in runs if c.config.draft_topk == 1]
     lines = [f"### {workload} ({len(prompts)} prompts)", "",
              "| contender | verify rows | tau, median | vs the best chain at <= rows | per-prompt ratio, median "
-             "| s / generation vs target-only | tree cycles | branch kept | identical |", "|" + "---|" * 9]
-    t_base = statistics.median(p.t_target for p in prompts)
+             "| tree cycles | branch kept | identical |", "|" + "---|" * 8]
     for c in runs:
         fits = [ch for ch in chains if ch.rows <= c.rows]
         best = max(fits, key=lambda ch: median_tau[ch.name]) if fits else None
         vs = f"{median_tau[c.name] / median_tau[best.name]:.3f}x ({best.name})" if best else ""
         ratio = (f"{statistics.median(p.tau[c.name] / p.tau[best.name] for p in prompts):.3f}x"
                  if best else "")
-        slow = statistics.median(p.seconds[c.name] for p in prompts) / t_base
         ident = sum(p.identical[c.name] for p in prompts)
-        lines.append(f"| {c.name} | {c.rows} | {median_tau[c.name]:.3f} | {vs} | {ratio} | {slow:.2f}x | "
+        lines.append(f"| {c.name} | {c.rows} | {median_tau[c.name]:.3f} | {vs} | {ratio} | "
                      f"{sum(p.tree_cycles[c.name] for p in prompts)} | {sum(p.branch_kept[c.name] for p in prompts)} | "
                      f"{ident}/{len(prompts)} |")
     return lines + [""]
@@ -132,6 +127,7 @@ def main() -> int:
                     "(1x0: chains)")
     ap.add_argument("--adaptive-max", type=int, default=4, help="the adaptive policy's K")
     ap.add_argument("--out", type=Path, default=Path("bench/tree-cpu"))
+    ap.add_argument("--summarize", action="store_true", help="only write results.md from the JSON under --out")
     args = ap.parse_args()
     install_log_callback()
     runs = contenders(args)
@@ -143,9 +139,13 @@ def main() -> int:
           "verified.", ""]
     same = True
     for workload in args.workloads.split(","):
-        prompts = run(args, workload, runs)
+        path = args.out / f"{workload}.json"
+        if args.summarize:
+            prompts = [Prompt(**{k: v for k, v in p.items() if k in FIELDS}) for p in json.loads(path.read_text())]
+        else:
+            prompts = run(args, workload, runs)
+            path.write_text(json.dumps([asdict(p) for p in prompts], indent=1))
         same = same and all(all(p.identical.values()) for p in prompts)
-        (args.out / f"{workload}.json").write_text(json.dumps([asdict(p) for p in prompts], indent=1))
         md += table(workload, runs, prompts)
         (args.out / "results.md").write_text("\n".join(md))
     print("\n".join(md))

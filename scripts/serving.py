@@ -16,9 +16,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(proc: subprocess.Popen, port: int, timeout: float = 120.0) -> None:
-    """Until GET /v1/models answers 200; RuntimeError if the server exits first (with its stderr where that
-    is a pipe) or does not come up within `timeout` seconds."""
+def wait_ready(proc: subprocess.Popen, port: int, timeout: float = 120.0, headers: dict | None = None) -> None:
+    """Until GET /v1/models (sent with `headers`: an API key) answers 200; RuntimeError if the server exits first
+    (with its stderr where that is a pipe) or does not come up within `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -26,7 +26,7 @@ def wait_ready(proc: subprocess.Popen, port: int, timeout: float = 120.0) -> Non
             raise RuntimeError(f"the server exited with {proc.returncode}{detail}")
         try:
             with closing(http.client.HTTPConnection("127.0.0.1", port, timeout=2)) as c:
-                c.request("GET", "/v1/models")
+                c.request("GET", "/v1/models", headers=headers or {})
                 if c.getresponse().status == 200:
                     return
         except OSError:

@@ -46,17 +46,20 @@ def raw_post(port: int, path: str, body: bytes) -> tuple[int, bytes]:
 
 
 @contextmanager
-def serving(tiny_target, tiny_head, *flags):
-    """`eagle3-gguf serve` on the tiny pair in a subprocess; yields its port."""
+def serving(tiny_target, tiny_head, *flags, headers: dict | None = None, banner: list | None = None):
+    """`eagle3-gguf serve` on the tiny pair in a subprocess; yields its port (`headers`: what a request needs,
+    an API key). `banner`: gets the server's stderr lines once it has stopped."""
     port = free_port()
     cmd = [sys.executable, "-m", "eagle3_gguf.cli.main", "serve", "-m", str(tiny_target), "--draft", str(tiny_head),
            "--port", str(port), "-c", str(N_CTX), "--alias", ALIAS, "-t", "2", *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_ready(proc, port)
+        wait_ready(proc, port, headers=headers)
         yield port
     finally:
         stop(proc, timeout=20)
+        if banner is not None:
+            banner.extend(proc.stderr.read().splitlines())
 
 
 def openai_client(port: int):
@@ -114,6 +117,50 @@ def test_llama_cpp_server_adapter(monkeypatch):
     assert server_app.LlamaProxy is plain_proxy
     assert server_app.get_llama_proxy is server.queued_llama_proxy
     assert server_app.get_event_publisher is server.event_publisher
+
+
+def status_of(port: int, method: str, path: str, headers: dict, body: dict | None = None) -> tuple[int, bytes]:
+    with closing(http.client.HTTPConnection("127.0.0.1", port, timeout=60)) as c:
+        c.request(method, path, body=None if body is None else json.dumps(body),
+                  headers={"Content-Type": "application/json", **headers})
+        r = c.getresponse()
+        return r.status, r.read()
+
+
+def test_api_key(tiny_target, tiny_head, plain, tmp_path):
+    """--api-key-file: every path llama-cpp-python's server guards answers 401 without the key, with a wrong one
+    or another scheme, streamed or not; the right key gets the target's text; unguarded paths stay open."""
+    key = tmp_path / "key"
+    key.write_text("s3cret-key\nignored\n")
+    right = {"Authorization": "Bearer s3cret-key"}
+    banner: list[str] = []
+    with serving(tiny_target, tiny_head, "--api-key-file", str(key), "--host", "0.0.0.0", headers=right,
+                 banner=banner) as port:
+        completion = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, **EXTRA}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret-key"},
+                        {"Authorization": "Bearer s3cret-ke"}):
+            for stream in (False, True):
+                status, body = status_of(port, "POST", "/v1/completions", headers, {**completion, "stream": stream})
+                assert (status, json.loads(body)) == (401, {"detail": "Invalid API key"}), (headers, stream)
+            for path in ("/v1/models", "/v1/eagle3/stats"):
+                assert status_of(port, "GET", path, headers)[0] == 401, (headers, path)
+        assert status_of(port, "GET", "/openapi.json", {})[0] == 200  # llama-cpp-python guards no docs
+        want = plain.create_completion(PROMPT, max_tokens=12, **PLAIN)["choices"][0]["text"]
+        keyed = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="s3cret-key", timeout=120, max_retries=0)
+        assert keyed.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=12, temperature=0,
+                                        extra_body=EXTRA).choices[0].text == want
+        streamed = keyed.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                            extra_body=EXTRA)
+        assert "".join(chunk.choices[0].text for chunk in streamed) == want
+        assert status_of(port, "GET", "/v1/eagle3/stats", right)[0] == 200
+    assert "requests need the API key" in banner[0] and not any("warning" in line for line in banner)
+
+
+def test_an_open_host_without_a_key_is_warned_about(tiny_target, tiny_head):
+    banner: list[str] = []
+    with serving(tiny_target, tiny_head, "--host", "0.0.0.0", banner=banner):
+        pass
+    assert banner[0] == "warning: serving on 0.0.0.0 without --api-key: anyone who reaches this port can use the model"
 
 
 def test_lists_the_model(client):
@@ -225,6 +272,10 @@ def test_bad_pair_is_one_line(tiny_head, smollm2_path):
     (["--spec-sampling", "match", "--draft-temp-scale", "0.5"],
      "--draft-temp-scale shapes the rejection rule's draft distribution: it has no effect with --spec-sampling match"),
     (["--parallel", "0"], "--parallel must be in 1..64 (got 0)"),
+    (["--api-key", "k", "--api-key-file", "TMP/key"], "give the API key with --api-key or --api-key-file, not both"),
+    (["--api-key", " "], "--api-key is empty"),
+    (["--api-key-file", "TMP/missing"], "TMP/missing: cannot read the API key (No such file or directory)"),
+    (["-ngl", "some"], "-ngl must be a number of layers, 'auto' or 'all' (got some)"),
     (["--parallel", "4", "--interrupt-requests"],
      "--interrupt-requests ends one running stream for the next request: use it with --parallel 1"),
     (["--parallel", "2", "--draft-max", "0"],
@@ -232,7 +283,9 @@ def test_bad_pair_is_one_line(tiny_head, smollm2_path):
     (["--parallel", "8", "-c", "256"], "-c 256 split over 8 slots leaves 32 tokens each: raise -c to at least 512 or "
                                       "lower --parallel"),
 ])
-def test_bad_flags_one_line(tiny_target, tiny_head, flags, expected):
+def test_bad_flags_one_line(tiny_target, tiny_head, flags, expected, tmp_path):
+    flags = [str(tmp_path / f[4:]) if f.startswith("TMP/") else f for f in flags]
+    expected = expected.replace("TMP/", f"{tmp_path}/")
     r = subprocess.run([sys.executable, "-m", "eagle3_gguf.cli.main", "serve", "-m", str(tiny_target), "--draft",
                         str(tiny_head), *flags], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2

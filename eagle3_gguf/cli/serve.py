@@ -32,6 +32,23 @@ def check_parallel(parallel: int, n_ctx: int, draft_max: int, interrupt_requests
                           f"at least {MIN_SLOT_CTX * parallel} or lower --parallel")
 
 
+def read_api_key(key: str | None, path: Path | None) -> str | None:
+    """--api-key or the first line of --api-key-file (not both); an empty key is refused."""
+    if key is not None and path is not None:
+        raise Eagle3Error("give the API key with --api-key or --api-key-file, not both")
+    if path is not None:
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise Eagle3Error(f"{path}: cannot read the API key ({e.strerror if isinstance(e, OSError) else e})") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise Eagle3Error(f"{path}: the API key file's first line is empty")
+    if key is not None and not key.strip():
+        raise Eagle3Error("--api-key is empty")
+    return key
+
+
 def register(app: typer.Typer) -> None:
     @app.command("serve")
     def serve(
@@ -54,6 +71,8 @@ def register(app: typer.Typer) -> None:
         strict_model: bool = typer.Option(False, "--strict-model", help="Answer 404 to requests naming another model (default: llama-cpp-python's rule, the served model answers)."),
         interrupt_requests: bool = typer.Option(False, "--interrupt-requests", help="llama-cpp-python's default: a new request ends the running stream early (its client gets a short answer). Default here: requests queue."),
         parallel: int = typer.Option(1, "--parallel", "-np", help="Requests served at once, their target decodes in one batch; -c is split among them. 1: one at a time."),
+        api_key: Optional[str] = typer.Option(None, "--api-key", help="Requests must send this key (Authorization: Bearer KEY), as llama-server's and llama-cpp-python's --api-key; the rest get 401."),
+        api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", help="Read the key from this file's first line (kept out of the process list)."),
         verbose: bool = typer.Option(False, "-v", "--verbose", help="Show llama.cpp's log and every request."),
     ) -> None:
         """Serve the target with the head through llama-cpp-python's OpenAI-compatible server (/v1/...)."""
@@ -67,13 +86,17 @@ def register(app: typer.Typer) -> None:
                                  n_threads=threads, alias=alias, strict_model=strict_model,
                                  interrupt_requests=interrupt_requests, parallel=parallel,
                                  n_gpu_layers=gpu_layers(n_gpu_layers, "-ngl"),
-                                 n_gpu_layers_draft=gpu_layers(n_gpu_layers_draft, "-ngld"))
+                                 n_gpu_layers_draft=gpu_layers(n_gpu_layers_draft, "-ngld"),
+                                 api_key=read_api_key(api_key, api_key_file))
             if not 0 < port < 65536:
                 raise Eagle3Error(f"--port must be in 1..65535 (got {port})")
             check_parallel(parallel, n_ctx, draft_max, interrupt_requests)
             server = build_app(config)
         except Eagle3Error as e:
             fail(str(e))
+        if not config.loopback and config.api_key is None:
+            typer.echo(f"warning: serving on {host} without --api-key: anyone who reaches this port can use the model",
+                       err=True)
         import uvicorn
 
         configure_heap()
@@ -82,7 +105,8 @@ def register(app: typer.Typer) -> None:
                    f"{spec_sampling} sampling at temperature > 0)"
                    f" on http://{host}:{port}/v1; concurrent requests "
                    f"{'interrupt the running stream' if interrupt_requests else 'queue'}"
-                   f"{f', {parallel} at once' if parallel > 1 else ''}", err=True)
+                   f"{f', {parallel} at once' if parallel > 1 else ''}"
+                   f"{'; requests need the API key' if config.api_key is not None else ''}", err=True)
         uvicorn.run(server, host=host, port=port, log_level="info" if verbose else "warning")
         if TERMINATION.received:  # uvicorn shut down gracefully on SIGTERM/SIGINT (running requests finished)
             raise typer.Exit(TERMINATION.code)
