@@ -160,7 +160,7 @@ def build_app(config: ServeConfig):
     app.add_middleware(SpeculationReport)
     app.get("/v1/eagle3/stats", dependencies=[Depends(server_app.authenticate)])(speculation_stats)
     if config.api_key is not None:  # outermost: a request without the key reaches nothing else
-        app.add_middleware(ApiKeyCheck, key=config.api_key, paths=keyed_paths(app, server_app.authenticate))
+        app.add_middleware(ApiKeyCheck, key=config.api_key, paths=keyed_paths(app))
     return app
 
 
@@ -373,11 +373,15 @@ async def event_publisher(request, inner_send_chan, body, body_model, llama_call
                         await anyio.to_thread.run_sync(iterator.close)
 
 
-def keyed_paths(app, authenticate) -> frozenset[str]:
-    """The paths whose routes llama-cpp-python's server guards with its API key (`authenticate`)."""
-    return frozenset(route.path for route in app.routes
-                     if any(dep.call is authenticate for dep in getattr(getattr(route, "dependant", None),
-                                                                         "dependencies", ())))
+def keyed_paths(app) -> frozenset[str]:
+    """The paths llama-cpp-python's server guards with its API key: those its OpenAPI schema marks with a
+    security requirement (its `authenticate` depends on the bearer scheme), read from the schema because
+    FastAPI's route objects for an included router are its internals."""
+    paths = frozenset(path for path, operations in app.openapi()["paths"].items()
+                      if any(op.get("security") for op in operations.values()))
+    if not paths:
+        raise Eagle3Error("llama-cpp-python's server marks no route as needing its API key: --api-key cannot guard it")
+    return paths
 
 
 class ApiKeyCheck:

@@ -156,6 +156,41 @@ def test_api_key(tiny_target, tiny_head, plain, tmp_path):
     assert "requests need the API key" in banner[0] and not any("warning" in line for line in banner)
 
 
+def test_the_key_guards_what_llama_cpp_python_guards():
+    """Our key check covers exactly the routes llama-cpp-python's server guards (its OpenAPI security marks), and
+    rejects a request before it reaches them."""
+    import asyncio
+
+    from fastapi import Depends, FastAPI
+    from llama_cpp.server import app as server_app
+
+    from eagle3_gguf.server import ApiKeyCheck, keyed_paths
+
+    app = FastAPI()
+    app.include_router(server_app.router)
+    app.get("/v1/eagle3/stats", dependencies=[Depends(server_app.authenticate)])(lambda: {})
+    paths = keyed_paths(app)
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/embeddings", "/v1/eagle3/stats",
+            "/extras/tokenize"} <= paths and "/docs" not in paths and "/openapi.json" not in paths
+    reached, sent = [], []
+
+    async def inner(scope, receive, send):
+        reached.append(scope["path"])
+
+    async def send(message):
+        sent.append(message)
+
+    check = ApiKeyCheck(inner, "k3y", paths)
+    for path, auth, passes in (("/v1/models", b"Bearer k3y", True), ("/v1/models", b"bearer k3y", True),
+                               ("/v1/models", b"Bearer k3", False), ("/v1/models", b"", False),
+                               ("/docs", b"", True)):
+        reached.clear(), sent.clear()
+        asyncio.run(check({"type": "http", "path": path, "headers": [(b"authorization", auth)] if auth else []},
+                          None, send))
+        assert reached == ([path] if passes else []), (path, auth)
+        assert passes or (sent[0]["status"], sent[1]["body"]) == (401, b'{"detail":"Invalid API key"}')
+
+
 def test_an_open_host_without_a_key_is_warned_about(tiny_target, tiny_head):
     banner: list[str] = []
     with serving(tiny_target, tiny_head, "--host", "0.0.0.0", banner=banner):
