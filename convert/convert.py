@@ -20,6 +20,7 @@ from gguf import LlamaFileType
 from .. import keys
 from ..errors import Eagle3Error
 from ..gguf_file import GGUF_MAGIC, KeyValue, TargetInfo, read_gguf
+from ..hf_archs import HF_ARCHITECTURES
 from .layouts import MAX_INT, KIND_D2T, KIND_K, KIND_NORM, KIND_Q, HeadSpec, LayerIds, TensorSource, detect_layout, \
     resolve_layer_ids
 from .quantize import Encoded, can_quantize, encode, ggml_type, n_bytes
@@ -107,7 +108,9 @@ def describe_target(target: str | Path | TargetInfo) -> TargetInfo:
         v = cfg[k]
         if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_INT:
             raise Eagle3Error(f"{target}: target config '{k}' must be an integer in 1..{MAX_INT}, got {v!r}")
-    arch = str(cfg.get("model_type", "unknown"))
+    # llama.cpp's name for it, as its converter maps the HF architecture class ("" where it converts none)
+    hf = cfg.get("architectures") if isinstance(cfg.get("architectures"), list) else []
+    arch = next((HF_ARCHITECTURES[a] for a in hf if a in HF_ARCHITECTURES), "")
     return TargetInfo(target, arch, cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"],
                       arch in keys.HOOKED_TARGET_ARCHS, kind="config.json")
 
@@ -391,7 +394,10 @@ def convert_head(src: str | Path, out: str | Path | None, target: str | Path | T
 
     out = Path(out) if out is not None else default_out_path(src)
     notes: list[str] = []
-    if not tgt.hooked:
+    if not tgt.arch:
+        notes.append("the target's config.json names no architecture the pinned llama.cpp converts (its "
+                     "'architectures'): whether it can run with this head is unknown; give the target .gguf")
+    elif not tgt.hooked:
         notes.append(f"target arch '{tgt.arch}' has no hidden-state hooks at the pinned llama.cpp: the head "
                      f"converts but cannot run with this target")
     if tgt.n_layer in ids.ids and tgt.arch not in keys.FINAL_OUTPUT_TARGET_ARCHS:

@@ -139,6 +139,41 @@ def test_target_as_hf_config(tmp_path):
     assert meta.get(A(keys.KEY_TARGET_LAYERS)) == [2, 15, 27]
     assert meta.get(keys.KEY_TOKENIZER_MODEL) == "none" and meta.get(A(keys.KEY_VOCAB_SIZE)) == 49152
     assert any("no tokenizer copied" in n for n in r.notes)
+    assert any("names no architecture the pinned llama.cpp converts" in n for n in r.notes)  # no "architectures"
+
+
+@pytest.mark.parametrize("hf, arch, note", [
+    ("GptOssForCausalLM", "gpt-oss", None),  # HF's model_type gpt_oss is llama.cpp's gpt-oss, which is hooked
+    ("Qwen3MoeForCausalLM", "qwen3moe", None),
+    ("MistralForCausalLM", "llama", None),  # llama.cpp converts Mistral as llama
+    ("Qwen2ForCausalLM", "qwen2", "target arch 'qwen2' has no hidden-state hooks at the pinned llama.cpp"),
+    ("Gemma3ForConditionalGeneration", "gemma3", "target arch 'gemma3' has no hidden-state hooks"),
+])
+def test_a_config_targets_architecture_is_llama_cpps_name(tmp_path, hf, arch, note):
+    from eagle3_gguf.convert.convert import describe_target
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"architectures": [hf], "model_type": hf.lower(), "num_hidden_layers": 30,
+                               "hidden_size": 64, "vocab_size": 49152}))
+    info = describe_target(cfg)
+    assert info.arch == arch and info.hooked == (arch in keys.HOOKED_TARGET_ARCHS)
+    r = convert_head(write_checkpoint(tmp_path / "c", "modelopt", layer_ids=[1, 14, 26]), tmp_path / "h.gguf", cfg)
+    hook_notes = [n for n in r.notes if "hidden-state hooks" in n or "names no architecture" in n]
+    assert (hook_notes == []) if note is None else (len(hook_notes) == 1 and hook_notes[0].startswith(note))
+
+
+def test_the_architecture_table_is_the_pinned_converters():
+    """eagle3_gguf/hf_archs.py is what scripts/hf_archs.py reads from the pinned llama.cpp's converter now."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "vendor" / "llama.cpp" / "conversion").is_dir():
+        pytest.skip("vendor/llama.cpp not fetched (python scripts/fetch_llama_cpp.py)")
+    r = subprocess.run([sys.executable, str(root / "scripts" / "hf_archs.py"), "--check"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_llama3_rope_scaling_writes_rope_freqs(tmp_path, tiny_target):
