@@ -7,6 +7,7 @@ plan the GGUF and stream it tensor by tensor. Never prints; a user error is one 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -177,6 +178,55 @@ def _check_shapes(ckpt: Checkpoint, spec: HeadSpec, target: TargetInfo, n_feat: 
     if embd is None and hp.n_embd != target.n_embd:
         raise Eagle3Error(f"{where}: head has no embed_tokens and hidden size {hp.n_embd}, so it cannot borrow "
                           f"the target's {target.n_embd}-wide token embeddings")
+
+
+EMBD_SAMPLE_ROWS = 1024  # token rows compared, spread over the vocab
+EMBD_SLACK = 0.01  # beyond the target's own rounding: a bf16 copy against an f16 table differs by ~0.002
+
+
+def _target_embd_copy(ckpt: Checkpoint, src: TensorSource, tgt: TargetInfo) -> tuple[bool, str]:
+    """Whether the head's embed_tokens is the target's token table, and a note that says why: over sampled
+    rows, their relative RMS difference from the target's dequantized token_embd must be within 1.5x what
+    the target's quantization makes of the head's own rows (ggml's quantizer, no importance matrix), plus
+    EMBD_SLACK. A head with only a config.json for its target keeps its table."""
+    keep = "embed_tokens kept"
+    if tgt.kind != "gguf":
+        return False, (f"{keep}: with only a config.json the target's table cannot be compared (give the target "
+                       ".gguf to drop a copy of it)")
+    info = next((t for t in read_gguf(tgt.path).raw.tensors if t.name == keys.T_TOKEN_EMBD), None)
+    n_vocab, width = ckpt.tensors[src.src_name].shape
+    if info is None or info.shape != [width, n_vocab]:
+        return False, f"{keep}: the target has no {width}-wide token_embd of {n_vocab} rows to compare it with"
+    rows = np.unique(np.linspace(0, n_vocab - 1, min(EMBD_SAMPLE_ROWS, n_vocab)).astype(np.int64))
+    ours = ckpt.load(src.src_name)[rows]  # [n, width] float32
+    from gguf import quants
+
+    from ..gguf_file import tensor_bytes
+    from ..native import quantize_rows
+
+    row_bytes = tensor_bytes([width], info.ggml_type)
+    raw = bytearray()
+    with open(tgt.path, "rb") as f:
+        for r in rows:
+            f.seek(info.offset + int(r) * row_bytes)
+            raw += f.read(row_bytes)
+    if len(raw) != len(rows) * row_bytes:
+        raise Eagle3Error(f"{tgt.path}: truncated GGUF (tensor '{info.name}' runs past the end)")
+    theirs = quants.dequantize(np.frombuffer(raw, np.uint8).reshape(len(rows), row_bytes), info.ggml_type)
+    requant = quantize_rows(ours, int(info.ggml_type), row_bytes)
+    if requant is None:
+        return False, f"{keep}: the target's {info.ggml_type.name} token table cannot be requantized here to compare"
+    norm = float(np.sqrt(np.mean(ours.astype(np.float64) ** 2))) or 1.0
+    diff = float(np.sqrt(np.mean((ours - theirs.reshape(ours.shape)) ** 2))) / norm
+    rounding = float(np.sqrt(np.mean((ours - quants.dequantize(requant, info.ggml_type).reshape(ours.shape)) ** 2))) / norm
+    tol = 1.5 * rounding + EMBD_SLACK
+    mib = n_vocab * width * 2 / 2**20
+    if diff <= tol:
+        return True, (f"embed_tokens is the target's {info.ggml_type.name} token table (relative RMS difference "
+                      f"{diff:.4f} <= {tol:.4f} on {len(rows)} rows): left out, the target's is borrowed "
+                      f"(~{mib:.0f} MiB saved at f16)")
+    return False, (f"{keep}: it differs from the target's token table (relative RMS difference {diff:.4f} > "
+                   f"{tol:.4f} on {len(rows)} rows)")
 
 
 def _check_vocab(ckpt: Checkpoint, spec: HeadSpec, target: TargetInfo) -> np.ndarray | None:
@@ -394,6 +444,13 @@ def convert_head(src: str | Path, out: str | Path | None, target: str | Path | T
 
     out = Path(out) if out is not None else default_out_path(src)
     notes: list[str] = []
+    embd = spec.source(keys.T_TOKEN_EMBD)
+    if embd is not None and spec.hparams.n_embd == tgt.n_embd:  # a copy of the target's table goes (borrowed)
+        copy, note = _target_embd_copy(ckpt, embd, tgt)
+        notes.append(note)
+        if copy:
+            spec = dataclasses.replace(spec, tensors=[t for t in spec.tensors if t is not embd],
+                                       dropped=[*spec.dropped, embd.src_name])
     if not tgt.arch:
         notes.append("the target's config.json names no architecture the pinned llama.cpp converts (its "
                      "'architectures'): whether it can run with this head is unknown; give the target .gguf")

@@ -142,6 +142,26 @@ def _ggml_base() -> ctypes.CDLL | None:
 
 
 _GGML_BASE = _ggml_base()
+if _GGML_BASE is not None:
+    # GGML_API size_t ggml_quantize_chunk(enum ggml_type type, const float * src, void * dst, int64_t start,
+    #                                     int64_t nrows, int64_t n_per_row, const float * imatrix);
+    _GGML_BASE.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                               ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    _GGML_BASE.ggml_quantize_chunk.restype = ctypes.c_size_t
+    # GGML_API bool ggml_quantize_requires_imatrix(enum ggml_type type);
+    _GGML_BASE.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
+    _GGML_BASE.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
+
+
+def quantize_rows(rows: np.ndarray, ggml_type: int, row_bytes: int) -> np.ndarray | None:
+    """Rows quantized as llama.cpp quantizes them (ggml_quantize_chunk, no importance matrix); None where
+    ggml is not at hand or the type needs an importance matrix.  # [n, n_per_row] float32 -> [n, row_bytes]"""
+    if _GGML_BASE is None or _GGML_BASE.ggml_quantize_requires_imatrix(ggml_type):
+        return None
+    src = np.ascontiguousarray(rows, dtype=np.float32)
+    out = np.zeros((src.shape[0], row_bytes), np.uint8)
+    _GGML_BASE.ggml_quantize_chunk(ggml_type, src.ctypes.data, out.ctypes.data, 0, src.shape[0], src.shape[1], None)
+    return out
 
 
 @dataclass(frozen=True)

@@ -290,3 +290,35 @@ def test_cli_progress_bar_for_big_heads(tmp_path, tiny_target, monkeypatch):
     res = runner.invoke(app, ["convert", str(src), "-t", str(tiny_target), "-o", str(tmp_path / "h.gguf")])
     assert res.exit_code == 0, res.output
     assert "writing" in res.stderr and "wrote" in res.stdout
+
+
+def test_a_copy_of_the_targets_embeddings_is_left_out(tmp_path, tiny_target):
+    """A head shipping a frozen copy of its target's token table (RedHatAI's Qwen3-8B head does) is written
+    without it and borrows the target's; a table that differs, or one that cannot be compared (the target given as
+    config.json), is kept; each case says so in one note."""
+    from gguf import quants
+
+    from eagle3_gguf.gguf_file import read_gguf, read_tensor_data
+
+    info = next(t for t in read_gguf(tiny_target).raw.tensors if t.name == keys.T_TOKEN_EMBD)
+    table = quants.dequantize(read_tensor_data(tiny_target, info), info.ggml_type).reshape(49152, 64)
+    rng = np.random.default_rng(1)
+    cases = {"copy": table, "copy of the unquantized table": table + 0.002 * rng.standard_normal(table.shape),
+             "retrained": table + 0.2 * rng.standard_normal(table.shape)}
+    for name, embd in cases.items():
+        w = random_weights(CkptDims(), 0, embed=True)
+        w["embed_tokens.weight"] = embd.astype(np.float32)
+        out = tmp_path / f"{name}.gguf"
+        r = convert_head(write_checkpoint(tmp_path / name, "specforge", weights=w), out, tiny_target)
+        embd_notes = [n for n in r.notes if n.startswith("embed_tokens")]
+        assert len(embd_notes) == 1, r.notes
+        kept = name == "retrained"
+        assert r.own_token_embd == kept and (read_gguf_metadata(out).tensor(keys.T_TOKEN_EMBD) is not None) == kept
+        assert embd_notes[0].startswith("embed_tokens kept: it differs" if kept else
+                                        "embed_tokens is the target's Q8_0 token table"), embd_notes
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 6, "hidden_size": 64,
+                               "vocab_size": 49152}))
+    r = convert_head(write_checkpoint(tmp_path / "c", "specforge", weights=w), tmp_path / "cfg.gguf", cfg)
+    assert r.own_token_embd and "embed_tokens kept: with only a config.json the target's table cannot be compared " \
+                                "(give the target .gguf to drop a copy of it)" in r.notes
