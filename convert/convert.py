@@ -111,7 +111,7 @@ def describe_target(target: str | Path | TargetInfo) -> TargetInfo:
             raise Eagle3Error(f"{target}: target config '{k}' must be an integer in 1..{MAX_INT}, got {v!r}")
     # llama.cpp's name for it, as its converter maps the HF architecture class ("" where it converts none)
     hf = cfg.get("architectures") if isinstance(cfg.get("architectures"), list) else []
-    arch = next((HF_ARCHITECTURES[a] for a in hf if a in HF_ARCHITECTURES), "")
+    arch = next((HF_ARCHITECTURES[a] for a in hf if isinstance(a, str) and a in HF_ARCHITECTURES), "")
     return TargetInfo(target, arch, cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"],
                       arch in keys.HOOKED_TARGET_ARCHS, kind="config.json")
 
@@ -193,7 +193,7 @@ def _target_embd_copy(ckpt: Checkpoint, src: TensorSource, tgt: TargetInfo) -> t
     if tgt.kind != "gguf":
         return False, (f"{keep}: with only a config.json the target's table cannot be compared (give the target "
                        ".gguf to drop a copy of it)")
-    info = next((t for t in read_gguf(tgt.path).raw.tensors if t.name == keys.T_TOKEN_EMBD), None)
+    info = tgt.token_embd
     n_vocab, width = ckpt.tensors[src.src_name].shape
     if info is None or info.shape != [width, n_vocab]:
         return False, f"{keep}: the target has no {width}-wide token_embd of {n_vocab} rows to compare it with"
@@ -212,13 +212,17 @@ def _target_embd_copy(ckpt: Checkpoint, src: TensorSource, tgt: TargetInfo) -> t
             raw += f.read(row_bytes)
     if len(raw) != len(rows) * row_bytes:
         raise Eagle3Error(f"{tgt.path}: truncated GGUF (tensor '{info.name}' runs past the end)")
-    theirs = quants.dequantize(np.frombuffer(raw, np.uint8).reshape(len(rows), row_bytes), info.ggml_type)
     requant = quantize_rows(ours, int(info.ggml_type), row_bytes)
-    if requant is None:
-        return False, f"{keep}: the target's {info.ggml_type.name} token table cannot be requantized here to compare"
+    try:
+        theirs = quants.dequantize(np.frombuffer(raw, np.uint8).reshape(len(rows), row_bytes), info.ggml_type)
+        ours_rounded = quants.dequantize(requant, info.ggml_type) if requant is not None else None
+    except NotImplementedError:  # gguf-py reads most types, not all
+        ours_rounded = None
+    if ours_rounded is None:
+        return False, f"{keep}: the target's {info.ggml_type.name} token table cannot be compared here"
     norm = float(np.sqrt(np.mean(ours.astype(np.float64) ** 2))) or 1.0
     diff = float(np.sqrt(np.mean((ours - theirs.reshape(ours.shape)) ** 2))) / norm
-    rounding = float(np.sqrt(np.mean((ours - quants.dequantize(requant, info.ggml_type).reshape(ours.shape)) ** 2))) / norm
+    rounding = float(np.sqrt(np.mean((ours - ours_rounded.reshape(ours.shape)) ** 2))) / norm
     tol = 1.5 * rounding + EMBD_SLACK
     mib = n_vocab * width * 2 / 2**20
     if diff <= tol:

@@ -20,6 +20,7 @@ from typing import Callable
 from .errors import Eagle3Error
 from .policy import POLICIES
 from .spec_sampling import SPEC_SAMPLING
+from .tree import head_sequences
 
 MAX_DRAFT_MAX = 32  # the most drafts one cycle may verify (head or lookup)
 MAX_TOPK = 8  # a draft tree's tokens per depth at most
@@ -115,7 +116,7 @@ class DraftConfig:
     def tree_sequences(self) -> int:
         """The sequences a tree needs in the target's and the head's contexts: the target one per leaf off the
         chain and one more (at most tree_nodes), the head two per token of a depth and one more."""
-        return 1 if self.draft_topk == 1 else max(self.tree_nodes, 1 + 2 * self.draft_topk)
+        return 1 if self.draft_topk == 1 else max(self.tree_nodes, head_sequences(self.draft_topk))
 
     @classmethod
     def from_flags(cls, **values) -> "DraftConfig":

@@ -160,7 +160,7 @@ def build_app(config: ServeConfig):
     app.add_middleware(SpeculationReport)
     app.get("/v1/eagle3/stats", dependencies=[Depends(server_app.authenticate)])(speculation_stats)
     if config.api_key is not None:  # outermost: a request without the key reaches nothing else
-        app.add_middleware(ApiKeyCheck, key=config.api_key, paths=keyed_paths(app))
+        app.add_middleware(ApiKeyCheck, key=config.api_key, open_paths=open_paths(app))
     return app
 
 
@@ -373,29 +373,32 @@ async def event_publisher(request, inner_send_chan, body, body_model, llama_call
                         await anyio.to_thread.run_sync(iterator.close)
 
 
-def keyed_paths(app) -> frozenset[str]:
-    """The paths llama-cpp-python's server guards with its API key: those its OpenAPI schema marks with a
-    security requirement (its `authenticate` depends on the bearer scheme), read from the schema because
-    FastAPI's route objects for an included router are its internals."""
-    paths = frozenset(path for path, operations in app.openapi()["paths"].items()
-                      if any(op.get("security") for op in operations.values()))
-    if not paths:
+def open_paths(app) -> frozenset[str]:
+    """The paths llama-cpp-python's server leaves open with an API key set: its docs pages, and the routes its
+    OpenAPI schema lists without a security requirement (its `authenticate` depends on the bearer scheme, so a
+    guarded route carries one). Read from the schema because FastAPI keeps an included router's routes in its
+    internals; a route hidden from the schema counts as guarded."""
+    docs = {app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url} - {None}
+    schema = app.openapi()["paths"]
+    if not any(op.get("security") for operations in schema.values() for op in operations.values()):
         raise Eagle3Error("llama-cpp-python's server marks no route as needing its API key: --api-key cannot guard it")
-    return paths
+    return frozenset(docs | {path for path, operations in schema.items()
+                             if not any(op.get("security") for op in operations.values())})
 
 
 class ApiKeyCheck:
-    """ASGI middleware: a request to a path llama-cpp-python guards with its API key gets 401 (its answer) unless
-    it sends `Authorization: Bearer KEY`, compared in constant time (llama-cpp-python compares with ==, which
-    a wrong key then never reaches)."""
+    """ASGI middleware: a request to any path but those llama-cpp-python's server leaves open gets 401 (its
+    answer) unless it sends `Authorization: Bearer KEY`, compared in constant time (llama-cpp-python compares
+    with ==, which a wrong key then never reaches). A browser's CORS preflight (OPTIONS, which carries no
+    credentials) passes to the CORS middleware, as without a key."""
 
-    def __init__(self, app, key: str, paths: frozenset[str]):
+    def __init__(self, app, key: str, open_paths: frozenset[str]):
         self.app = app
         self.key = key.encode()
-        self.paths = paths
+        self.open = open_paths
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope.get("path", "") in self.paths:
+        if scope["type"] == "http" and scope.get("path", "") not in self.open and not _preflight(scope):
             auth = dict(scope.get("headers", ())).get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
             if not (hmac.compare_digest(scheme.lower(), b"bearer") & hmac.compare_digest(token, self.key)):
@@ -407,6 +410,11 @@ class ApiKeyCheck:
                 await send({"type": "http.response.body", "body": payload})
                 return
         await self.app(scope, receive, send)
+
+
+def _preflight(scope) -> bool:
+    headers = dict(scope.get("headers", ()))
+    return scope.get("method") == "OPTIONS" and b"access-control-request-method" in headers
 
 
 class RequestCheck:

@@ -42,7 +42,7 @@ from .head_norms import HeadNorms
 from .native import Batch, Context
 from .policy import CATCH_UP_WINDOW, FixedPolicy
 from .spec_sampling import Dist, RejectionSampler
-from .tree import DraftTree, Expansion
+from .tree import DraftTree, Expansion, head_sequences
 
 
 class RowsAside:
@@ -442,22 +442,23 @@ class Eagle3Session:
             batch.set_embd_one(h, p, token)
             row = 0
 
-    def draft_tree(self, id_last: int, depth: int, topk: int, n_nodes: int) -> tuple[Draft, DraftTree]:
+    def draft_tree(self, id_last: int, depth: int, topk: int, n_nodes: int) -> DraftTree:
         """EAGLE-2's dynamic draft tree after id_last (tree.py): the seed step's topk likeliest tokens are
         the first depth's candidates; then, depth after depth, the topk candidates of the depth likeliest
         to be reached (cumulative probability) run as one decoder batch, each over its own path, and their
-        topk children join the candidates; the n_nodes likeliest candidates are the tree. The Draft holds the
-        tree's chain (its likeliest path) and the head's probability of each chain step. The head's cache
+        topk children join the candidates; the n_nodes likeliest candidates are the tree. It goes no deeper
+        than n_nodes (no deeper node could be chosen) nor than the head's free cells allow. The head's cache
         holds the seed after it, as after draft()."""
         ctx = self.draft_ctx
-        if ctx.n_seq_max < 1 + 2 * topk:
-            raise Eagle3Error(f"a draft tree of top-{topk} needs a head context with {1 + 2 * topk} sequences "
-                              f"(this one has {ctx.n_seq_max}): PairConfig(n_seq_max=...)")
+        if ctx.n_seq_max < head_sequences(topk):
+            raise Eagle3Error(f"a draft tree of top-{topk} needs a head context with {head_sequences(topk)} "
+                              f"sequences (this one has {ctx.n_seq_max}): PairConfig(n_seq_max=...)")
         row = self._seed(id_last)
         pos0 = self.pending_pos
+        depth = min(depth, n_nodes, 1 + max(ctx.n_ctx - pos0 - 1, 0) // topk)  # a depth takes topk cells
         cands = Expansion(id_last)
         seq_of = {0: 0}  # an expanded candidate's head sequence: its path's cells (the root: the prefix's)
-        g_of = {}  # an expanded candidate's hidden state: its children's g
+        g_of = {}  # an expanded candidate's hidden state, [n_embd]: its children's g
         try:
             ctx.decode(self.dec_batch)
             g_of[0] = self._feedback(row)
@@ -469,19 +470,17 @@ class Eagle3Session:
                     ctx.seq_rm(sets + j, -1, -1)  # a grandparent's path, copied into its child's already
                     ctx.seq_cp(seq_of[cands.parents[i]], sets + j)
                     seq_of[i] = sets + j
-                self.dec_batch.set_embd(np.stack([g_of[cands.parents[i]] for i in front]),
-                                        np.full(len(front), pos0 + d, np.int32), [cands.tokens[i] for i in front],
+                g = np.stack([g_of[cands.parents[i]] for i in front])  # [w, n_embd]
+                self.dec_batch.set_embd(g, np.full(len(front), pos0 + d, np.int32), [cands.tokens[i] for i in front],
                                         seq_ids=[seq_of[i] for i in front])
                 ctx.decode(self.dec_batch)
                 for r, i in enumerate(front):
                     g_of[i] = self._feedback(r)
                     cands.add_children(i, *self._top(ctx.logits_ith(r), topk))
         finally:
-            for s in range(1, 1 + 2 * topk):
+            for s in range(1, head_sequences(topk)):
                 ctx.seq_rm(s, -1, -1)
-        tree = cands.best(n_nodes)
-        chain = range(1, tree.chain + 1)
-        return Draft([tree.tokens[i] for i in chain], [tree.probs[i] / tree.probs[i - 1] for i in chain]), tree
+        return cands.best(n_nodes)
 
     def _top(self, logits: np.ndarray, k: int) -> tuple[list[int], list[float]]:
         """A draft step's k likeliest tokens and their probabilities, the likeliest first.

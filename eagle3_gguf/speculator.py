@@ -322,7 +322,8 @@ class Speculator:
         elif k > 0:
             t = time.perf_counter()
             if policy.expand and rejection is None:
-                draft, tree = session.draft_tree(id_last, k, policy.expand, min(policy.nodes, k_cap))
+                tree = session.draft_tree(id_last, k, policy.expand, min(policy.nodes, k_cap))
+                draft = tree.chain_draft
                 tree = tree if tree.n_nodes > tree.chain else None  # a chain alone: verified as one
             else:
                 draft = session.draft(id_last, k, policy.judge, sampler=rejection,

@@ -49,6 +49,14 @@ class DraftTree:
     def n_nodes(self) -> int:
         return len(self.tokens) - 1
 
+    @property
+    def chain_draft(self) -> Draft:
+        """The chain as a Draft: its tokens and the head's probability of each step."""
+        from .session import Draft
+
+        chain = range(1, self.chain + 1)
+        return Draft([self.tokens[i] for i in chain], [self.probs[i] / self.probs[i - 1] for i in chain])
+
     def children(self, i: int) -> list[int]:
         return [c for c in range(i + 1, len(self.tokens)) if self.parents[c] == i]
 
@@ -84,16 +92,22 @@ def chain_tree(id_last: int, draft: Draft, accept: Callable[[int, float], float]
     return DraftTree([id_last, *draft.tokens], list(range(-1, n)), list(range(n + 1)), n, reach)
 
 
+def head_sequences(topk: int) -> int:
+    """The sequences the head's context needs to expand a tree of topk tokens a depth: two sets of topk
+    (a depth's candidates and their parents') and the prefix's."""
+    return 1 + 2 * topk
+
+
 class Expansion:
     """The candidates of EAGLE-2's dynamic expansion (Eagle3Session.draft_tree): node 0 is the root (id_last);
     every other candidate is a head token under its parent, scored by the head's probability of its whole
     path (the product of its steps' probabilities). A parent is added before its children."""
 
     def __init__(self, id_last: int):
-        self.tokens = [id_last]
-        self.parents = [-1]
-        self.depths = [0]
-        self.scores = [1.0]
+        self.tokens = [id_last]  # [n_cands]
+        self.parents = [-1]  # [n_cands]
+        self.depths = [0]  # [n_cands]
+        self.scores = [1.0]  # [n_cands]: the head's probability of the whole path
 
     def add_children(self, parent: int, tokens: list[int], probs: list[float]) -> None:
         """The head's likeliest tokens after `parent`, with their probabilities there."""

@@ -98,7 +98,7 @@ def run(args, workload: str, runs: list[Contender]) -> list[Prompt]:
 
 def table(workload: str, runs: list[Contender], prompts: list[Prompt]) -> list[str]:
     median_tau = {c.name: statistics.median(p.tau[c.name] for p in prompts) for c in runs}
-    chains = [c for c in runs if c.config.draft_topk == 1]
+    chains = [c for c in runs if c.config.draft_topk == 1 and c.config.draft_policy == "fixed"]
     lines = [f"### {workload} ({len(prompts)} prompts)", "",
              "| contender | verify rows | tau, median | vs the best chain at <= rows | per-prompt ratio, median "
              "| tree cycles | branch kept | identical |", "|" + "---|" * 8]

@@ -126,6 +126,13 @@ def test_generate_a_draft_tree(tiny_target, tiny_head):
     assert d["identical"] is True and st["tree_cycles"] > 0 and st["tree_nodes"] <= 5 * st["tree_cycles"]
     one_line_error(invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-p", "x",
                           "--draft-topk", "0"), "--draft-topk must be between 1 and 8 (got 0)")
+    # up to the context's end: the head's tree needs top-k cells a depth there, the target's only its nodes
+    r = invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-p", "The capital of France is",
+               "-c", "64", "-n", "600", "--json", "--draft-policy", "fixed", "--draft-p-min", "0", "--draft-max", "6",
+               "--draft-topk", "4")
+    assert r.exit_code == 0, r.output
+    st = json.loads(r.stdout)["stats"]
+    assert st["stop_reason"] == "context full" and st["tree_cycles"] > 0
 
 
 def test_generate_streams_text_and_prints_stats(tiny_target, tiny_head):

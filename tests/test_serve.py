@@ -157,21 +157,22 @@ def test_api_key(tiny_target, tiny_head, plain, tmp_path):
 
 
 def test_the_key_guards_what_llama_cpp_python_guards():
-    """Our key check covers exactly the routes llama-cpp-python's server guards (its OpenAPI security marks), and
-    rejects a request before it reaches them."""
+    """Our key check leaves open what llama-cpp-python's server leaves open (its docs, routes its OpenAPI schema
+    lists without a security mark), guards the rest (a route hidden from the schema too), rejects before the
+    route is reached, and lets a browser's CORS preflight through."""
     import asyncio
 
     from fastapi import Depends, FastAPI
     from llama_cpp.server import app as server_app
 
-    from eagle3_gguf.server import ApiKeyCheck, keyed_paths
+    from eagle3_gguf.server import ApiKeyCheck, open_paths
 
     app = FastAPI()
     app.include_router(server_app.router)
     app.get("/v1/eagle3/stats", dependencies=[Depends(server_app.authenticate)])(lambda: {})
-    paths = keyed_paths(app)
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/embeddings", "/v1/eagle3/stats",
-            "/extras/tokenize"} <= paths and "/docs" not in paths and "/openapi.json" not in paths
+    unguarded = open_paths(app)
+    assert {"/docs", "/openapi.json", "/redoc"} <= unguarded
+    assert not {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/eagle3/stats"} & unguarded
     reached, sent = [], []
 
     async def inner(scope, receive, send):
@@ -180,14 +181,20 @@ def test_the_key_guards_what_llama_cpp_python_guards():
     async def send(message):
         sent.append(message)
 
-    check = ApiKeyCheck(inner, "k3y", paths)
-    for path, auth, passes in (("/v1/models", b"Bearer k3y", True), ("/v1/models", b"bearer k3y", True),
-                               ("/v1/models", b"Bearer k3", False), ("/v1/models", b"", False),
-                               ("/docs", b"", True)):
+    check = ApiKeyCheck(inner, "k3y", unguarded)
+    preflight = [(b"origin", b"http://ui.example"), (b"access-control-request-method", b"POST")]
+    for method, path, headers, passes in (
+            ("GET", "/v1/models", [(b"authorization", b"Bearer k3y")], True),
+            ("GET", "/v1/models", [(b"authorization", b"bearer k3y")], True),
+            ("GET", "/v1/models", [(b"authorization", b"Bearer k3")], False),
+            ("GET", "/v1/models", [], False),
+            ("POST", "/v1/engines/copilot-codex/completions", [], False),  # hidden from the schema, guarded there
+            ("OPTIONS", "/v1/chat/completions", preflight, True),
+            ("OPTIONS", "/v1/chat/completions", [], False),
+            ("GET", "/docs", [], True)):
         reached.clear(), sent.clear()
-        asyncio.run(check({"type": "http", "path": path, "headers": [(b"authorization", auth)] if auth else []},
-                          None, send))
-        assert reached == ([path] if passes else []), (path, auth)
+        asyncio.run(check({"type": "http", "method": method, "path": path, "headers": headers}, None, send))
+        assert reached == ([path] if passes else []), (method, path, headers)
         assert passes or (sent[0]["status"], sent[1]["body"]) == (401, b'{"detail":"Invalid API key"}')
 
 
@@ -309,6 +316,7 @@ def test_bad_pair_is_one_line(tiny_head, smollm2_path):
     (["--parallel", "0"], "--parallel must be in 1..64 (got 0)"),
     (["--api-key", "k", "--api-key-file", "TMP/key"], "give the API key with --api-key or --api-key-file, not both"),
     (["--api-key", " "], "--api-key is empty"),
+    (["--api-key", "clé"], "the API key must be printable ASCII (what an HTTP Authorization header carries)"),
     (["--api-key-file", "TMP/missing"], "TMP/missing: cannot read the API key (No such file or directory)"),
     (["-ngl", "some"], "-ngl must be a number of layers, 'auto' or 'all' (got some)"),
     (["--parallel", "4", "--interrupt-requests"],

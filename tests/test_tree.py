@@ -202,7 +202,8 @@ def test_the_head_drafts_a_chain_as_a_tree_of_one_token_a_depth(pair):
                 if how == "chain":
                     draft = s.draft(prompt[2], 5, p_min=0.0)
                 else:
-                    draft, tree = s.draft_tree(prompt[2], 5, 1, 5)
+                    tree = s.draft_tree(prompt[2], 5, 1, 5)
+                    draft = tree.chain_draft
                     assert tree.chain == tree.n_nodes == 5 and tree.tokens[1:] == draft.tokens
                 got[how] = (draft, pair.head.pos_max(), pair.head.pos_max(1))
     (chain, end_c, _), (tree, end_t, branch) = got["chain"], got["tree"]

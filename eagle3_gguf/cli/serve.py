@@ -46,6 +46,8 @@ def read_api_key(key: str | None, path: Path | None) -> str | None:
             raise Eagle3Error(f"{path}: the API key file's first line is empty")
     if key is not None and not key.strip():
         raise Eagle3Error("--api-key is empty")
+    if key is not None and not (key.isascii() and key.isprintable()):
+        raise Eagle3Error("the API key must be printable ASCII (what an HTTP Authorization header carries)")
     return key
 
 
