@@ -308,7 +308,7 @@ class Eagle3Llama(Llama):
             self._e3_unfinished = True
             self.spec_fallback = self._fallback_reason(tokens, reset)
             if self.spec_fallback is not None:
-                self.spec_stats = SpecStats(n_prompt=len(tokens), target_on=str(self._e3_pair.target_model.placement),
+                self.spec_stats = SpecStats(n_prompt=len(tokens), target_on=str(self._e3_spec.target.model.placement),
                                             stop_reason=f"plain decoding: {self.spec_fallback}")
                 inner = self._plain_generate(tokens, reset, stopping_criteria, sampling)
             else:

@@ -8,9 +8,9 @@ Every prompt runs target-only, then every contender back to back (fixed shapes D
 as Kx1xK, and the adaptive policy with each of --adaptive's tree caps), greedy, in one process. Tau does not depend
 on timing, so one pass decides it; each run's text is compared with target-only's. The table puts each
 contender beside the best chain whose verify batch is no larger (K + 1 rows against N + 1): the median of
-tau over prompts against that chain's, and the median of per-prompt ratios (speed is scripts/bench.py's:
-on a CPU the extra rows cost more than they save). Writes <workload>.json and results.md under --out;
---summarize writes results.md again from them.
+tau over prompts against that chain's, the median of per-prompt ratios, and all prompts' tokens over all their
+target forwards against that chain's (speed is scripts/bench.py's: on a CPU the extra rows cost more than they
+save). Writes <workload>.json and results.md under --out; --summarize writes results.md again from them.
 """
 
 from __future__ import annotations
@@ -40,8 +40,11 @@ class Contender:
 
     @property
     def rows(self) -> int:
-        """The most rows one verify batch holds: id_last and the drafts (a tree's nodes)."""
-        return 1 + self.config.tree_nodes
+        """The most rows one verify batch holds: id_last and the drafts (a tree's nodes, or the adaptive policy's
+        lookup draft)."""
+        c = self.config
+        lookup = c.draft_lookup_max if c.draft_policy == "adaptive" and c.draft_lookup else 0
+        return 1 + max(c.tree_nodes, lookup)
 
 
 @dataclass
@@ -98,18 +101,24 @@ def run(args, workload: str, runs: list[Contender]) -> list[Prompt]:
 
 def table(workload: str, runs: list[Contender], prompts: list[Prompt]) -> list[str]:
     median_tau = {c.name: statistics.median(p.tau[c.name] for p in prompts) for c in runs}
+    # all prompts' tokens over all their target forwards (tau = tokens / forwards per prompt)
+    pooled = {c.name: sum(p.n_generated for p in prompts) / sum(p.n_generated / p.tau[c.name] for p in prompts)
+              for c in runs}
     chains = [c for c in runs if c.config.draft_topk == 1 and c.config.draft_policy == "fixed"]
     lines = [f"### {workload} ({len(prompts)} prompts)", "",
              "| contender | verify rows | tau, median | vs the best chain at <= rows | per-prompt ratio, median "
-             "| tree cycles | branch kept | identical |", "|" + "---|" * 8]
+             "| tokens / forwards, all prompts | vs the best chain | tree cycles | branch kept | identical |",
+             "|" + "---|" * 10]
     for c in runs:
         fits = [ch for ch in chains if ch.rows <= c.rows]
         best = max(fits, key=lambda ch: median_tau[ch.name]) if fits else None
         vs = f"{median_tau[c.name] / median_tau[best.name]:.3f}x ({best.name})" if best else ""
         ratio = (f"{statistics.median(p.tau[c.name] / p.tau[best.name] for p in prompts):.3f}x"
                  if best else "")
+        vs_pooled = f"{pooled[c.name] / pooled[best.name]:.3f}x" if best else ""
         ident = sum(p.identical[c.name] for p in prompts)
-        lines.append(f"| {c.name} | {c.rows} | {median_tau[c.name]:.3f} | {vs} | {ratio} | "
+        lines.append(f"| {c.name} | {c.rows} | {median_tau[c.name]:.3f} | {vs} | {ratio} | {pooled[c.name]:.3f} | "
+                     f"{vs_pooled} | "
                      f"{sum(p.tree_cycles[c.name] for p in prompts)} | {sum(p.branch_kept[c.name] for p in prompts)} | "
                      f"{ident}/{len(prompts)} |")
     return lines + [""]
@@ -121,7 +130,7 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=0, help="prompts per workload (0: all)")
     ap.add_argument("--n-predict", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--shapes", default="7x1x7,3x3x7",
+    ap.add_argument("--shapes", default="7x1x7,4x4x7,3x3x7",
                     help="fixed contenders, DEPTHxTOPKxNODES each (a chain of K: Kx1xK)")
     ap.add_argument("--adaptive", default="", help="also the adaptive policy with these tree caps, TOPKxNODES each "
                     "(1x0: chains)")
@@ -134,7 +143,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     md = ["# Draft trees against chains: tokens per target forward at the same verify rows", "",
           f"SmolLM2-135M-Instruct Q4_1 + the shipped head, greedy, chat template, {args.n_predict} new tokens, "
-          f"{args.threads} threads, p_min 0 (`python scripts/bench_tree.py {' '.join(sys.argv[1:])}`). Shapes are "
+          f"{args.threads} threads, p_min 0 (`python scripts/bench_tree.py {' '.join(a for a in sys.argv[1:] if a != '--summarize')}`). Shapes are "
           "DEPTHxTOPKxNODES: the fixed policy's EAGLE-2 tree, DEPTH deep, TOPK tokens a depth, its NODES likeliest "
           "verified.", ""]
     same = True
