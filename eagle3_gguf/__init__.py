@@ -4,6 +4,11 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .errors import Eagle3Error, NativeError
+# llama_cpp before any module that imports gguf: gguf imports sentencepiece where it is installed, and on the lent
+# H200's image sentencepiece (or tokenizers) loaded first made llama.cpp segfault at model load; llama_cpp first
+# loaded (bench/NOTES.md, tree-gpu)
+import llama_cpp  # noqa: E402, F401
+
+from .errors import Eagle3Error, NativeError  # noqa: E402
 
 __all__ = ["Eagle3Error", "NativeError", "__version__"]
