@@ -201,20 +201,13 @@ def _target_embd_copy(ckpt: Checkpoint, src: TensorSource, tgt: TargetInfo) -> t
     ours = ckpt.load(src.src_name)[rows]  # [n, width] float32
     from gguf import quants
 
-    from ..gguf_file import tensor_bytes
+    from ..gguf_file import read_tensor_rows
     from ..native import quantize_rows
 
-    row_bytes = tensor_bytes([width], info.ggml_type)
-    raw = bytearray()
-    with open(tgt.path, "rb") as f:
-        for r in rows:
-            f.seek(info.offset + int(r) * row_bytes)
-            raw += f.read(row_bytes)
-    if len(raw) != len(rows) * row_bytes:
-        raise Eagle3Error(f"{tgt.path}: truncated GGUF (tensor '{info.name}' runs past the end)")
-    requant = quantize_rows(ours, int(info.ggml_type), row_bytes)
+    raw = read_tensor_rows(tgt.path, info, rows)  # [n, row bytes]
+    requant = quantize_rows(ours, int(info.ggml_type), raw.shape[1])  # [n, row bytes]
     try:
-        theirs = quants.dequantize(np.frombuffer(raw, np.uint8).reshape(len(rows), row_bytes), info.ggml_type)
+        theirs = quants.dequantize(raw, info.ggml_type)  # [n, width]
         ours_rounded = quants.dequantize(requant, info.ggml_type) if requant is not None else None
     except NotImplementedError:  # gguf-py reads most types, not all
         ours_rounded = None

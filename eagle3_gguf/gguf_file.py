@@ -89,6 +89,22 @@ def read_tensor_data(path: Path, t: TensorInfo) -> np.ndarray:
     with open(path, "rb") as f:
         f.seek(t.offset)
         raw = f.read(row * rows)
+    return _rows_of(path, t, raw, rows, row)
+
+
+def read_tensor_rows(path: Path, t: TensorInfo, rows: np.ndarray) -> np.ndarray:
+    """The stored bytes of the given rows of tensor `t` (a row: its first dimension), read one by one.
+    # rows: [n] -> [n, row bytes]"""
+    row = tensor_bytes([t.shape[0]], t.ggml_type)
+    raw = bytearray()
+    with open(path, "rb") as f:
+        for r in rows:
+            f.seek(t.offset + int(r) * row)
+            raw += f.read(row)
+    return _rows_of(path, t, bytes(raw), len(rows), row)
+
+
+def _rows_of(path: Path, t: TensorInfo, raw: bytes, rows: int, row: int) -> np.ndarray:
     if len(raw) != row * rows:
         raise Eagle3Error(f"{path}: truncated GGUF (tensor '{t.name}' runs past the end)")
     return np.frombuffer(raw, dtype=np.uint8).reshape(rows, row)

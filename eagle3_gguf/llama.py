@@ -125,6 +125,13 @@ class _Turn:
             self.llm._e3_running.release()
 
 
+def _draft_config(draft_config: DraftConfig | None, *knobs) -> DraftConfig:
+    """The drafting knobs given as one DraftConfig, or else one by one (DraftConfig's order), checked."""
+    config = draft_config or DraftConfig(*knobs)
+    _check_chains(config)
+    return config
+
+
 def _check_chains(config: DraftConfig) -> None:
     """A draft tree needs sequences of its own in the target's context; llama-cpp-python opens it with one."""
     if config.draft_topk > 1:
@@ -148,9 +155,8 @@ class Eagle3Llama(Llama):
             raise Eagle3Error("Eagle3Llama needs the EAGLE-3 head: Eagle3Llama(model_path=..., draft_model_path=HEAD.gguf)")
         if kwargs.get("draft_model") is not None:
             raise Eagle3Error("draft_model (prompt lookup) and an EAGLE-3 head cannot be combined: drop draft_model")
-        config = draft_config or DraftConfig(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale,
-                                             draft_lookup, draft_lookup_max)
-        _check_chains(config)
+        config = _draft_config(draft_config, draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale,
+                               draft_lookup, draft_lookup_max)
         kwargs.setdefault("flash_attn", True)  # see EXACTNESS
         kwargs.setdefault("type_v", CACHE_TYPES["bf16"])
         super().__init__(model_path=model_path, **kwargs)
@@ -558,9 +564,8 @@ def attach_eagle3(llm: Llama, head_path: str | Path, *, draft_max: int = _LIBRAR
         raise Eagle3Error(f"attach_eagle3 needs a llama_cpp.Llama, not {type(llm).__name__}")
     if llm in _ATTACHED:
         raise Eagle3Error("this Llama already has an EAGLE-3 head: use the Eagle3Llama attach_eagle3 returned")
-    config = draft_config or DraftConfig(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale,
-                                         draft_lookup, draft_lookup_max)
-    _check_chains(config)
+    config = _draft_config(draft_config, draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale,
+                           draft_lookup, draft_lookup_max)
     cls = type(llm)
     attached_cls = _AttachedLlama if cls is Llama else type(f"Eagle3{cls.__name__}", (_AttachedLlama, cls), {})
     attached = attached_cls(llm, head_path, config, n_gpu_layers_draft)

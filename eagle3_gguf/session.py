@@ -400,9 +400,10 @@ class Eagle3Session:
 
     def _feedback(self, row: int) -> np.ndarray:
         """The next step's g from the decoder's row: its pre-norm hidden state (EAGLE 3.1 norm_output: the
-        output norm of it), a copy.  # [n_embd]"""
+        output norm of it), where EAGLE-3 a view of llama.cpp's buffer (copy it to keep it past the next graph).
+        # [n_embd]"""
         h = self.draft_ctx.nextn_ith(row)
-        return np.array(self.norms.feedback(h) if self.norms is not None else h)
+        return self.norms.feedback(h) if self.norms is not None else h
 
     def draft(self, id_last: int, n_max: int, judge: Callable[[list[float], int], int] | None = None,
               p_min: float = 0.0, sampler: RejectionSampler | None = None, n_alt: int = 0) -> Draft:
@@ -435,11 +436,8 @@ class Eagle3Session:
                 if alts is None:
                     return Draft(out[:keep], confs, qs)
                 return Draft(out[:keep], confs, qs, alts.alt_tokens, alts.alt_probs)
-            h = ctx.nextn_ith(row)  # [n_embd] pre-norm hidden state → next step's g
-            if self.norms is not None:  # EAGLE 3.1 norm_output: output_norm(h) instead
-                h = self.norms.feedback(h)
             p += 1
-            batch.set_embd_one(h, p, token)
+            batch.set_embd_one(self._feedback(row), p, token)
             row = 0
 
     def draft_tree(self, id_last: int, depth: int, topk: int, n_nodes: int) -> DraftTree:
@@ -461,7 +459,7 @@ class Eagle3Session:
         g_of = {}  # an expanded candidate's hidden state, [n_embd]: its children's g
         try:
             ctx.decode(self.dec_batch)
-            g_of[0] = self._feedback(row)
+            g_of[0] = self._feedback(row).copy()
             cands.add_children(0, *self._top(ctx.logits_ith(row), topk))
             for d in range(1, depth):
                 front = cands.likeliest(d, topk)  # [w]
@@ -475,7 +473,7 @@ class Eagle3Session:
                                         seq_ids=[seq_of[i] for i in front])
                 ctx.decode(self.dec_batch)
                 for r, i in enumerate(front):
-                    g_of[i] = self._feedback(r)
+                    g_of[i] = self._feedback(r).copy()
                     cands.add_children(i, *self._top(ctx.logits_ith(r), topk))
         finally:
             for s in range(1, head_sequences(topk)):

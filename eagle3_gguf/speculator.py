@@ -139,9 +139,13 @@ class Speculator:
         lookup = config.draft_lookup and config.draft_policy == "adaptive"
         return min(config.draft_lookup_max, self.k_limit) if lookup else 0
 
+    def _drafts_max(self, config: DraftConfig) -> int:
+        """The most drafts a cycle may verify with config (head, lookup or tree): the cost curve's length."""
+        head, tree = min(config.draft_max, self.k_limit), min(config.tree_nodes, self.k_limit)
+        return max(head, self._lookup_max(config), tree)
+
     def needs_calibration(self, config: DraftConfig) -> bool:
-        k = max(min(config.draft_max, self.k_limit), self._lookup_max(config),  # the rows a cycle may verify
-                min(config.tree_nodes, self.k_limit))
+        k = self._drafts_max(config)
         return config.draft_policy == "adaptive" and (self.costs is None or self.costs.k_max < k)
 
     def policy_for(self, config: DraftConfig) -> DraftPolicy:
@@ -156,7 +160,7 @@ class Speculator:
             policy: DraftPolicy = FixedPolicy(k, config.draft_p_min, config.draft_topk, nodes)
         else:
             if self.needs_calibration(config):
-                self.costs = self.calibrate(max(k, n_lookup, nodes))
+                self.costs = self.calibrate(self._drafts_max(config))
                 self._adaptive = None
             shape = (k, n_lookup, config.draft_topk, nodes)
             if self._adaptive is None or self._adaptive.shape != shape:
