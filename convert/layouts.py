@@ -8,7 +8,8 @@ Four layouts exist in the wild (names checked against the public sources):
   ids in `eagle_aux_hidden_state_layer_ids`.
 - NVIDIA ModelOpt: `LlamaForCausalLMEagle3` + `eagle_config`; `layers.0.*`;
   ids in `eagle_config.eagle_aux_hidden_state_layer_ids`.
-- SpecForge: `LlamaForCausalLMEagle3` + `eagle_config`; `midlayer.*`; ids as ModelOpt.
+- SpecForge: `LlamaForCausalLMEagle3` + `eagle_config` (or EAGLE 3.1's `fc_norm.{i}`, which SafeAILab
+  never has); `midlayer.*`; ids as ModelOpt. Published SafeAILab heads also name LlamaForCausalLMEagle3.
 
 All share `fc`, `norm`, `lm_head`, `d2t` (int64 offsets), `t2d` (dropped) and optional `embed_tokens`;
 speculators adds `input_norm` (norm_before_fc). EAGLE 3.1 (speculators, SpecForge): `fc_norm` (config
@@ -190,8 +191,9 @@ def detect_layout(ckpt: Checkpoint) -> HeadSpec:
     elif has_layers and ("LlamaForCausalLMEagle3" in archs or eagle_config is not None):
         layout, reason, prefix = LAYOUT_MODELOPT, "LlamaForCausalLMEagle3/eagle_config + layers.0.*", "layers."
         hp_config = config
-    elif has_mid and eagle_config is not None:
-        layout, reason, prefix = LAYOUT_SPECFORGE, "eagle_config + midlayer.*", "midlayer."
+    elif has_mid and (eagle_config is not None or fc_norm):  # SafeAILab has no EAGLE 3.1 heads
+        why = "eagle_config" if eagle_config is not None else "fc_norm.{i}"
+        layout, reason, prefix = LAYOUT_SPECFORGE, f"{why} + midlayer.*", "midlayer."
         hp_config = config
     elif has_mid:
         layout, reason, prefix = LAYOUT_SAFEAI, "midlayer.* tensors", "midlayer."
@@ -264,6 +266,7 @@ def _need(cfg: dict[str, Any], key: str, path: Path | None) -> Any:
     return value
 
 
+_SILU = ("silu", "swish")  # the MLP activation the pinned graph hard-codes (LLM_FFN_SILU)
 MAX_INT = 2**31 - 1  # hparams are stored as u32/i32 in the GGUF
 
 
@@ -301,6 +304,10 @@ def _read_hparams(cfg: dict[str, Any], path: Path | None) -> HeadHParams:
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     rope = rope if isinstance(rope, dict) else {}
     rope_theta = _float(cfg, "rope_theta", path, 0.0) or _float(rope, "rope_theta", path, 10000.0)
+    for key in ("hidden_act", "hidden_activation"):  # gemma configs name it the second way
+        if cfg.get(key) is not None and cfg[key] not in _SILU:
+            raise Eagle3Error(f"{path}: config {key} {cfg[key]!r}: the pinned llama.cpp eagle3 graph's MLP is "
+                              f"SiLU-gated only, so this head cannot run there")
     draft_vocab = _int(cfg, "draft_vocab_size", path, default=0)
     target_hidden = _int(cfg, "target_hidden_size", path, default=0)
     return HeadHParams(

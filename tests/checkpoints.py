@@ -41,6 +41,11 @@ class CkptDims:
     draft_vocab: int | None = 512  # None: no d2t, lm_head over the full target vocab (or none at all)
     rms_eps: float = 1e-5
     rope_theta: float = 10000.0
+    head_dim: int | None = None  # None: n_embd // n_head (the config then names none)
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.n_embd // self.n_head
 
 
 def _rand(rng: np.random.Generator, *shape: int, scale: float | None = None) -> np.ndarray:
@@ -55,7 +60,7 @@ def random_weights(d: CkptDims, seed: int = 0, *, lm_head: bool = True, embed: b
                    norm_before_fc: bool = False, fc_norm: bool = False) -> dict[str, np.ndarray]:
     """Layout-neutral names: the decoder layer's tensors are prefixed 'L.'."""
     rng = np.random.default_rng(seed)
-    hd = d.n_embd // d.n_head
+    hd = d.hd
     w = {
         "fc.weight": _rand(rng, d.n_embd, 3 * d.n_embd_tgt),  # [n_embd, 3 * n_embd_tgt]
         "norm.weight": _norm(rng, d.n_embd),
@@ -99,6 +104,8 @@ def _llama_config(d: CkptDims, arch: str) -> dict:
     }
     if d.draft_vocab is not None:
         cfg["draft_vocab_size"] = d.draft_vocab
+    if d.head_dim is not None:
+        cfg["head_dim"] = d.head_dim
     return cfg
 
 

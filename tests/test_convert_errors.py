@@ -123,6 +123,15 @@ def test_layer_ids_out_of_range(tmp_path, tiny_target, layout, ids, convention, 
            f"each must be 0..6 (6 = final output)")
 
 
+@pytest.mark.parametrize("key", ["hidden_act", "hidden_activation"])
+def test_non_silu_mlp(tmp_path, tiny_target, key):
+    """NeMo saves gemma drafts with gelu_pytorch_tanh; the pinned graph's MLP is SiLU-gated only."""
+    src = _ckpt(tmp_path, config_extra={key: "gelu_pytorch_tanh"})
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{src / 'config.json'}: config {key} 'gelu_pytorch_tanh': the pinned llama.cpp eagle3 graph's MLP "
+           f"is SiLU-gated only, so this head cannot run there")
+
+
 def test_layer_ids_flag_out_of_range_and_malformed(tmp_path, tiny_target):
     src = _ckpt(tmp_path)
     _fails(tmp_path, [str(src), "-t", str(tiny_target), "--layer-ids", "2,3,-1"],

@@ -46,12 +46,14 @@ VARIANTS = {
 }
 
 
-def torch_head(w: dict[str, np.ndarray], d: CkptDims, embed: np.ndarray, flags: tuple[bool, bool, bool]) -> Eagle3Head:
+def torch_head(w: dict[str, np.ndarray], d: CkptDims, embed: np.ndarray, flags: tuple[bool, bool, bool],
+               norm_before_residual: bool = False) -> Eagle3Head:
     """The training model with a checkpoint's weights (layout-neutral names, see checkpoints.py)."""
     nbf, fcn, nout = flags
     cfg = HeadConfig(n_embd=d.n_embd, n_ff=d.n_ff, n_head=d.n_head, n_head_kv=d.n_head_kv, n_embd_tgt=d.n_embd_tgt,
-                     n_vocab=d.target_vocab, draft_vocab=d.draft_vocab, rms_eps=d.rms_eps, rope_theta=d.rope_theta,
-                     norm_before_fc=nbf, fc_norm=fcn, norm_output=nout)
+                     n_vocab=d.target_vocab, draft_vocab=d.draft_vocab or d.target_vocab, rms_eps=d.rms_eps,
+                     rope_theta=d.rope_theta, n_embd_head=d.head_dim or 0,
+                     norm_before_fc=nbf, fc_norm=fcn, norm_output=nout, norm_before_residual=norm_before_residual)
     head = Eagle3Head(cfg, torch.from_numpy(embed))
     state = {param: w[name.replace("midlayer.", "L.")] for param, name in _NAMES.items()}
     if nbf:

@@ -49,6 +49,7 @@ class HeadConfig:
     norm_before_fc: bool = False  # one RMSNorm over the 3 concatenated features (input_norm)
     fc_norm: bool = False  # one RMSNorm per feature (fc_norm.{i})
     norm_output: bool = False  # feed norm(h) back across draft steps
+    n_embd_head: int = 0  # attention head width when not n_embd // n_head (gemma-4's heads: 256 at hidden 5376)
 
     @classmethod
     def for_target(cls, tgt, draft_vocab: int, n_ff: int | None = None, eagle31: bool = False) -> "HeadConfig":
@@ -62,13 +63,13 @@ class HeadConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.n_embd_head or self.n_embd // self.n_head
 
     def to_dict(self) -> dict:
         """The fields; the EAGLE 3.1 flags only when set, so checkpoints saved before they existed
         still compare equal on resume."""
         d = asdict(self)
-        for flag in ("norm_before_fc", "fc_norm", "norm_output"):
+        for flag in ("norm_before_fc", "fc_norm", "norm_output", "n_embd_head"):
             if not d[flag]:
                 del d[flag]
         return d
