@@ -164,3 +164,23 @@ def _bf16(x: np.ndarray) -> np.ndarray:
     from checkpoints import f32_to_bf16_bits
 
     return (f32_to_bf16_bits(x).astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.slow
+def test_full_vocab_head_runs(tmp_path, targets):
+    """Maverick's shape (lm_head over the whole vocab, no d2t) on a hooked target of the same widths: its
+    own target's llama4 graph has no hooks at the pin."""
+    gguf = targets[keys.ARCH_LLAMA][0]
+    src = write_seed_head(tmp_path / "ckpt", "llama4-maverick", embed=read_token_embeddings(gguf))
+    r = convert_head(src, tmp_path / "head.gguf", gguf)
+    assert r.draft_vocab is None and r.own_output and "d2t" not in {t.name for t in r.rows}
+    cfg = GenerateConfig(n_predict=32, draft_max=4, draft_policy="fixed")
+    with load_pair(gguf, r.out, PairConfig(n_ctx=512, n_batch=64)) as pair:
+        prompt = tokenize(pair.target_model, "The capital of France is")
+        with Runner(pair.target) as plain:
+            base = plain.generate(prompt, cfg, speculative=False)
+        with OracleSession(pair.target, pair.head, truth=prompt + base.tokens, schedule=[4, 1]) as s, \
+                Runner(pair.target, s) as d:
+            spec = d.generate(prompt, cfg)
+        assert np.isfinite(pair.head.logits_ith(0)).all()  # draft logits over every target token
+    assert spec.tokens == base.tokens and spec.stats.n_accepted > 0
