@@ -54,6 +54,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp import Llama
 
+from . import rpc
 from .config import DraftConfig
 from .decode import spec_sampling_label
 from .errors import Eagle3Error
@@ -147,10 +148,14 @@ class Eagle3Llama(Llama):
                  draft_policy: str = _LIBRARY.draft_policy, spec_sampling: str = _LIBRARY.spec_sampling,
                  draft_temp_scale: float = _LIBRARY.draft_temp_scale, draft_lookup: bool = _LIBRARY.draft_lookup,
                  draft_lookup_max: int = _LIBRARY.draft_lookup_max, draft_config: DraftConfig | None = None,
-                 n_gpu_layers_draft: int | None = None, **kwargs: Any):
+                 n_gpu_layers_draft: int | None = None, rpc_servers: str | None = None,
+                 rpc_backend: str | None = None, **kwargs: Any):
         """The drafting knobs are config.DraftConfig's (checked before anything loads), one by one or as one
         `draft_config`; `draft_config` holds them afterwards. n_gpu_layers_draft: the head's layers on the GPU
-        (-1: all), beside llama-cpp-python's n_gpu_layers for the target; None: as the target's."""
+        (-1: all), beside llama-cpp-python's n_gpu_layers for the target; None: as the target's.
+        rpc_servers: "host:port,..." (llama-cpp-python's former argument, llama.cpp's --rpc): the target's
+        n_gpu_layers go to those rpc-servers, the head stays here; rpc_backend: the RPC client module where
+        llama-cpp-python has none built in (eagle3_gguf.rpc)."""
         if draft_model_path is None:
             raise Eagle3Error("Eagle3Llama needs the EAGLE-3 head: Eagle3Llama(model_path=..., draft_model_path=HEAD.gguf)")
         if kwargs.get("draft_model") is not None:
@@ -159,6 +164,9 @@ class Eagle3Llama(Llama):
                                draft_lookup, draft_lookup_max)
         kwargs.setdefault("flash_attn", True)  # see EXACTNESS
         kwargs.setdefault("type_v", CACHE_TYPES["bf16"])
+        self._e3_rpc = (rpc_servers, rpc_backend)
+        if rpc_servers:  # registered before Llama loads the target, so that llama.cpp places it there
+            rpc.connect(rpc.parse_servers(rpc_servers), rpc_backend)
         super().__init__(model_path=model_path, **kwargs)
         try:
             self._eagle3_setup(draft_model_path, config, n_gpu_layers_draft)
@@ -246,7 +254,7 @@ class Eagle3Llama(Llama):
 
     def __getstate__(self):
         return {**super().__getstate__(), "draft_model_path": str(self._e3_head_path), "draft_config": self.draft_config,
-                "n_gpu_layers_draft": self._e3_head_ngl}
+                "n_gpu_layers_draft": self._e3_head_ngl, "rpc_servers": self._e3_rpc[0], "rpc_backend": self._e3_rpc[1]}
 
     @property
     def draft_config(self) -> DraftConfig:
@@ -520,6 +528,7 @@ class _AttachedLlama(Eagle3Llama):
 
     def __init__(self, llm: Llama, head_path: str | Path, config: DraftConfig, n_gpu_layers_draft: int | None):
         object.__setattr__(self, "_e3_llama", llm)
+        self._e3_rpc = (None, None)  # the Llama is loaded where its builder put it; the head stays here
         self._eagle3_setup(head_path, config, n_gpu_layers_draft)
 
     def __getattr__(self, name: str):  # only for names this object does not hold: the Llama's

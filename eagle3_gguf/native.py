@@ -125,20 +125,27 @@ llama_model_n_devices = _bind("llama_model_n_devices", [model_p], ctypes.c_int32
 llama_model_get_device = _bind("llama_model_get_device", [model_p, ctypes.c_int], ctypes.c_void_p)
 
 
+def sibling_library(stem: str) -> ctypes.CDLL | None:
+    """A ggml library beside libllama, as libllama loaded it: by its soname file first (a wheel holds
+    libggml.so and libggml.so.0 as two copies, and only the one libllama loaded shares its state)."""
+    libdir = Path(_lib._name).parent
+    for name in (f"lib{stem}.so.0", f"lib{stem}.0.dylib", f"lib{stem}.so", f"lib{stem}.dylib", f"{stem}.dll"):
+        if (libdir / name).is_file():
+            return ctypes.CDLL(str(libdir / name))
+    return None
+
+
 def _ggml_base() -> ctypes.CDLL | None:
     """ggml's base library beside libllama (the one libllama runs on: loading it again shares it)."""
-    libdir = Path(_lib._name).parent
-    for name in ("libggml-base.so", "libggml-base.dylib", "ggml-base.dll"):
-        if (libdir / name).is_file():
-            lib = ctypes.CDLL(str(libdir / name))
-            # GGML_API const char * ggml_backend_dev_name(ggml_backend_dev_t device);
-            lib.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
-            lib.ggml_backend_dev_name.restype = ctypes.c_char_p
-            # GGML_API const char * ggml_backend_dev_description(ggml_backend_dev_t device);
-            lib.ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
-            lib.ggml_backend_dev_description.restype = ctypes.c_char_p
-            return lib
-    return None
+    lib = sibling_library("ggml-base")
+    if lib is not None:
+        # GGML_API const char * ggml_backend_dev_name(ggml_backend_dev_t device);
+        lib.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
+        lib.ggml_backend_dev_name.restype = ctypes.c_char_p
+        # GGML_API const char * ggml_backend_dev_description(ggml_backend_dev_t device);
+        lib.ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
+        lib.ggml_backend_dev_description.restype = ctypes.c_char_p
+    return lib
 
 
 _GGML_BASE = _ggml_base()
@@ -305,8 +312,11 @@ class _Owner:
 class Model(_Owner):
     """A llama_model loaded from a GGUF file."""
 
-    def __init__(self, path: str | Path, *, n_gpu_layers: int = 0, use_mmap: bool = True, borrowed=None):
-        """borrowed: a llama_model someone else owns (llama_cpp.Llama's) to wrap; close() won't free it."""
+    def __init__(self, path: str | Path, *, n_gpu_layers: int = 0, use_mmap: bool = True, borrowed=None,
+                 devices: list[int] | None = None):
+        """borrowed: a llama_model someone else owns (llama_cpp.Llama's) to wrap; close() won't free it.
+        devices: the ggml devices its offloaded layers may use (llama_model_params.devices; [] = none),
+        None for llama.cpp's default (every GPU, and every RPC server registered)."""
         self.path = Path(path)
         self.n_gpu_layers = n_gpu_layers
         self._owned = borrowed is None
@@ -317,6 +327,9 @@ class Model(_Owner):
             params = C.llama_model_default_params()
             params.n_gpu_layers = n_gpu_layers
             params.use_mmap = use_mmap
+            if devices is not None:
+                listed = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)  # NULL-terminated
+                params.devices = ctypes.addressof(listed)  # a void * field in llama-cpp-python's struct
             ptr = C.llama_model_load_from_file(str(self.path).encode(), params)
             if not ptr:
                 raise Eagle3Error(f"{self.path}: llama.cpp could not load it (run with -v to see why)")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import keys
+from . import keys, rpc
 from .errors import Eagle3Error
 from .gguf_file import HeadInfo, TargetInfo, read_gguf
 from .native import Context, Model, cache_type, default_threads, flash_attn_type
@@ -36,6 +36,8 @@ class PairConfig:
     cache_type_v: str = "bf16"
     flash_attn: bool = True  # batch-invariant rows need it on CPU (README, exactness)
     n_seq_max: int = 1  # each context's sequences: a draft tree's (DraftConfig.tree_sequences)
+    rpc_servers: tuple[str, ...] = ()  # rpc-server hosts (host:port) for the target's offloaded layers
+    rpc_backend: str | None = None  # a libggml-rpc module, where llama-cpp-python has no RPC built in
 
 
 def check_pair(target: TargetInfo, head: HeadInfo, d2t: np.ndarray | None = None) -> None:
@@ -118,8 +120,11 @@ def load_pair(target_path: str | Path, head_path: str | Path, config: PairConfig
     threads = config.n_threads or default_threads()
     opened: list = []
     try:
+        # the target's layers over the network where asked, the head's on this machine in any case
+        target_devices = rpc.connect(config.rpc_servers, config.rpc_backend) if config.rpc_servers else None
+        head_devices = rpc.local_devices() if rpc.in_use() else None
         if target_model is None:
-            target_model = Model(target_path, n_gpu_layers=config.n_gpu_layers)
+            target_model = Model(target_path, n_gpu_layers=config.n_gpu_layers, devices=target_devices)
             opened.append(target_model)
         if target_ctx is None:
             target_ctx = Context(target_model, n_ctx=config.n_ctx, n_batch=config.n_batch, n_threads=threads,
@@ -127,7 +132,7 @@ def load_pair(target_path: str | Path, head_path: str | Path, config: PairConfig
                                  n_seq_max=config.n_seq_max)
             opened.append(target_ctx)
         head_ngl = config.n_gpu_layers if config.n_gpu_layers_draft is None else config.n_gpu_layers_draft
-        head_model = Model(head_path, n_gpu_layers=head_ngl)
+        head_model = Model(head_path, n_gpu_layers=head_ngl, devices=head_devices)
         opened.append(head_model)
         head_ctx = Context(head_model, n_ctx=config.draft_n_ctx or config.n_ctx, n_batch=config.n_batch,
                            n_threads=threads, ctx_other=target_ctx, n_seq_max=config.n_seq_max)

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from . import rpc
 from .config import COMMAND_LINE, DraftConfig
 from .errors import Eagle3Error
 
@@ -64,6 +65,8 @@ class ServeConfig:
     n_gpu_layers: int = 0  # the target's layers on the GPU (< 0: all), llama-cpp-python's n_gpu_layers
     n_gpu_layers_draft: int | None = None  # the head's; None: as the target's
     api_key: str | None = None  # requests must send it (Authorization: Bearer KEY); None: none asked
+    rpc_servers: tuple[str, ...] = ()  # rpc-server hosts for the target's offloaded layers (eagle3_gguf.rpc)
+    rpc_backend: str | None = None  # the RPC client module, where llama-cpp-python has none built in
 
     @property
     def loopback(self) -> bool:
@@ -108,6 +111,8 @@ def build_app(config: ServeConfig):
     from .pair import read_pair
 
     read_pair(config.model, config.draft)  # a mismatched pair fails here with one line, before loading
+    if config.rpc_servers:  # registered before the target loads, so that llama.cpp places its layers there
+        rpc.connect(config.rpc_servers, config.rpc_backend)
 
     def load(settings):
         llm = LlamaProxy.load_llama_from_model_settings(settings)

@@ -134,3 +134,43 @@ def gpu_layers(value: str, flag: str) -> int:
     if not value.isdigit():
         raise Eagle3Error(f"{flag} must be a number of layers, 'auto' or 'all' (got {value})")
     return int(value)
+
+
+RPC_HELP = ("Comma-separated rpc-server hosts (host:port) for the target's layers, as llama.cpp's --rpc: they are "
+            "split across them as -ngl says; the head stays on this machine. Plain TCP with no authentication: "
+            "trusted networks only.")
+RPC_BACKEND_HELP = ("The RPC client module (libggml-rpc.so, built by 'python scripts/build_upstream.py'), where "
+                    "llama-cpp-python was built without -DGGML_RPC=ON (default: $EAGLE3_GGUF_RPC_BACKEND).")
+
+
+def rpc_option():
+    return typer.Option(None, "--rpc", help=RPC_HELP)
+
+
+def rpc_backend_option():
+    return typer.Option(None, "--rpc-backend", help=RPC_BACKEND_HELP)
+
+
+def rpc_servers(value: str | None, backend) -> tuple[str, ...]:
+    """--rpc parsed; with it, a server gone mid-run ends the process with one error line and exit 2, where
+    ggml would abort (it has no error path there)."""
+    if value is None:
+        if backend is not None:
+            raise Eagle3Error("--rpc-backend needs --rpc")
+        return ()
+    from .. import rpc
+
+    servers = rpc.parse_servers(value)
+    rpc.on_abort(_rpc_gone)
+    return servers
+
+
+def _rpc_gone(message: str) -> None:
+    import os
+    import re
+
+    sys.stdout.flush()
+    why = re.sub(r"^\S+:\d+: ", "", message)  # ggml's source file and line
+    typer.echo(f"error: an RPC server stopped answering mid-run ({why}); check the rpc-server hosts and run again",
+               err=True)
+    os._exit(2)  # ggml aborts the moment this returns: nothing else can run

@@ -12,7 +12,7 @@ import typer
 
 from ..errors import Eagle3Error
 from .common import (check_context_flags, draft_option, drafting_from_flags, fail, gpu_layers, gpu_layers_option,
-                     setup_logging)
+                     rpc_backend_option, rpc_option, rpc_servers, setup_logging)
 
 
 def register(app: typer.Typer) -> None:
@@ -27,6 +27,8 @@ def register(app: typer.Typer) -> None:
         threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads (default: all cores up to 4, else half)."),
         n_gpu_layers: str = gpu_layers_option("The target", "-ngl", "--n-gpu-layers", "--gpu-layers"),
         n_gpu_layers_draft: str = gpu_layers_option("The head", "-ngld", "--n-gpu-layers-draft", "--gpu-layers-draft"),
+        rpc: Optional[str] = rpc_option(),
+        rpc_backend: Optional[Path] = rpc_backend_option(),
         cache_type_k: str = typer.Option("f16", "-ctk", "--cache-type-k", help="Target KV cache type for K."),
         cache_type_v: str = typer.Option("bf16", "-ctv", "--cache-type-v", help="Target KV cache type for V (bf16 keeps output identical to target-only at any length; README)."),
         temp: float = typer.Option(0.0, "--temp", help="Temperature; 0 = greedy."),
@@ -54,7 +56,7 @@ def register(app: typer.Typer) -> None:
                                            draft_lookup, draft_lookup_max, temp, draft_topk, draft_nodes)
             pair_config = _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max,
                                        drafting.tree_sequences, gpu_layers(n_gpu_layers, "-ngl"),
-                                       gpu_layers(n_gpu_layers_draft, "-ngld"))
+                                       gpu_layers(n_gpu_layers_draft, "-ngld"), rpc_servers(rpc, rpc_backend), rpc_backend)
             from ..decode import GenerateConfig
 
             config = GenerateConfig(n_predict=n_predict, **asdict(drafting))
@@ -78,7 +80,8 @@ INEXACT_NOTE = ("note: with a {k}/{v} KV cache, llama.cpp computes a lone row di
                 "(-ctv bf16 keeps them identical)")
 
 
-def _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max, n_seq_max, ngl, ngld):
+def _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max, n_seq_max, ngl, ngld, rpc=(),
+                 rpc_backend=None):
     from ..native import batch_invariant_cache, cache_type
     from ..pair import PairConfig
 
@@ -86,7 +89,8 @@ def _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max, n_seq_ma
     if draft_max > 0 and not batch_invariant_cache(type_k, type_v):
         typer.echo(INEXACT_NOTE.format(k=cache_type_k, v=cache_type_v), err=True)
     return PairConfig(n_ctx=n_ctx, n_threads=threads, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
-                      n_seq_max=n_seq_max, n_gpu_layers=ngl, n_gpu_layers_draft=ngld)
+                      n_seq_max=n_seq_max, n_gpu_layers=ngl, n_gpu_layers_draft=ngld, rpc_servers=rpc,
+                      rpc_backend=str(rpc_backend) if rpc_backend else None)
 
 
 def _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, baseline, as_json) -> None:

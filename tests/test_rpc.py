@@ -1,0 +1,172 @@
+"""The target split across two rpc-servers on 127.0.0.1 (llama.cpp's RPC backend), the head local.
+
+Every run is a subprocess: RPC servers registered in a process stay registered there (ggml cannot
+remove a device), and llama.cpp offers them to every model loaded after. The servers are the pinned
+tree's `ggml-rpc-server` (scripts/build_upstream.py), stopped by the fixture and bounded by `timeout`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from build_upstream import rpc_module, rpc_server_bin  # noqa: E402
+
+from eagle3_gguf.rpc import RPC_BACKEND_ENV  # noqa: E402
+
+pytestmark = [pytest.mark.skipif(not (rpc_server_bin().exists() and rpc_module().exists()),
+                                 reason="RPC parts not built: python scripts/build_upstream.py")]
+ENV = {**os.environ, RPC_BACKEND_ENV: str(rpc_module())}
+PROMPT = "The capital of France is Paris. The capital of Germany is"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server() -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    proc = subprocess.Popen(["timeout", "900", str(rpc_server_bin()), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()  # the server takes the next client
+            return proc, f"127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.1)
+    _stop(proc)
+    raise RuntimeError("rpc-server did not start")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGKILL to `timeout` and the server under it (their own process group)."""
+    try:
+        os.killpg(proc.pid, 9)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def servers():
+    started = [_start_server() for _ in range(2)]
+    yield ",".join(endpoint for _, endpoint in started)
+    for proc, _ in started:
+        _stop(proc)
+
+
+def _generate(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "eagle3_gguf.cli.main", "generate", "-p", PROMPT, "-t", "2",
+                           "-c", "1024", *args], capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def test_split_across_two_servers_is_target_only(servers):
+    flags = ["-n", "48", "--draft-policy", "fixed", "--draft-max", "4", "--baseline", "--json"]
+    local, remote = _generate(*flags), _generate(*flags, "--rpc", servers)
+    assert local.returncode == 0 and remote.returncode == 0, (local.stderr[-2000:], remote.stderr[-2000:])
+    here, there = json.loads(local.stdout), json.loads(remote.stdout)
+    assert there["stats"]["target_on"].startswith("RPC0 (127.0.0.1:") and ", RPC1 (127.0.0.1:" in there["stats"]["target_on"]
+    assert there["stats"]["target_on"].endswith("31/31 layers offloaded") and there["stats"]["head_on"] == "CPU"
+    assert here["stats"]["target_on"] == "CPU"
+    texts = {here["text"], there["text"]}
+    assert len(texts) == 1 and len(here["text"]) > 40, texts  # speculative, here and over RPC
+    assert here["identical"] and there["identical"]  # and each run's target-only baseline
+    assert there["stats"]["n_accepted"] > 0
+
+
+def test_drop_in_over_rpc(servers):
+    code = f"""
+from eagle3_gguf.assets import smollm2_path, default_head_path
+from eagle3_gguf.llama import Eagle3Llama
+from llama_cpp import Llama
+kw = dict(n_ctx=512, verbose=False, flash_attn=True, type_v=30)
+plain = Llama(str(smollm2_path()), **kw)
+want = plain({PROMPT!r}, max_tokens=32, temperature=0)["choices"][0]["text"]
+plain.close()
+llm = Eagle3Llama(str(smollm2_path()), default_head_path(), n_gpu_layers=-1, rpc_servers={servers!r},
+                  draft_policy="fixed", draft_max=4, **kw)
+got = llm({PROMPT!r}, max_tokens=32, temperature=0)["choices"][0]["text"]
+print(got == want, llm.spec_stats.n_accepted, ",".join(llm._e3_pair.target_model.placement.devices),
+      ",".join(llm._e3_pair.head_model.placement.devices), sep="|")
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=ENV)
+    assert res.returncode == 0, res.stderr[-2000:]
+    same, accepted, target_on, head_on = res.stdout.strip().split("|")
+    assert same == "True" and int(accepted) > 0, res.stdout
+    assert target_on.startswith("RPC0 (127.0.0.1:") and ",RPC1 (127.0.0.1:" in target_on and head_on == "", res.stdout
+
+
+def _one_error_line(res: subprocess.CompletedProcess) -> str:
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert lines[-1].startswith("error: ") and sum(ln.startswith("error: ") for ln in lines) == 1, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+    return lines[-1]
+
+
+def test_no_server_there():
+    port = _free_port()
+    line = _one_error_line(_generate("-n", "8", "--rpc", f"127.0.0.1:{port}"))
+    assert line == (f"error: RPC server 127.0.0.1:{port}: Connection refused; start rpc-server there "
+                    "(rpc-server -H HOST -p PORT) or fix --rpc")
+
+
+def test_server_that_never_answers_times_out():
+    with socket.socket() as listener:  # accepts connections (the kernel's backlog) and never speaks
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
+        start = time.monotonic()
+        line = _one_error_line(_generate("-n", "8", "--rpc", endpoint, timeout=60))
+    assert line == (f"error: RPC server {endpoint}: no answer within 5 s; start rpc-server there "
+                    "(rpc-server -H HOST -p PORT) or fix --rpc")
+    assert time.monotonic() - start < 30
+
+
+def test_server_gone_mid_run():
+    proc, endpoint = _start_server()
+    try:
+        run = subprocess.Popen([sys.executable, "-m", "eagle3_gguf.cli.main", "generate", "-t", "2", "-n", "3000",
+                                "-c", "4096", "-p", "Count from 1 to 2000, one number per line:", "--rpc", endpoint],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        assert run.stdout.read(40)  # it is generating over RPC
+        _stop(proc)
+        out, err = run.communicate(timeout=120)
+    finally:
+        _stop(proc)
+    line = _one_error_line(subprocess.CompletedProcess(run.args, run.returncode, out, err))
+    assert line.startswith("error: an RPC server stopped answering mid-run (Remote RPC server crashed"), line
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--rpc", "localhost"], "--rpc: 'localhost' is not host:port (e.g. --rpc 192.168.1.2:50052,192.168.1.3:50052)"),
+    (["--rpc", "127.0.0.1:1,127.0.0.1:1"], "--rpc: a server is named twice in '127.0.0.1:1,127.0.0.1:1'"),
+    (["--rpc-backend", "x.so"], "--rpc-backend needs --rpc"),
+    (["--rpc", "127.0.0.1:1", "--rpc-backend", "/nonexistent/libggml-rpc.so"],
+     "/nonexistent/libggml-rpc.so: no such RPC backend module (build it: python scripts/build_upstream.py)"),
+])
+def test_bad_rpc_flags(args, message):
+    assert _one_error_line(_generate("-n", "8", *args)) == f"error: {message}"
+
+
+def test_without_the_rpc_backend():
+    from llama_cpp import llama_cpp as C
+
+    if C.llama_supports_rpc():
+        pytest.skip("this llama-cpp-python has the RPC backend built in")
+    env = {k: v for k, v in ENV.items() if k != RPC_BACKEND_ENV}
+    res = subprocess.run([sys.executable, "-m", "eagle3_gguf.cli.main", "generate", "-n", "8", "--rpc", "127.0.0.1:1"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert _one_error_line(res).startswith("error: --rpc needs llama.cpp's RPC backend, which this llama-cpp-python "
+                                           "was built without: rebuild it with CMAKE_ARGS=\"-DGGML_RPC=ON\"")
