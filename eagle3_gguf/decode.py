@@ -131,8 +131,10 @@ class Runner:
             raise Eagle3Error(f"the prompt has {len(prompt)} tokens, the context only {self.target.n_ctx}: raise -c")
         speculative = speculative and self.session is not None and config.draft_max > 0
         target = self.target
-        # (a draft tree's rows belong to several sequences, which llama.cpp's per-sequence sampler does not take)
-        target.set_greedy_sampling(sampler.temperature <= 0.0 and target.owned and config.draft_topk == 1)
+        # (a draft tree's rows belong to several sequences, which llama.cpp's per-sequence sampler does not take;
+        # over RPC each sampled row is read back with its own round trip, the logits with one for all rows)
+        target.set_greedy_sampling(sampler.temperature <= 0.0 and target.owned and config.draft_topk == 1
+                                   and not target.model.placement.remote)
         sampler.reset()
         rejection = None
         if speculative and sampler.temperature > 0.0 and config.spec_sampling == "rejection":

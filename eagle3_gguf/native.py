@@ -180,6 +180,11 @@ class Placement:
     offloaded: int
     n_layers: int
 
+    @property
+    def remote(self) -> bool:
+        """Whether layers run on rpc-servers (llama.cpp names their devices RPC0, RPC1, ...)."""
+        return bool(self.offloaded) and any(d.startswith("RPC") for d in self.devices)
+
     def __str__(self) -> str:
         if not self.offloaded:
             return "CPU"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -149,10 +150,31 @@ def test_server_gone_mid_run():
     assert line.startswith("error: an RPC server stopped answering mid-run (Remote RPC server crashed"), line
 
 
+def test_server_frozen_mid_run():
+    """A server that stops answering without closing its connection: ggml would wait forever."""
+    proc, endpoint = _start_server()
+    try:
+        run = subprocess.Popen([sys.executable, "-m", "eagle3_gguf.cli.main", "generate", "-t", "2", "-n", "3000",
+                                "-c", "4096", "-p", "Count from 1 to 2000, one number per line:", "--rpc", endpoint,
+                                "--rpc-timeout", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        assert run.stdout.read(40)
+        os.killpg(proc.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        out, err = run.communicate(timeout=60)
+        waited = time.monotonic() - start
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
+        _stop(proc)
+    line = _one_error_line(subprocess.CompletedProcess(run.args, run.returncode, out, err))
+    assert line == "error: no token for 3 s: the rpc-servers stopped answering (check their hosts)"
+    assert 2 < waited < 10, waited
+
+
 @pytest.mark.parametrize("args,message", [
     (["--rpc", "localhost"], "--rpc: 'localhost' is not host:port (e.g. --rpc 192.168.1.2:50052,192.168.1.3:50052)"),
     (["--rpc", "127.0.0.1:1,127.0.0.1:1"], "--rpc: a server is named twice in '127.0.0.1:1,127.0.0.1:1'"),
     (["--rpc-backend", "x.so"], "--rpc-backend needs --rpc"),
+    (["--rpc", "127.0.0.1:1", "--rpc-timeout", "0"], "--rpc-timeout must be positive (got 0.0)"),
     (["--rpc", "127.0.0.1:1", "--rpc-backend", "/nonexistent/libggml-rpc.so"],
      "/nonexistent/libggml-rpc.so: no such RPC backend module (build it: python scripts/build_upstream.py)"),
 ])

@@ -174,3 +174,35 @@ def _rpc_gone(message: str) -> None:
     typer.echo(f"error: an RPC server stopped answering mid-run ({why}); check the rpc-server hosts and run again",
                err=True)
     os._exit(2)  # ggml aborts the moment this returns: nothing else can run
+
+
+RPC_TIMEOUT_HELP = ("With --rpc: end the run with an error when no token came for this many seconds (an rpc-server "
+                    "that stops without closing its connection leaves llama.cpp waiting forever, past Ctrl-C).")
+
+
+class Watchdog:
+    """One error line and exit 2 when `tick` was not called for `limit` seconds (a daemon thread watches)."""
+
+    def __init__(self, limit: float, what: str):
+        import threading
+        import time
+
+        self.limit, self.what, self._clock = limit, what, time.monotonic
+        self.last = self._clock()
+        self._done = threading.Event()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def tick(self, *_args) -> None:
+        self.last = self._clock()
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        import os
+
+        while not self._done.wait(min(1.0, self.limit / 4)):
+            if self._clock() - self.last > self.limit:
+                sys.stdout.flush()
+                typer.echo(f"error: no token for {self.limit:g} s: {self.what}", err=True)
+                os._exit(2)

@@ -12,7 +12,7 @@ import typer
 
 from ..errors import Eagle3Error
 from .common import (check_context_flags, draft_option, drafting_from_flags, fail, gpu_layers, gpu_layers_option,
-                     rpc_backend_option, rpc_option, rpc_servers, setup_logging)
+                     RPC_TIMEOUT_HELP, Watchdog, rpc_backend_option, rpc_option, rpc_servers, setup_logging)
 
 
 def register(app: typer.Typer) -> None:
@@ -29,6 +29,7 @@ def register(app: typer.Typer) -> None:
         n_gpu_layers_draft: str = gpu_layers_option("The head", "-ngld", "--n-gpu-layers-draft", "--gpu-layers-draft"),
         rpc: Optional[str] = rpc_option(),
         rpc_backend: Optional[Path] = rpc_backend_option(),
+        rpc_timeout: float = typer.Option(60.0, "--rpc-timeout", help=RPC_TIMEOUT_HELP),
         cache_type_k: str = typer.Option("f16", "-ctk", "--cache-type-k", help="Target KV cache type for K."),
         cache_type_v: str = typer.Option("bf16", "-ctv", "--cache-type-v", help="Target KV cache type for V (bf16 keeps output identical to target-only at any length; README)."),
         temp: float = typer.Option(0.0, "--temp", help="Temperature; 0 = greedy."),
@@ -60,7 +61,9 @@ def register(app: typer.Typer) -> None:
             from ..decode import GenerateConfig
 
             config = GenerateConfig(n_predict=n_predict, **asdict(drafting))
-            _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, baseline, as_json)
+            if rpc_timeout <= 0:
+                raise Eagle3Error(f"--rpc-timeout must be positive (got {rpc_timeout})")
+            _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, baseline, as_json, rpc_timeout)
         except Eagle3Error as e:
             fail(str(e))
 
@@ -93,7 +96,7 @@ def _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max, n_seq_ma
                       rpc_backend=str(rpc_backend) if rpc_backend else None)
 
 
-def _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, baseline, as_json) -> None:
+def _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, baseline, as_json, rpc_timeout) -> None:
     from ..assets import default_head_path, smollm2_path
     from ..decode import PartialResult, Runner, Sampler
     from ..pair import load_pair
@@ -112,20 +115,30 @@ def _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, base
     head_path = draft or default_head_path()
     with load_pair(target_path, head_path, pair_config) as pair:
         tokens = chat_tokens(pair.target_model, prompt) if chat else tokenize(pair.target_model, prompt)
+        watchdog = Watchdog(rpc_timeout, "the rpc-servers stopped answering (check their hosts)") \
+            if pair_config.rpc_servers else None
         with Eagle3Session(pair.target, pair.head) as session, Runner(pair.target, session) as decoder:
             detok = Detokenizer(pair.target_model)
-            stream = None if as_json else (lambda new: _emit(detok.push(new)))
+
+            def stream(new: list[int]) -> None:
+                if watchdog is not None:
+                    watchdog.tick()
+                if not as_json:
+                    _emit(detok.push(new))
             try:
                 spec = decoder.generate(tokens, config, Sampler(temp, seed), speculative=config.draft_max > 0,
                                         on_tokens=stream)
             except PartialResult as p:
-                if stream:
+                if not as_json:
                     _emit(detok.flush() + "\n")
                 typer.echo(p.result.stats.table(), err=True)
                 raise typer.Exit(130)
-            if stream:
+            if not as_json:
                 _emit(detok.flush() + "\n")
-            base = decoder.generate(tokens, config, Sampler(temp, seed), speculative=False) if baseline else None
+            base = decoder.generate(tokens, config, Sampler(temp, seed), speculative=False,
+                                    on_tokens=watchdog and watchdog.tick) if baseline else None
+        if watchdog is not None:
+            watchdog.stop()
     # rejection sampling draws the target's distribution, not target-only's draws: no identity to check
     same_draws = not (temp > 0.0 and config.spec_sampling == "rejection" and config.draft_max > 0)
     if as_json:

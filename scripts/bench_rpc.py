@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""Benchmark: speculation over llama.cpp's RPC backend at several network latencies.
+
+    python scripts/bench_rpc.py                       # MT-bench's first 20 prompts, 0 / 0.2 / 1 / 5 ms
+    python scripts/bench_rpc.py --limit 5 --latencies 0,1
+
+For each latency, two rpc-servers (the pinned tree's ggml-rpc-server, `-t 2`; one pair per latency, because an
+rpc-server serves one client at a time) each behind a delay proxy (scripts/rpc_proxy.py: every message, each
+way, waits the latency; none at 0), the SmolLM2 target split across the pair and the shipped head on this
+machine. Per prompt and per latency, interleaved in one process: target-only, then each contender
+(the adaptive default with K <= 4 and <= 8, fixed K=4 with p_min 0), then target-only again; a contender's
+speed is taken against the faster of the two target-only runs at the same latency. Every run's text is
+compared with target-only's. The cost curves are calibrated fresh (a temporary EAGLE3_GGUF_CACHE), over each
+latency's servers. Writes results.json and results.md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_data  # noqa: E402
+from build_upstream import rpc_module, rpc_server_bin  # noqa: E402
+
+SERVER_BIN, MODULE = rpc_server_bin(), rpc_module()  # resolved before EAGLE3_GGUF_CACHE changes (main)
+CONTENDERS = {  # name -> GenerateConfig fields beside n_predict
+    "adaptive K<=4": {},
+    "adaptive K<=8": {"draft_max": 8},
+    "fixed K=4": {"draft_max": 4, "draft_p_min": 0.0, "draft_policy": "fixed"},
+}
+
+
+@dataclass
+class Run:
+    tok_s: float
+    tau: float
+    drafts_per_cycle: float  # drafted tokens over verify cycles: the K the policy chose, on average
+    identical: bool
+
+
+@dataclass
+class Prompt:
+    id: str
+    latency_ms: float
+    target_only: float  # tok/s, the faster of two runs
+    runs: dict[str, Run] = field(default_factory=dict)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_listening(port: int, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on {port}")
+
+
+def start_endpoint(latency_ms: float, threads: int, procs: list) -> str:
+    """An rpc-server, behind a delay proxy when latency_ms > 0; its address for --rpc."""
+    port = _free_port()
+    server = subprocess.Popen([str(SERVER_BIN), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    procs.append(server)
+    _wait_listening(port, server)
+    if latency_ms <= 0:
+        return f"127.0.0.1:{port}"
+    front = _free_port()
+    proxy = subprocess.Popen([sys.executable, str(Path(__file__).parent / "rpc_proxy.py"), "--listen", str(front),
+                              "--to", f"127.0.0.1:{port}", "--delay-ms", str(latency_ms), "--lifetime", "7200"],
+                             start_new_session=True)
+    procs.append(proxy)
+    _wait_listening(front, proxy)
+    return f"127.0.0.1:{front}"
+
+
+def _run(dec, prompt, config, base_tokens) -> Run:
+    r = dec.generate(prompt, config)
+    cycles = max(r.stats.n_target_forwards - 1, 1)
+    return Run(r.stats.tokens_per_second, r.stats.tau, r.stats.n_drafted / cycles, r.tokens == base_tokens)
+
+
+def bench(args) -> list[Prompt]:
+    from eagle3_gguf.assets import default_head_path, smollm2_path
+    from eagle3_gguf.decode import GenerateConfig, Runner
+    from eagle3_gguf.pair import PairConfig, load_pair
+    from eagle3_gguf.session import Eagle3Session
+    from eagle3_gguf.tokens import Message, apply_chat_template, tokenize
+
+    latencies = [float(x) for x in args.latencies.split(",")]
+    procs: list[subprocess.Popen] = []
+    opened = []
+    try:
+        decoders = {}
+        for ms in latencies:
+            servers = tuple(start_endpoint(ms, args.server_threads, procs) for _ in range(2))
+            config = PairConfig(n_ctx=2048, n_threads=args.threads, n_gpu_layers=-1, n_gpu_layers_draft=0,
+                                rpc_servers=servers, rpc_backend=str(MODULE))
+            pair = load_pair(smollm2_path(), default_head_path(), config)
+            session = Eagle3Session(pair.target, pair.head)
+            dec = Runner(pair.target, session)
+            opened += [dec, session, pair]
+            decoders[ms] = (pair, dec)
+        out = []
+        plain = GenerateConfig(n_predict=args.n_predict)
+        for p in bench_data.load("mtbench", args.limit):
+            for ms, (pair, dec) in decoders.items():
+                prompt = tokenize(pair.target_model, apply_chat_template(pair.target_model, [Message("user", p.text)]),
+                                  add_special=False)
+                base = dec.generate(prompt, plain, speculative=False)
+                runs = {name: _run(dec, prompt, GenerateConfig(n_predict=args.n_predict, **kw), base.tokens)
+                        for name, kw in CONTENDERS.items()}
+                again = dec.generate(prompt, plain, speculative=False)
+                rec = Prompt(p.id, ms, max(base.stats.tokens_per_second, again.stats.tokens_per_second), runs)
+                out.append(rec)
+                print(f"{p.id} {ms:g} ms: target-only {rec.target_only:.1f} tok/s; " + "; ".join(
+                    f"{n} {r.tok_s / rec.target_only:.2f}x K {r.drafts_per_cycle:.2f}" for n, r in runs.items()),
+                    file=sys.stderr, flush=True)
+        return out
+    finally:
+        for owner in opened:
+            owner.close()
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, 9)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
+def table(prompts: list[Prompt], command: str) -> list[str]:
+    lines = [f"`{command}`", "",
+             "| latency per message | target-only tok/s (median) | contender | speed vs target-only (median of "
+             "per-prompt ratios) | prompts faster | tau (median) | drafts per cycle (mean) | identical |",
+             "|---|---|---|---|---|---|---|---|"]
+    for ms in sorted({p.latency_ms for p in prompts}):
+        at = [p for p in prompts if p.latency_ms == ms]
+        base = statistics.median(p.target_only for p in at)
+        for name in CONTENDERS:
+            ratios = [p.runs[name].tok_s / p.target_only for p in at]
+            lines.append(
+                f"| {ms:g} ms | {base:.1f} | {name} | {statistics.median(ratios):.3f}x | "
+                f"{sum(r > 1 for r in ratios)}/{len(at)} | {statistics.median(p.runs[name].tau for p in at):.2f} | "
+                f"{statistics.mean(p.runs[name].drafts_per_cycle for p in at):.2f} | "
+                f"{sum(p.runs[name].identical for p in at)}/{len(at)} |")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--limit", type=int, default=20, help="MT-bench prompts (default 20: the first 20)")
+    ap.add_argument("--latencies", default="0,0.2,1,5", help="ms per message, comma-separated")
+    ap.add_argument("--n-predict", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2, help="this machine's threads (the head)")
+    ap.add_argument("--server-threads", type=int, default=2, help="each rpc-server's threads")
+    ap.add_argument("--out", type=Path, default=Path("bench/rpc-cpu"))
+    args = ap.parse_args()
+    if not (SERVER_BIN.exists() and MODULE.exists()):
+        print("error: RPC parts not built: python scripts/build_upstream.py", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["EAGLE3_GGUF_CACHE"] = cache  # fresh cost curves, measured over each latency's servers
+        prompts = bench(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps([asdict(p) for p in prompts], indent=1))
+    command = "python scripts/bench_rpc.py " + " ".join(sys.argv[1:])
+    (args.out / "results.md").write_text("\n".join(table(prompts, command.strip())) + "\n")
+    print("\n".join(table(prompts, command.strip())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
