@@ -108,6 +108,39 @@ print(got == want, llm.spec_stats.n_accepted, ",".join(llm._e3_pair.target_model
     assert target_on.startswith("RPC0 (127.0.0.1:") and ",RPC1 (127.0.0.1:" in target_on and head_on == "", res.stdout
 
 
+def test_serve_over_rpc(servers):
+    """serve --rpc: the target on the servers, the answer a local plain Llama's."""
+    import http.client
+
+    from serving import free_port, stop, wait_ready
+
+    code = f"""
+from eagle3_gguf.assets import smollm2_path
+from llama_cpp import Llama
+plain = Llama(str(smollm2_path()), n_ctx=1024, verbose=False, flash_attn=True, type_v=30)
+print(plain({PROMPT!r}, max_tokens=24, temperature=0)["choices"][0]["text"], end="")
+"""
+    want = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=ENV)
+    assert want.returncode == 0, want.stderr[-2000:]
+    port = free_port()
+    from eagle3_gguf.assets import default_head_path, smollm2_path
+
+    proc = subprocess.Popen([sys.executable, "-m", "eagle3_gguf.cli.main", "serve", "-m", str(smollm2_path()),
+                             "--draft", str(default_head_path()), "--port", str(port), "-c", "1024", "-t", "2",
+                             "--rpc", servers], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        wait_ready(proc, port)
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        c.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+                                                              "repeat_penalty": 1.0}),  # the server says 1.1
+                  headers={"Content-Type": "application/json"})
+        answer = json.loads(c.getresponse().read())
+        c.close()
+    finally:
+        stop(proc, timeout=20)
+    assert answer["choices"][0]["text"] == want.stdout and len(want.stdout) > 20
+
+
 def _one_error_line(res: subprocess.CompletedProcess) -> str:
     assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
