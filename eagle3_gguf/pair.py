@@ -120,8 +120,11 @@ def load_pair(target_path: str | Path, head_path: str | Path, config: PairConfig
     threads = config.n_threads or default_threads()
     opened: list = []
     try:
-        # the target's layers over the network where asked, the head's on this machine in any case
-        target_devices = rpc.connect(config.rpc_servers, config.rpc_backend) if config.rpc_servers else None
+        # the target's layers over the network where asked (the servers first, then this machine's GPUs, as
+        # llama.cpp's default orders them), the head's on this machine in any case
+        target_devices = None
+        if config.rpc_servers:
+            target_devices = rpc.connect(config.rpc_servers, config.rpc_backend) + rpc.local_devices()
         head_devices = rpc.local_devices() if rpc.in_use() else None
         if target_model is None:
             target_model = Model(target_path, n_gpu_layers=config.n_gpu_layers, devices=target_devices)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import socket
 import struct
 from dataclasses import dataclass
@@ -91,12 +92,14 @@ def _registry() -> _Ggml:
 
 
 def parse_servers(text: str) -> tuple[str, ...]:
-    """`host:port,host:port` as llama.cpp's --rpc takes it; each checked for a host and a port."""
+    """`host:port,host:port` as llama.cpp's --rpc takes it: IPv4 addresses or host names (its RPC client
+    splits at the first ':' and connects over IPv4 only), each with a port."""
     out = []
     for item in (s.strip() for s in text.split(",")):
-        host, sep, port = item.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise Eagle3Error(f"--rpc: '{item}' is not host:port (e.g. --rpc 192.168.1.2:50052,192.168.1.3:50052)")
+        host, sep, port = item.partition(":")
+        if not sep or not host or not re.fullmatch(r"[0-9]{1,5}", port) or not 0 < int(port) < 65536:
+            why = " (llama.cpp's RPC client takes IPv4 addresses and host names only)" if ":" in port else ""
+            raise Eagle3Error(f"--rpc: '{item}' is not host:port{why} (e.g. --rpc 192.168.1.2:50052,192.168.1.3:50052)")
         out.append(item)
     if len(set(out)) != len(out):
         raise Eagle3Error(f"--rpc: a server is named twice in '{text}'")
@@ -124,11 +127,12 @@ def _rpc_reg(module: str | Path | None) -> int:
 
 def _hello(endpoint: str, timeout: float) -> None:
     """RPC's HELLO exchange with the server, bounded by `timeout` (ggml's own blocks, or aborts)."""
-    host, _, port = endpoint.rpartition(":")
+    host, _, port = endpoint.partition(":")
     fix = "start rpc-server there (rpc-server -H HOST -p PORT) or fix --rpc"
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # as ggml's client connects
             sock.settimeout(timeout)
+            sock.connect((host, int(port)))
             sock.sendall(struct.pack("<BQ", RPC_CMD_HELLO, RPC_CONN_CAPS_SIZE) + bytes(RPC_CONN_CAPS_SIZE))
             reply = b""
             while len(reply) < 8 + 4 + RPC_CONN_CAPS_SIZE:
@@ -137,9 +141,9 @@ def _hello(endpoint: str, timeout: float) -> None:
                     raise Eagle3Error(f"RPC server {endpoint}: closed the connection at HELLO (is it an rpc-server "
                                       "of another llama.cpp version, or serving another client?)")
                 reply += chunk
-    except socket.timeout:
+    except (socket.timeout, TimeoutError):
         raise Eagle3Error(f"RPC server {endpoint}: no answer within {timeout:g} s; {fix}") from None
-    except OSError as e:
+    except OSError as e:  # refused, unreachable, or a name that does not resolve (socket.gaierror)
         raise Eagle3Error(f"RPC server {endpoint}: {e.strerror or e}; {fix}") from None
     major, minor = reply[8], reply[9]
     if major != RPC_PROTO_MAJOR or minor > RPC_PROTO_MINOR:
@@ -161,6 +165,8 @@ def connect(servers: tuple[str, ...], module: str | Path | None = None,
         if endpoint not in _servers:
             _hello(endpoint, timeout)
             server_reg = _AddServer(add_server)(endpoint.encode())
+            if not server_reg:  # ggml_backend_rpc_add_server: the server reported no devices
+                raise Eagle3Error(f"RPC server {endpoint}: it offers no devices; check its backends (rpc-server -d)")
             lib.lib.ggml_backend_register(server_reg)
             _servers[endpoint] = [lib.lib.ggml_backend_reg_dev_get(server_reg, i)
                                   for i in range(lib.lib.ggml_backend_reg_dev_count(server_reg))]
@@ -174,16 +180,16 @@ def in_use() -> bool:
 
 
 def local_devices() -> list[int]:
-    """The GPUs on this machine (none on a CPU-only build): what a model not sent over RPC may use."""
+    """The GPUs on this machine a model not sent over RPC may use, as llama.cpp's default chooses them: the
+    discrete ones, else the integrated ones (none on a CPU-only build)."""
     lib = _registry().lib
-    out = []
+    found: dict[int, list[int]] = {GGML_BACKEND_DEVICE_TYPE_GPU: [], GGML_BACKEND_DEVICE_TYPE_IGPU: []}
     for i in range(lib.ggml_backend_dev_count()):
         dev = lib.ggml_backend_dev_get(i)
         kind = lib.ggml_backend_dev_type(dev)
-        if kind in (GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU) and \
-                lib.ggml_backend_reg_name(lib.ggml_backend_dev_backend_reg(dev)) != _RPC_REG_NAME:
-            out.append(dev)
-    return out
+        if kind in found and lib.ggml_backend_reg_name(lib.ggml_backend_dev_backend_reg(dev)) != _RPC_REG_NAME:
+            found[kind].append(dev)
+    return found[GGML_BACKEND_DEVICE_TYPE_GPU] or found[GGML_BACKEND_DEVICE_TYPE_IGPU]
 
 
 _AbortCallback = ctypes.CFUNCTYPE(None, ctypes.c_char_p)  # void (*)(const char * error_message)

@@ -6,8 +6,8 @@
 Each byte is forwarded `--delay-ms` after it arrived, in both directions and in order, so a request and its
 reply each take the delay (a round trip costs twice it) and a burst of messages is not serialized by it:
 latency, not bandwidth. A reader thread per direction timestamps what it receives, a writer thread sends it
-when due. It binds 127.0.0.1 only, serves one connection at a time (as rpc-server does) and exits after
---lifetime seconds whatever happens (used by scripts/bench_rpc.py).
+when due; each connection gets its own four threads and its own connection to the server. It binds 127.0.0.1
+only and exits after --lifetime seconds whatever happens (used by scripts/bench_rpc.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Every run is a subprocess: RPC servers registered in a process stay registered there (ggml cannot
 remove a device), and llama.cpp offers them to every model loaded after. The servers are the pinned
-tree's `ggml-rpc-server` (scripts/build_upstream.py), stopped by the fixture and bounded by `timeout`.
+tree's `ggml-rpc-server` (scripts/build_upstream.py), stopped by the fixture and bounded by `timeout`. Flag errors need neither servers nor the RPC parts.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from build_upstream import rpc_module, rpc_server_bin  # noqa: E402
 
 from eagle3_gguf.rpc import RPC_BACKEND_ENV  # noqa: E402
 
-pytestmark = [pytest.mark.skipif(not (rpc_server_bin().exists() and rpc_module().exists()),
-                                 reason="RPC parts not built: python scripts/build_upstream.py")]
+needs_rpc = pytest.mark.skipif(not (rpc_server_bin().exists() and rpc_module().exists()),
+                               reason="RPC parts not built: python scripts/build_upstream.py")
 ENV = {**os.environ, RPC_BACKEND_ENV: str(rpc_module())}
 PROMPT = "The capital of France is Paris. The capital of Germany is"
 
@@ -72,6 +72,7 @@ def _generate(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                            "-c", "1024", *args], capture_output=True, text=True, timeout=timeout, env=ENV)
 
 
+@needs_rpc
 def test_split_across_two_servers_is_target_only(servers):
     flags = ["-n", "48", "--draft-policy", "fixed", "--draft-max", "4", "--baseline", "--json"]
     local, remote = _generate(*flags), _generate(*flags, "--rpc", servers)
@@ -86,6 +87,7 @@ def test_split_across_two_servers_is_target_only(servers):
     assert there["stats"]["n_accepted"] > 0
 
 
+@needs_rpc
 def test_drop_in_over_rpc(servers):
     code = f"""
 from eagle3_gguf.assets import smollm2_path, default_head_path
@@ -108,6 +110,7 @@ print(got == want, llm.spec_stats.n_accepted, ",".join(llm._e3_pair.target_model
     assert target_on.startswith("RPC0 (127.0.0.1:") and ",RPC1 (127.0.0.1:" in target_on and head_on == "", res.stdout
 
 
+@needs_rpc
 def test_serve_over_rpc(servers):
     """serve --rpc: the target on the servers, the answer a local plain Llama's."""
     import http.client
@@ -149,6 +152,7 @@ def _one_error_line(res: subprocess.CompletedProcess) -> str:
     return lines[-1]
 
 
+@needs_rpc
 def test_no_server_there():
     port = _free_port()
     line = _one_error_line(_generate("-n", "8", "--rpc", f"127.0.0.1:{port}"))
@@ -156,6 +160,7 @@ def test_no_server_there():
                     "(rpc-server -H HOST -p PORT) or fix --rpc")
 
 
+@needs_rpc
 def test_server_that_never_answers_times_out():
     with socket.socket() as listener:  # accepts connections (the kernel's backlog) and never speaks
         listener.bind(("127.0.0.1", 0))
@@ -168,8 +173,10 @@ def test_server_that_never_answers_times_out():
     assert time.monotonic() - start < 30
 
 
+@needs_rpc
 def test_server_gone_mid_run():
     proc, endpoint = _start_server()
+    run = None
     try:
         run = subprocess.Popen([sys.executable, "-m", "eagle3_gguf.cli.main", "generate", "-t", "2", "-n", "3000",
                                 "-c", "4096", "-p", "Count from 1 to 2000, one number per line:", "--rpc", endpoint],
@@ -179,13 +186,19 @@ def test_server_gone_mid_run():
         out, err = run.communicate(timeout=120)
     finally:
         _stop(proc)
+        if run is not None:
+            run.kill()
+            run.wait()
     line = _one_error_line(subprocess.CompletedProcess(run.args, run.returncode, out, err))
-    assert line.startswith("error: an RPC server stopped answering mid-run (Remote RPC server crashed"), line
+    assert line.startswith("error: llama.cpp aborted (Remote RPC server crashed or returned malformed response); "
+                           "with --rpc, most often an rpc-server gone mid-run"), line
 
 
+@needs_rpc
 def test_server_frozen_mid_run():
     """A server that stops answering without closing its connection: ggml would wait forever."""
     proc, endpoint = _start_server()
+    run = None
     try:
         run = subprocess.Popen([sys.executable, "-m", "eagle3_gguf.cli.main", "generate", "-t", "2", "-n", "3000",
                                 "-c", "4096", "-p", "Count from 1 to 2000, one number per line:", "--rpc", endpoint,
@@ -198,6 +211,9 @@ def test_server_frozen_mid_run():
     finally:
         os.killpg(proc.pid, signal.SIGCONT)
         _stop(proc)
+        if run is not None:
+            run.kill()
+            run.wait()
     line = _one_error_line(subprocess.CompletedProcess(run.args, run.returncode, out, err))
     assert line == "error: no token for 3 s: the rpc-servers stopped answering (check their hosts)"
     assert 2 < waited < 10, waited
@@ -207,12 +223,24 @@ def test_server_frozen_mid_run():
     (["--rpc", "localhost"], "--rpc: 'localhost' is not host:port (e.g. --rpc 192.168.1.2:50052,192.168.1.3:50052)"),
     (["--rpc", "127.0.0.1:1,127.0.0.1:1"], "--rpc: a server is named twice in '127.0.0.1:1,127.0.0.1:1'"),
     (["--rpc-backend", "x.so"], "--rpc-backend needs --rpc"),
-    (["--rpc", "127.0.0.1:1", "--rpc-timeout", "0"], "--rpc-timeout must be positive (got 0.0)"),
-    (["--rpc", "127.0.0.1:1", "--rpc-backend", "/nonexistent/libggml-rpc.so"],
-     "/nonexistent/libggml-rpc.so: no such RPC backend module (build it: python scripts/build_upstream.py)"),
+    (["--rpc", "127.0.0.1:1", "--rpc-timeout", "0"], "--rpc-timeout must be a positive number of seconds (got 0.0)"),
+    (["--rpc", "127.0.0.1:1", "--rpc-timeout", "inf"], "--rpc-timeout must be a positive number of seconds (got inf)"),
+    (["--rpc", "h:\u00b2"], "--rpc: 'h:\u00b2' is not host:port (e.g. --rpc 192.168.1.2:50052,192.168.1.3:50052)"),
+    (["--rpc", "[::1]:50052"], "--rpc: '[::1]:50052' is not host:port (llama.cpp's RPC client takes IPv4 addresses "
+                               "and host names only) (e.g. --rpc 192.168.1.2:50052,192.168.1.3:50052)"),
 ])
 def test_bad_rpc_flags(args, message):
     assert _one_error_line(_generate("-n", "8", *args)) == f"error: {message}"
+
+
+def test_missing_rpc_backend_module():
+    from llama_cpp import llama_cpp as C
+
+    if C.llama_supports_rpc():
+        pytest.skip("this llama-cpp-python has the RPC backend built in: --rpc-backend is not read")
+    res = _generate("-n", "8", "--rpc", "127.0.0.1:1", "--rpc-backend", "/nonexistent/libggml-rpc.so")
+    assert _one_error_line(res) == ("error: /nonexistent/libggml-rpc.so: no such RPC backend module (build it: "
+                                    "python scripts/build_upstream.py)")
 
 
 def test_without_the_rpc_backend():

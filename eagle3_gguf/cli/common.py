@@ -171,29 +171,34 @@ def _rpc_gone(message: str) -> None:
 
     sys.stdout.flush()
     why = re.sub(r"^\S+:\d+: ", "", message)  # ggml's source file and line
-    typer.echo(f"error: an RPC server stopped answering mid-run ({why}); check the rpc-server hosts and run again",
-               err=True)
+    os.write(2, f"error: llama.cpp aborted ({why}); with --rpc, most often an rpc-server gone mid-run: check their "
+                f"hosts and run again\n".encode())
     os._exit(2)  # ggml aborts the moment this returns: nothing else can run
 
 
-RPC_TIMEOUT_HELP = ("With --rpc: end the run with an error when no token came for this many seconds (an rpc-server "
-                    "that stops without closing its connection leaves llama.cpp waiting forever, past Ctrl-C).")
+RPC_TIMEOUT_HELP = ("With --rpc: end the run with an error when, once tokens flow, none came for this many seconds (an "
+                    "rpc-server that stops without closing its connection leaves llama.cpp waiting forever, past "
+                    "Ctrl-C). Loading and prompt processing are not timed.")
 
 
 class Watchdog:
-    """One error line and exit 2 when `tick` was not called for `limit` seconds (a daemon thread watches)."""
+    """One error line and exit 2 when, once armed by a `tick`, none followed for `limit` seconds (a daemon
+    thread watches); `pause` disarms it until the next tick (between runs, for a prompt's processing)."""
 
     def __init__(self, limit: float, what: str):
         import threading
         import time
 
         self.limit, self.what, self._clock = limit, what, time.monotonic
-        self.last = self._clock()
+        self.last: float | None = None  # None: not armed
         self._done = threading.Event()
         threading.Thread(target=self._watch, daemon=True).start()
 
     def tick(self, *_args) -> None:
         self.last = self._clock()
+
+    def pause(self) -> None:
+        self.last = None
 
     def stop(self) -> None:
         self._done.set()
@@ -202,7 +207,8 @@ class Watchdog:
         import os
 
         while not self._done.wait(min(1.0, self.limit / 4)):
-            if self._clock() - self.last > self.limit:
+            last = self.last
+            if last is not None and self._clock() - last > self.limit:
                 sys.stdout.flush()
-                typer.echo(f"error: no token for {self.limit:g} s: {self.what}", err=True)
+                os.write(2, f"error: no token for {self.limit:g} s: {self.what}\n".encode())
                 os._exit(2)

@@ -61,8 +61,8 @@ def register(app: typer.Typer) -> None:
             from ..decode import GenerateConfig
 
             config = GenerateConfig(n_predict=n_predict, **asdict(drafting))
-            if rpc_timeout <= 0:
-                raise Eagle3Error(f"--rpc-timeout must be positive (got {rpc_timeout})")
+            if not 0 < rpc_timeout < float("inf"):
+                raise Eagle3Error(f"--rpc-timeout must be a positive number of seconds (got {rpc_timeout})")
             _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, baseline, as_json, rpc_timeout)
         except Eagle3Error as e:
             fail(str(e))
@@ -135,6 +135,8 @@ def _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, base
                 raise typer.Exit(130)
             if not as_json:
                 _emit(detok.flush() + "\n")
+            if watchdog is not None:
+                watchdog.pause()  # the baseline's prompt is processed untimed too
             base = decoder.generate(tokens, config, Sampler(temp, seed), speculative=False,
                                     on_tokens=watchdog and watchdog.tick) if baseline else None
         if watchdog is not None:
