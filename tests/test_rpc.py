@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -173,23 +174,35 @@ def test_server_that_never_answers_times_out():
     assert time.monotonic() - start < 30
 
 
-@needs_rpc
-def test_server_gone_mid_run():
+@contextmanager
+def _mid_run(*flags: str):
+    """A long generate over a fresh rpc-server, once its first text is out: yields (server, run); both are
+    killed whatever happens."""
     proc, endpoint = _start_server()
     run = None
     try:
         run = subprocess.Popen([sys.executable, "-m", "eagle3_gguf.cli.main", "generate", "-t", "2", "-n", "3000",
-                                "-c", "4096", "-p", "Count from 1 to 2000, one number per line:", "--rpc", endpoint],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+                                "-c", "4096", "-p", "Count from 1 to 2000, one number per line:", "--rpc", endpoint,
+                                *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
         assert run.stdout.read(40)  # it is generating over RPC
-        _stop(proc)
-        out, err = run.communicate(timeout=120)
+        yield proc, run
     finally:
-        _stop(proc)
+        _stop(proc)  # SIGKILL ends a stopped process too
         if run is not None:
             run.kill()
             run.wait()
-    line = _one_error_line(subprocess.CompletedProcess(run.args, run.returncode, out, err))
+
+
+def _ended(run: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    out, err = run.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(run.args, run.returncode, out, err)
+
+
+@needs_rpc
+def test_server_gone_mid_run():
+    with _mid_run() as (server, run):
+        _stop(server)
+        line = _one_error_line(_ended(run, 120))
     assert line.startswith("error: llama.cpp aborted (Remote RPC server crashed or returned malformed response); "
                            "with --rpc, most often an rpc-server gone mid-run"), line
 
@@ -197,24 +210,11 @@ def test_server_gone_mid_run():
 @needs_rpc
 def test_server_frozen_mid_run():
     """A server that stops answering without closing its connection: ggml would wait forever."""
-    proc, endpoint = _start_server()
-    run = None
-    try:
-        run = subprocess.Popen([sys.executable, "-m", "eagle3_gguf.cli.main", "generate", "-t", "2", "-n", "3000",
-                                "-c", "4096", "-p", "Count from 1 to 2000, one number per line:", "--rpc", endpoint,
-                                "--rpc-timeout", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-        assert run.stdout.read(40)
-        os.killpg(proc.pid, signal.SIGSTOP)
+    with _mid_run("--rpc-timeout", "3") as (server, run):
+        os.killpg(server.pid, signal.SIGSTOP)
         start = time.monotonic()
-        out, err = run.communicate(timeout=60)
+        line = _one_error_line(_ended(run, 60))
         waited = time.monotonic() - start
-    finally:
-        os.killpg(proc.pid, signal.SIGCONT)
-        _stop(proc)
-        if run is not None:
-            run.kill()
-            run.wait()
-    line = _one_error_line(subprocess.CompletedProcess(run.args, run.returncode, out, err))
     assert line == "error: no token for 3 s: the rpc-servers stopped answering (check their hosts)"
     assert 2 < waited < 10, waited
 
