@@ -373,6 +373,16 @@ class TargetInfo:
     token_embd: TensorInfo | None = None  # [n_embd, n_vocab] (GGUF order), where its data lies in the file
     tokenizer: list[KeyValue] = field(default_factory=list, repr=False, compare=False)  # tokenizer.*, as stored
 
+    @property
+    def captured(self) -> bool:
+        """No hook, but eagle3_gguf.capture takes its layer inputs from the graph (an eval callback)."""
+        return not self.hooked and self.arch in keys.CAPTURED_TARGET_ARCHS
+
+    @property
+    def extraction(self) -> str:
+        """How its hidden states are read: "hook", "eval callback" or "none"."""
+        return "hook" if self.hooked else "eval callback" if self.captured else "none"
+
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> "TargetInfo":
         if g.arch == keys.ARCH_EAGLE3:

@@ -318,12 +318,14 @@ class Model(_Owner):
     """A llama_model loaded from a GGUF file."""
 
     def __init__(self, path: str | Path, *, n_gpu_layers: int = 0, use_mmap: bool = True, borrowed=None,
-                 devices: list[int] | None = None):
+                 devices: list[int] | None = None, repack: bool = True):
         """borrowed: a llama_model someone else owns (llama_cpp.Llama's) to wrap; close() won't free it.
         devices: the ggml devices its offloaded layers may use (llama_model_params.devices; [] = none),
-        None for llama.cpp's default (every GPU, and every RPC server registered)."""
+        None for llama.cpp's default (every GPU, and every RPC server registered). repack: let llama.cpp
+        repack weights for its CPU kernels (llama_model_params.use_extra_bufts, its default; --no-repack)."""
         self.path = Path(path)
         self.n_gpu_layers = n_gpu_layers
+        self.repack = repack  # as asked: a borrowed model's is its owner's
         self._owned = borrowed is None
         ptr = borrowed
         if ptr is None:
@@ -332,6 +334,7 @@ class Model(_Owner):
             params = C.llama_model_default_params()
             params.n_gpu_layers = n_gpu_layers
             params.use_mmap = use_mmap
+            params.use_extra_bufts = repack
             if devices is not None:
                 listed = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)  # NULL-terminated
                 params.devices = ctypes.addressof(listed)  # a void * field in llama-cpp-python's struct
@@ -404,13 +407,14 @@ class Context(_Owner):
     def __init__(self, model: Model, *, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int | None = None,
                  n_threads: int | None = None, ctx_other: "Context | None" = None, n_seq_max: int = 1,
                  kv_unified: bool = True, type_k: int | None = None, type_v: int | None = None,
-                 flash_attn: int | None = None, borrowed=None):
+                 flash_attn: int | None = None, borrowed=None, capture=None):
         """kv_unified=False gives every sequence its own KV stream (n_ctx / n_seq_max cells): a row attends
         over its own sequence only, but llama.cpp then orders a batch's rows by sequence id in its ubatches
         (so layer-input rows come out in that order: keep batches sorted by sequence). type_k/type_v: the
         KV cache's ggml types (`cache_type`); llama.cpp's default is f16 for both. flash_attn: llama.cpp's
         flash_attn_type (default: auto). borrowed: a llama_context someone else owns (`llama_cpp.Llama._ctx.ctx`)
-        to wrap, made with these settings; close() won't free it."""
+        to wrap, made with these settings; close() won't free it. capture: a capture.LayerCapture whose eval
+        callback gives the layer inputs of a graph without llama.cpp's hook (set_layer_inp then reads it)."""
         self.model = model
         self.ctx_other = ctx_other  # keeps the target alive while the head borrows from it
         threads = n_threads or default_threads()
@@ -433,6 +437,10 @@ class Context(_Owner):
         params.no_perf = True
         if ctx_other is not None:
             params.ctx_other = ctx_other._live()
+        self._capture = capture  # kept alive with the context: llama.cpp calls into it
+        if capture is not None:
+            params.cb_eval = capture.callback
+            params.cb_eval_user_data = capture.user_data
         # what the cost of a row depends on besides the files and threads (policy.CostKey)
         self.kv_types = (int(params.type_k), int(params.type_v))
         self.flash_attn = int(params.flash_attn_type)
@@ -505,11 +513,15 @@ class Context(_Owner):
         return self._call(graph, *args)
 
     def _call(self, graph, *args) -> int:
+        if self._capture is not None:
+            self._capture.reset()
         t = time.perf_counter()
         rc = graph(self._live(), *args)
         C.llama_synchronize(self.ptr)
         self.t_native += time.perf_counter() - t
         self._decoded = self._decoded or rc == 0
+        if self._capture is not None and rc == 0:
+            self._capture.check()
         return rc
 
     def decode(self, batch: "Batch") -> None:
@@ -603,10 +615,14 @@ class Context(_Owner):
     # -- hidden-state extraction (staging API) ----------------------------------------------------
     def set_layer_inp(self, lid: int, enabled: bool = True) -> None:
         """Ask for the input hidden state of layer `lid` (0..n_layer-1) on every decoded token."""
-        require_ext()
         if not 0 <= lid < self.model.n_layer:
             raise Eagle3Error(f"layer id {lid} out of range for a {self.model.n_layer}-layer model")
-        llama_set_embeddings_layer_inp(self._live(), lid, enabled)
+        if self._capture is not None:
+            if lid not in self._capture.layers:
+                raise Eagle3Error(f"layer {lid}'s input is not among the captured ones {self._capture.layers}")
+        else:
+            require_ext()
+            llama_set_embeddings_layer_inp(self._live(), lid, enabled)
         (self._layer_inp.add if enabled else self._layer_inp.discard)(lid)
         self._decoded = False
 
@@ -617,6 +633,8 @@ class Context(_Owner):
     def _layer_inp_addr(self, lid: int) -> int:
         if lid not in self._layer_inp or not self._decoded:
             raise Eagle3Error(f"layer {lid} input was not extracted: call set_layer_inp({lid}) and decode first")
+        if self._capture is not None:
+            return self._capture.address(lid)
         addr = llama_get_embeddings_layer_inp(self._live(), lid)
         if not addr:
             raise Eagle3Error(f"llama.cpp returned no input rows for layer {lid}")

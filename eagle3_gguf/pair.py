@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from . import keys, rpc
+from .capture import LayerCapture
 from .errors import Eagle3Error
 from .gguf_file import HeadInfo, TargetInfo, read_gguf
 from .native import Context, Model, cache_type, default_threads, flash_attn_type
@@ -35,6 +36,10 @@ class PairConfig:
     cache_type_k: str = "f16"
     cache_type_v: str = "bf16"
     flash_attn: bool = True  # batch-invariant rows need it on CPU (README, exactness)
+    # llama.cpp repacks some weight types for its CPU kernels (Q4_K as q4_K_8x8 here), which then compute a
+    # verify-batch row differently from a lone row (Gemma 3 270M Q4_K_M: logits off by 0.5-1.2); as stored,
+    # every row is bit-equal, and decoding measured no slower there (9.41 vs 9.37 ms a token)
+    repack: bool = False
     n_seq_max: int = 1  # each context's sequences: a draft tree's (DraftConfig.tree_sequences)
     rpc_servers: tuple[str, ...] = ()  # rpc-server hosts (host:port) for the target's offloaded layers
     rpc_backend: str | None = None  # a libggml-rpc module, where llama-cpp-python has no RPC built in
@@ -42,10 +47,14 @@ class PairConfig:
 
 def check_pair(target: TargetInfo, head: HeadInfo, d2t: np.ndarray | None = None) -> None:
     """Raise one Eagle3Error line for the first thing that keeps the two from working together."""
-    if not target.hooked:
+    if target.extraction == "none":
         raise Eagle3Error(
             f"{target.path.name}: the pinned llama.cpp cannot extract hidden states from '{target.arch}' models "
-            f"(supported: {', '.join(sorted(keys.HOOKED_TARGET_ARCHS))})")
+            f"(supported: {', '.join(sorted(keys.HOOKED_TARGET_ARCHS | keys.CAPTURED_TARGET_ARCHS))})")
+    if target.captured and 0 in head.target_layers:
+        raise Eagle3Error(
+            f"head extracts layer id 0 (the embeddings), which eagle3-gguf captures only from hooked graphs, not "
+            f"'{target.arch}': reconvert the head with --layer-ids from 1")
     if head.target_hidden_size != target.n_embd:
         raise Eagle3Error(
             f"head expects target hidden size {head.target_hidden_size}, but {target.path.name} has {target.n_embd}: "
@@ -127,13 +136,20 @@ def load_pair(target_path: str | Path, head_path: str | Path, config: PairConfig
             target_devices = rpc.connect(config.rpc_servers, config.rpc_backend) + rpc.local_devices()
         head_devices = rpc.local_devices() if rpc.in_use() else None
         if target_model is None:
-            target_model = Model(target_path, n_gpu_layers=config.n_gpu_layers, devices=target_devices)
+            target_model = Model(target_path, n_gpu_layers=config.n_gpu_layers, devices=target_devices,
+                                 repack=config.repack)
             opened.append(target_model)
         if target_ctx is None:
+            capture = LayerCapture(head_info.target_layers, target_info.n_embd, config.n_batch) \
+                if target_info.captured else None  # no hook in its graph: an eval callback copies the rows
             target_ctx = Context(target_model, n_ctx=config.n_ctx, n_batch=config.n_batch, n_threads=threads,
                                  type_k=type_k, type_v=type_v, flash_attn=flash_attn_type(config.flash_attn),
-                                 n_seq_max=config.n_seq_max)
+                                 n_seq_max=config.n_seq_max, capture=capture)
             opened.append(target_ctx)
+        elif target_info.captured:
+            raise Eagle3Error(f"{Path(target_path).name}: '{target_info.arch}' targets have no hidden-state hook; "
+                              "eagle3-gguf captures them on a context of its own (eagle3-gguf generate), not on "
+                              "llama-cpp-python's")
         head_ngl = config.n_gpu_layers if config.n_gpu_layers_draft is None else config.n_gpu_layers_draft
         head_model = Model(head_path, n_gpu_layers=head_ngl, devices=head_devices)
         opened.append(head_model)

@@ -165,7 +165,7 @@ class CostKey:
     def for_contexts(cls, target, head, n_batch: int) -> "CostKey":
         """The key of a target context and a head context (native.Context) verifying n_batch rows at most:
         the same set-up gives the same key on every surface."""
-        setup = (f"kv {target.kv_types[0]}/{target.kv_types[1]} fa {target.flash_attn} "
+        setup = (f"kv {target.kv_types[0]}/{target.kv_types[1]} fa {target.flash_attn} repack {target.model.repack} "
                  f"on {target.model.placement} / {head.model.placement}")  # the devices and layers offloaded
         return cls.for_files(target.model.path, head.model.path, target.n_threads, setup, n_batch)
 

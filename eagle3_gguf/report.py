@@ -37,6 +37,7 @@ class GGUFReport:
     n_vocab: int | None = None
     context_length: int | None = None
     extraction_supported: bool | None = None
+    extraction: str | None = None  # "hook", "eval callback" or "none" (TargetInfo.extraction)
     chat_template: bool | None = None
     # head fields
     target_layers: list[int] | None = None
@@ -79,8 +80,10 @@ class GGUFReport:
             if self.norm_output:
                 lines.append("  norm_output      output_norm(h) fed back as g (EAGLE 3.1; upstream llama.cpp feeds h)")
         else:
-            ok = ("yes" if self.extraction_supported else
-                  f"no: the pinned llama.cpp has no hidden-state hooks for '{self.architecture}'")
+            ok = {"hook": "yes",
+                  "eval callback": "yes: no hook in the pinned graph, captured by an eval callback (generate; "
+                                   "not the drop-in, not upstream's runtime)"}.get(
+                self.extraction, f"no: the pinned llama.cpp has no hidden-state hooks for '{self.architecture}'")
             lines += [
                 f"  layers           {self.n_layer}",
                 f"  hidden size      {self.n_embd}",
@@ -137,7 +140,8 @@ def describe_gguf(path: str | Path) -> GGUFReport:
                           n_head_kv=h.n_head_kv, n_ff=h.n_ff, **base)
     t = TargetInfo.from_gguf(g)
     return GGUFReport(kind="target", n_layer=t.n_layer, n_embd=t.n_embd, n_vocab=t.n_vocab,
-                      context_length=t.n_ctx_train, extraction_supported=t.hooked,
+                      context_length=t.n_ctx_train, extraction_supported=t.extraction != "none",
+                      extraction=t.extraction,
                       chat_template=t.has_chat_template, n_head=_heads(t.n_head), n_head_kv=_heads(t.n_head_kv),
                       **base)
 

@@ -70,7 +70,8 @@ def _common_hparams(w: gguf.GGUFWriter, arch: str, d: TinyDims, n_vocab: int, n_
 def write_tiny_target(path: str | Path, dims: TinyDims = TinyDims(), *, seed: int = 0,
                       tokenizer_from: Path | None = None, arch: str = keys.ARCH_LLAMA) -> Path:
     """A random llama-arch target with SmolLM2's tokenizer (Q8_0 matrices, tied embeddings).
-    `arch` relabels it (e.g. "qwen2") for the tests of refused pairs; only llama ones load."""
+    `arch` relabels it: "qwen2" loads and runs (its graph takes the same tensors); others serve the tests of
+    refused pairs."""
     path = Path(path)
     rng = np.random.default_rng(seed)
     d = dims

@@ -146,8 +146,12 @@ def test_target_as_hf_config(tmp_path):
     ("GptOssForCausalLM", "gpt-oss", None),  # HF's model_type gpt_oss is llama.cpp's gpt-oss, which is hooked
     ("Qwen3MoeForCausalLM", "qwen3moe", None),
     ("MistralForCausalLM", "llama", None),  # llama.cpp converts Mistral as llama
-    ("Qwen2ForCausalLM", "qwen2", "target arch 'qwen2' has no hidden-state hooks at the pinned llama.cpp"),
-    ("Gemma3ForConditionalGeneration", "gemma3", "target arch 'gemma3' has no hidden-state hooks"),
+    ("Qwen2ForCausalLM", "qwen2", "target arch 'qwen2' has no hidden-state hooks at the pinned llama.cpp: "
+                                  "eagle3-gguf generate captures them (an eval callback)"),
+    ("Gemma3ForConditionalGeneration", "gemma3", "target arch 'gemma3' has no hidden-state hooks at the pinned "
+                                                 "llama.cpp: eagle3-gguf generate captures them"),
+    ("DeepseekV2ForCausalLM", "deepseek2", "target arch 'deepseek2' has no hidden-state hooks at the pinned "
+                                           "llama.cpp: the head converts but cannot run with this target"),
 ])
 def test_a_config_targets_architecture_is_llama_cpps_name(tmp_path, hf, arch, note):
     from eagle3_gguf.convert.convert import describe_target

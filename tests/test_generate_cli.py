@@ -39,12 +39,13 @@ def heads(tmp_path_factory, tiny_target):
 
 
 @pytest.fixture(scope="module")
-def qwen2_target(tmp_path_factory, tiny_target):
-    return write_tiny_target(tmp_path_factory.mktemp("q") / "qwen2.gguf", TinyDims(), arch="qwen2",
+def mla_target(tmp_path_factory, tiny_target):
+    """Labelled deepseek2 (MLA: neither hooked nor captured); refused before llama.cpp reads it."""
+    return write_tiny_target(tmp_path_factory.mktemp("q") / "deepseek2.gguf", TinyDims(), arch="deepseek2",
                              tokenizer_from=tiny_target)
 
 
-def test_pair_mismatches_one_line_exit_2(tiny_target, tiny_head, heads, qwen2_target):
+def test_pair_mismatches_one_line_exit_2(tiny_target, tiny_head, heads, mla_target):
     base = ["generate", "-m", str(tiny_target), "-p", "hi", "-n", "4"]
     one_line_error(invoke(*base, "--draft", str(heads["wide"])),
                    "head expects target hidden size 128, but tiny-target.gguf has 64: this head was trained for "
@@ -59,10 +60,10 @@ def test_pair_mismatches_one_line_exit_2(tiny_target, tiny_head, heads, qwen2_ta
                    f"{tiny_target}: architecture is 'llama', not an EAGLE-3 head ('eagle3')")
     one_line_error(invoke("generate", "-m", str(tiny_head), "--draft", str(tiny_head), "-p", "hi"),
                    f"{tiny_head}: this is an EAGLE-3 head; pass it with --draft and the target with -m")
-    r = invoke("generate", "-m", str(qwen2_target), "--draft", str(tiny_head), "-p", "hi")
+    r = invoke("generate", "-m", str(mla_target), "--draft", str(tiny_head), "-p", "hi")
     assert r.exit_code == 2
-    assert r.stderr.startswith("error: qwen2.gguf: the pinned llama.cpp cannot extract hidden states from 'qwen2' "
-                               "models (supported: bailingmoe3, deepseek4, gemma4, gpt-oss,")
+    assert r.stderr.startswith("error: deepseek2.gguf: the pinned llama.cpp cannot extract hidden states from "
+                               "'deepseek2' models (supported: bailingmoe3, deepseek4, gemma3, gemma4, glm4, gpt-oss,")
 
 
 def test_vocab_and_lm_head_mismatches(tiny_target, tiny_head):

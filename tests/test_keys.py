@@ -77,6 +77,12 @@ def test_hooked_target_archs_match_the_pinned_graphs():
     assert "qwen2" not in keys.HOOKED_TARGET_ARCHS and "gemma3" not in keys.HOOKED_TARGET_ARCHS
 
 
+def test_captured_target_archs_name_their_residual_stream():
+    """eagle3_gguf.capture reads `l_out-{il}`: every captured arch's graph names it, and none is hooked."""
+    assert keys.CAPTURED_TARGET_ARCHS <= _arches_whose_graph_sets('cb(cur, "l_out", il)')
+    assert not keys.CAPTURED_TARGET_ARCHS & keys.HOOKED_TARGET_ARCHS
+
+
 def test_final_output_archs_are_hooked_archs_that_set_h_nextn():
     assert _arches_whose_graph_sets("t_h_nextn") & keys.HOOKED_TARGET_ARCHS == keys.FINAL_OUTPUT_TARGET_ARCHS
 

