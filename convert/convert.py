@@ -451,6 +451,9 @@ def convert_head(src: str | Path, out: str | Path | None, target: str | Path | T
     if not tgt.arch:
         notes.append("the target's config.json names no architecture the pinned llama.cpp converts (its "
                      "'architectures'): whether it can run with this head is unknown; give the target .gguf")
+    elif tgt.captured:
+        notes.append(f"target arch '{tgt.arch}' has no hidden-state hooks at the pinned llama.cpp: eagle3-gguf "
+                     f"generate captures them (an eval callback); upstream llama.cpp cannot run this pair")
     elif not tgt.hooked:
         notes.append(f"target arch '{tgt.arch}' has no hidden-state hooks at the pinned llama.cpp: the head "
                      f"converts but cannot run with this target")
