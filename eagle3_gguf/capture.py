@@ -132,3 +132,17 @@ class LayerCapture:
 
     def address(self, lid: int) -> int:
         return self.buffers[lid].ctypes.data
+
+
+def capture_for(model, layers: list[int], n_rows: int) -> LayerCapture | None:
+    """What a target context for `model` (native.Model) needs to give `layers`' inputs: None where llama.cpp's
+    hook does, a LayerCapture for a captured architecture; an Eagle3Error for the rest."""
+    from . import keys
+
+    if model.arch in keys.HOOKED_TARGET_ARCHS:
+        return None
+    if model.arch not in keys.CAPTURED_TARGET_ARCHS:
+        supported = ", ".join(sorted(keys.HOOKED_TARGET_ARCHS | keys.CAPTURED_TARGET_ARCHS))
+        raise Eagle3Error(f"{model.path.name}: the pinned llama.cpp cannot extract hidden states from "
+                          f"'{model.arch}' models (supported: {supported})")
+    return LayerCapture(layers, model.n_embd, n_rows)

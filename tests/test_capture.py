@@ -52,16 +52,22 @@ def test_layer_zero_and_too_many_layers_are_refused():
         LayerCapture([0, 3, 5], 64, 8)
 
 
-@pytest.fixture(scope="module")
-def qwen2_pair(tmp_path_factory, tiny_target):
-    d = tmp_path_factory.mktemp("qwen2")
-    target = write_tiny_target(d / "qwen2.gguf", TinyDims(), arch="qwen2", tokenizer_from=tiny_target)
-    head = write_random_head(d / "head.gguf", HeadSpec(n_embd_tgt=64, target_layers=(1, 3, 5)), tokenizer_from=target)
+def _relabelled_pair(directory, arch: str, tiny_target):
+    """The tiny llama target labelled `arch` (its graph takes the same tensors) and a random head for it."""
+    target = write_tiny_target(directory / f"{arch}.gguf", TinyDims(), arch=arch, tokenizer_from=tiny_target)
+    head = write_random_head(directory / "head.gguf", HeadSpec(n_embd_tgt=64, target_layers=(1, 3, 5)),
+                             tokenizer_from=target)
     return target, head
 
 
-def test_unhooked_target_runs_losslessly(qwen2_pair):
-    target, head = qwen2_pair
+@pytest.fixture(scope="module")
+def qwen2_pair(tmp_path_factory, tiny_target):
+    return _relabelled_pair(tmp_path_factory.mktemp("qwen2"), "qwen2", tiny_target)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral3"])
+def test_unhooked_target_runs_losslessly(tmp_path, tiny_target, arch):
+    target, head = _relabelled_pair(tmp_path, arch, tiny_target)
     cfg = GenerateConfig(n_predict=40, draft_max=4, draft_policy="fixed")
     with load_pair(target, head, PairConfig(n_ctx=512, n_batch=64)) as pair:
         assert pair.target_info.extraction == "eval callback"
@@ -146,3 +152,27 @@ def test_gemma3_270m_is_lossless(gemma3_pair):
                 spec = d.generate(prompt, cfg)
             assert spec.tokens == base.tokens, p.id
             assert spec.stats.n_drafted > 0 and (i >= 2 or spec.stats.n_accepted > 0)
+
+
+def test_training_data_from_an_unhooked_target(tmp_path, qwen2_pair):
+    """`train`'s data generation captures too: a record's features are a lone decode's (batched sequences
+    round a little differently, as on hooked targets: tests/test_train.py)."""
+    from eagle3_gguf.extract import TargetFeatures
+    from eagle3_gguf.train.data import DataConfig, generate_data, load_dataset
+    from eagle3_gguf.train.prompts import build_prompts
+
+    target, _ = qwen2_pair
+    layers = [1, 3, 4]
+    generate_data(target, build_prompts(3), tmp_path, DataConfig(layers=layers, n_seq=2, max_new=8, n_threads=2))
+    data = load_dataset(tmp_path)
+    assert data.n_records == 3
+    tokens, feats, _ = data.record(0)
+    with Model(target) as model, Context(model, n_ctx=512, n_batch=512, n_threads=2,
+                                         capture=LayerCapture(layers, model.n_embd, 512)) as ctx, Batch(512) as b:
+        extract = TargetFeatures(ctx, layers)
+        b.set(tokens[:-1], 0, logits="all")
+        ctx.decode(b)
+        lone = extract.gather(len(tokens) - 1)  # [n - 1, 3 * n_embd]
+    got = feats[:-1].astype(np.float32)
+    cos = (got * lone).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(lone, axis=1)
+    assert cos.min() > 0.999, cos.min()

@@ -150,6 +150,8 @@ def test_target_as_hf_config(tmp_path):
                                   "eagle3-gguf generate captures them (an eval callback)"),
     ("Gemma3ForConditionalGeneration", "gemma3", "target arch 'gemma3' has no hidden-state hooks at the pinned "
                                                  "llama.cpp: eagle3-gguf generate captures them"),
+    ("Phi3ForCausalLM", "phi3", "target arch 'phi3' has no hidden-state hooks at the pinned "
+                                "llama.cpp: the head converts but cannot run with this target"),
     ("DeepseekV2ForCausalLM", "deepseek2", "target arch 'deepseek2' has no hidden-state hooks at the pinned "
                                            "llama.cpp: the head converts but cannot run with this target"),
 ])

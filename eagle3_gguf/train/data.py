@@ -36,6 +36,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..capture import capture_for
 from ..errors import Eagle3Error
 from ..extract import TargetFeatures
 from ..native import Batch, Context, Model
@@ -260,18 +261,29 @@ def _finish(manifest: Manifest, out: Path, t0: float, *owners) -> None:
         owner.close()
 
 
+def _capture(model: Model, layers: list[int], n_batch: int):
+    """The eval callback an unhooked target needs (capture.py), or None; the model is closed on a refusal."""
+    try:
+        return capture_for(model, layers, n_batch)
+    except Eagle3Error:
+        model.close()
+        raise
+
+
 def generate_data(target_path: str | Path, prompts: list[Prompt], out: str | Path, config: DataConfig,
                   prompts_source: str = "", progress: Callable[[Progress], None] | None = None) -> Manifest:
     """Generate (or resume) the data set in `out`. Prompts are consumed in order; the manifest's
     `n_prompts_done` counts a prefix of `prompts` whose answers are all on disk."""
     out = Path(out)
-    model = Model(target_path, n_gpu_layers=config.n_gpu_layers)
-    manifest = _open_manifest(out, target_path, model, config, prompts_source, "self")
     S = config.n_seq
     n_ctx = S * (config.max_prompt + config.max_new + 8)
     n_batch = max(config.max_prompt, S)
+    model = Model(target_path, n_gpu_layers=config.n_gpu_layers)
+    capture = _capture(model, config.layers, n_batch)  # before anything is written
+    manifest = _open_manifest(out, target_path, model, config, prompts_source, "self")
     ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=config.n_threads, n_seq_max=S,
-                  kv_unified=False)  # a row attends over its own sequence only: 2.5x the tok/s of one cache
+                  kv_unified=False,  # a row attends over its own sequence only: 2.5x the tok/s of one cache
+                  capture=capture)
     extract = TargetFeatures(ctx, config.layers)
     batch = Batch(n_batch)
     writer = _ShardWriter(out, manifest)
@@ -354,13 +366,15 @@ def teacher_forced_data(target_path: str | Path, records: TokenRecords, out: str
     if config.topk < 1:
         raise Eagle3Error(f"top-k {config.topk}: teacher-forced data keeps at least 1 label per position")
     model = Model(target_path, n_gpu_layers=config.n_gpu_layers)
+    n_batch = min(config.n_batch, config.max_tokens)
+    capture = _capture(model, config.layers, n_batch)  # before anything is written
     manifest = _open_manifest(out, target_path, model, config, source, "teacher")
     if manifest.topk != config.topk:
         model.close()
         raise Eagle3Error(f"{out}: existing data keeps the top {manifest.topk} tokens, not {config.topk}: resume "
                           "with the same top-k, or use another output folder")
-    n_batch = min(config.n_batch, config.max_tokens)
-    ctx = Context(model, n_ctx=config.max_tokens + 8, n_batch=n_batch, n_ubatch=n_batch, n_threads=config.n_threads)
+    ctx = Context(model, n_ctx=config.max_tokens + 8, n_batch=n_batch, n_ubatch=n_batch, n_threads=config.n_threads,
+                  capture=capture)
     extract = TargetFeatures(ctx, config.layers)
     batch = Batch(n_batch)
     writer = _ShardWriter(out, manifest)
