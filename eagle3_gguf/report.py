@@ -81,8 +81,8 @@ class GGUFReport:
                 lines.append("  norm_output      output_norm(h) fed back as g (EAGLE 3.1; upstream llama.cpp feeds h)")
         else:
             ok = {"hook": "yes",
-                  "eval callback": "yes: no hook in the pinned graph, captured by an eval callback (generate; "
-                                   "not the drop-in, not upstream's runtime)"}.get(
+                  "eval callback": "yes: no hook in the pinned graph, captured by an eval callback (generate "
+                                   "and train; not the drop-in or serve, not upstream's runtime)"}.get(
                 self.extraction, f"no: the pinned llama.cpp has no hidden-state hooks for '{self.architecture}'")
             lines += [
                 f"  layers           {self.n_layer}",
