@@ -24,6 +24,8 @@ struct capture {
     int overflow;                               /* set when a slot would have overflowed (nothing written) */
 };
 
+size_t eagle3_capture_size(void) { return sizeof(struct capture); } /* checked against ctypes' */
+
 bool eagle3_capture(struct ggml_tensor * t, bool ask, void * user_data) {
     struct capture * c = (struct capture *) user_data;
     const char * name = c->get_name(t);

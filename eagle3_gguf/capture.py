@@ -14,6 +14,8 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -46,39 +48,55 @@ _library: ctypes.CDLL | None = None
 
 
 def _compiled() -> ctypes.CDLL:
-    """capture.c built once per source version into the cache (EAGLE3_GGUF_CACHE or ~/.cache/eagle3-gguf)."""
+    """capture.c built once per source version and machine into the cache (EAGLE3_GGUF_CACHE or
+    ~/.cache/eagle3-gguf); CC names the compiler (words split as a shell would: "ccache gcc")."""
     global _library
     if _library is not None:
         return _library
     source = _SOURCE.read_bytes()
     base = Path(os.environ.get("EAGLE3_GGUF_CACHE", Path.home() / ".cache" / "eagle3-gguf"))
-    lib = base / f"capture-{hashlib.sha256(source).hexdigest()[:12]}.so"
-    if not lib.is_file():
-        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-        if cc is None:
-            raise Eagle3Error("capturing this target's hidden states needs a C compiler once (cc, gcc or clang; "
-                              "CC= names another), to build the 40-line callback in eagle3_gguf/capture.c")
-        lib.parent.mkdir(parents=True, exist_ok=True)
-        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        try:
-            res = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(_SOURCE)],
-                                 capture_output=True, text=True)
-        except OSError as e:
-            raise Eagle3Error(f"{cc}: {e.strerror or e} (capturing this target's hidden states needs a C compiler "
-                              "once: set CC or install cc)") from None
-        if res.returncode != 0:
-            tmp.unlink(missing_ok=True)
-            why = (res.stderr.strip().splitlines() or ["no message"])[-1]
-            raise Eagle3Error(f"{cc} could not build eagle3_gguf/capture.c ({why})")
-        tmp.replace(lib)
-    _library = ctypes.CDLL(str(lib))
+    lib = base / f"capture-{platform.machine()}-{hashlib.sha256(source).hexdigest()[:12]}.so"
+    try:
+        if not lib.is_file():
+            _compile(lib)
+        _library = ctypes.CDLL(str(lib))
+    except OSError as e:
+        raise Eagle3Error(f"{lib}: {e.strerror or e} (the capture callback could not be built or loaded there; "
+                          "EAGLE3_GGUF_CACHE names another folder)") from None
+    # size_t eagle3_capture_size(void): the struct as the compiler laid it out
+    _library.eagle3_capture_size.restype = ctypes.c_size_t
+    if _library.eagle3_capture_size() != ctypes.sizeof(_Capture):
+        raise Eagle3Error(f"{lib}: its struct capture is {_library.eagle3_capture_size()} bytes, ctypes' "
+                          f"{ctypes.sizeof(_Capture)}: delete it to rebuild")
     return _library
+
+
+def _compile(lib: Path) -> None:
+    cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")]
+    if cc[0] is None:
+        raise Eagle3Error("capturing this target's hidden states needs a C compiler once (cc, gcc or clang; "
+                          "CC= names another), to build the 40-line callback in eagle3_gguf/capture.c")
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    tmp = lib.with_suffix(f".{os.getpid()}.tmp")  # each process its own, renamed into place: races are harmless
+    try:
+        res = subprocess.run([*cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(_SOURCE)], capture_output=True,
+                             text=True)
+    except OSError as e:
+        raise Eagle3Error(f"{cc[0]}: {e.strerror or e} (capturing this target's hidden states needs a C compiler "
+                          "once: set CC or install cc)") from None
+    if res.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        why = (res.stderr.strip().splitlines() or ["no message"])[-1]
+        raise Eagle3Error(f"{cc[0]} could not build eagle3_gguf/capture.c ({why})")
+    tmp.replace(lib)
 
 
 class LayerCapture:
     """Buffers for the inputs of `layers` (each >= 1) over up to `n_rows` batch rows, and the eval callback
     that fills them: pass `callback` and `user_data` as a context's cb_eval / cb_eval_user_data, `reset()`
-    before each decode, then `rows(lid)` holds that decode's rows in batch order."""
+    before each decode, then `rows(lid)` holds that decode's rows in the order llama.cpp computed them: batch
+    order with a unified KV cache, ubatch order otherwise (llama.cpp's hook restores batch order; split
+    sequences of unequal lengths into separate decodes, as train's data generation does)."""
 
     def __init__(self, layers: list[int], n_embd: int, n_rows: int):
         wanted = sorted(set(layers))

@@ -372,6 +372,13 @@ class TargetInfo:
     rope_theta: float = 10000.0
     token_embd: TensorInfo | None = None  # [n_embd, n_vocab] (GGUF order), where its data lies in the file
     tokenizer: list[KeyValue] = field(default_factory=list, repr=False, compare=False)  # tokenizer.*, as stored
+    tensor_types: frozenset[str] = frozenset()  # ggml type names of its tensors (GGUF files)
+
+    @property
+    def repack_exact(self) -> bool:
+        """Whether llama.cpp's repacked CPU kernels for its weights keep batch rows equal to lone rows: only
+        the types measured so (keys.REPACK_EXACT_TYPES); Q4_K's are not (bench/NOTES.md, capture)."""
+        return self.tensor_types <= keys.REPACK_EXACT_TYPES
 
     @property
     def captured(self) -> bool:
@@ -398,7 +405,8 @@ class TargetInfo:
                    n_ff=g.get(keys.KEY_FEED_FORWARD_LENGTH), rms_eps=g.get(keys.KEY_RMS_EPS, 1e-5),
                    rope_theta=g.get(keys.KEY_ROPE_FREQ_BASE, 10000.0),
                    token_embd=g.raw.tensor(keys.T_TOKEN_EMBD),
-                   tokenizer=[kv for kv in g.raw.kvs if kv.key.startswith(keys.TOKENIZER_PREFIX)])
+                   tokenizer=[kv for kv in g.raw.kvs if kv.key.startswith(keys.TOKENIZER_PREFIX)],
+                   tensor_types=frozenset(t.type for t in g.tensors))
 
 
 @dataclass

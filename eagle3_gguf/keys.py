@@ -118,6 +118,11 @@ HOOKED_TARGET_ARCHS = frozenset({
 # graphs, where "layer input" means something else; others (phi3, glm4, ...) once a test target runs them.
 CAPTURED_TARGET_ARCHS = frozenset({"gemma3", "llama4", "mistral3", "qwen2"})
 
+# Weight types whose rows llama.cpp's CPU kernels compute alike alone and in a batch, repacked or not
+# (Q4_0 repacked as q4_0_8x8: 244 benchmark prompts identical; Q8_0: every tiny-target test; the rest are not
+# repacked at the pin). A target with any other type (Q4_K: a verify row off by 0.5-1.2) is loaded unrepacked.
+REPACK_EXACT_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "I32", "I64"})
+
 # Target architectures whose graph also sets `t_h_nextn` (the final hidden state), so that a head
 # asking for layer id == n_layer gets real features. The llama graph does not: there the pinned
 # upstream runtime silently reads zeros, and we refuse the pair instead.

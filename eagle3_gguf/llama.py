@@ -140,6 +140,16 @@ def _check_chains(config: DraftConfig) -> None:
                           "tree needs several): set draft_topk to 1; `eagle3-gguf generate --draft-topk` drafts trees")
 
 
+def _check_target(model_path: str) -> None:
+    """A target whose hidden states only eagle3-gguf's own contexts capture is refused here."""
+    from .gguf_file import TargetInfo, read_gguf
+
+    info = TargetInfo.from_gguf(read_gguf(model_path))
+    if info.captured:
+        raise Eagle3Error(f"{Path(model_path).name}: '{info.arch}' targets have no hidden-state hook; eagle3-gguf "
+                          "captures them on a context of its own (eagle3-gguf generate), not on llama-cpp-python's")
+
+
 class Eagle3Llama(Llama):
     """`llama_cpp.Llama(model_path=..., **kwargs)` plus an EAGLE-3 head (`draft_model_path`)."""
 
@@ -165,6 +175,7 @@ class Eagle3Llama(Llama):
         kwargs.setdefault("flash_attn", True)  # see EXACTNESS
         kwargs.setdefault("type_v", CACHE_TYPES["bf16"])
         self._e3_rpc = (rpc_servers, rpc_backend)
+        _check_target(model_path)  # before llama-cpp-python loads it
         if rpc_servers:  # registered before Llama loads the target, so that llama.cpp places it there
             rpc.connect(rpc.parse_servers(rpc_servers), rpc_backend)
         super().__init__(model_path=model_path, **kwargs)

@@ -36,10 +36,11 @@ class PairConfig:
     cache_type_k: str = "f16"
     cache_type_v: str = "bf16"
     flash_attn: bool = True  # batch-invariant rows need it on CPU (README, exactness)
-    # llama.cpp repacks some weight types for its CPU kernels (Q4_K as q4_K_8x8 here), which then compute a
-    # verify-batch row differently from a lone row (Gemma 3 270M Q4_K_M: logits off by 0.5-1.2); as stored,
-    # every row is bit-equal, and decoding measured no slower there (9.41 vs 9.37 ms a token)
-    repack: bool = False
+    # llama.cpp repacks some weight types for its CPU kernels; Q4_K's (q4_K_8x8 here) then compute a verify
+    # row differently from a lone row (Gemma 3 270M Q4_K_M: logits off by 0.5-1.2), while Q4_0's stay exact and
+    # are twice as fast in batches. None: repack where the target's types are keys.REPACK_EXACT_TYPES, else
+    # load the weights as stored (bit-equal rows; Gemma's decode measured no slower: 9.41 vs 9.37 ms a token)
+    repack: bool | None = None
     n_seq_max: int = 1  # each context's sequences: a draft tree's (DraftConfig.tree_sequences)
     rpc_servers: tuple[str, ...] = ()  # rpc-server hosts (host:port) for the target's offloaded layers
     rpc_backend: str | None = None  # a libggml-rpc module, where llama-cpp-python has no RPC built in
@@ -136,8 +137,8 @@ def load_pair(target_path: str | Path, head_path: str | Path, config: PairConfig
             target_devices = rpc.connect(config.rpc_servers, config.rpc_backend) + rpc.local_devices()
         head_devices = rpc.local_devices() if rpc.in_use() else None
         if target_model is None:
-            target_model = Model(target_path, n_gpu_layers=config.n_gpu_layers, devices=target_devices,
-                                 repack=config.repack)
+            repack = target_info.repack_exact if config.repack is None else config.repack
+            target_model = Model(target_path, n_gpu_layers=config.n_gpu_layers, devices=target_devices, repack=repack)
             opened.append(target_model)
         if target_ctx is None:
             capture = LayerCapture(head_info.target_layers, target_info.n_embd, config.n_batch) \

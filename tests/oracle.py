@@ -32,3 +32,18 @@ class OracleSession(Eagle3Session):
         future = self.truth[start:start + len(real.tokens)]
         tokens = [t if i < good else (t + 1) % 49152 for i, t in enumerate(future)]
         return dataclasses.replace(real, tokens=tokens, confs=confs)
+
+
+def lossless_runs(pair, prompt: list[int], config, schedule: list[int]):
+    """Target-only, the pair's head, and an OracleSession on `schedule` (so drafts are accepted through the
+    target's verify), each generating from `prompt`: (base, spec, oracle) RunResults to compare."""
+    from eagle3_gguf.decode import Runner
+
+    with Runner(pair.target) as plain:
+        base = plain.generate(prompt, config, speculative=False)
+    with Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
+        spec = d.generate(prompt, config)
+    with OracleSession(pair.target, pair.head, truth=prompt + base.tokens, schedule=schedule) as s, \
+            Runner(pair.target, s) as d:
+        oracle = d.generate(prompt, config)
+    return base, spec, oracle

