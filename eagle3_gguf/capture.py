@@ -24,6 +24,7 @@ import numpy as np
 from llama_cpp import llama_cpp as C
 
 from .errors import Eagle3Error
+from .gguf_file import TargetInfo
 from .native import sibling_library
 
 CAPTURE_SLOTS, CAPTURE_NAME = 4, 64  # capture.c's, ggml's GGML_MAX_NAME
@@ -152,15 +153,7 @@ class LayerCapture:
         return self.buffers[lid].ctypes.data
 
 
-def capture_for(model, layers: list[int], n_rows: int) -> LayerCapture | None:
-    """What a target context for `model` (native.Model) needs to give `layers`' inputs: None where llama.cpp's
-    hook does, a LayerCapture for a captured architecture; an Eagle3Error for the rest."""
-    from . import keys
-
-    if model.arch in keys.HOOKED_TARGET_ARCHS:
-        return None
-    if model.arch not in keys.CAPTURED_TARGET_ARCHS:
-        supported = ", ".join(sorted(keys.HOOKED_TARGET_ARCHS | keys.CAPTURED_TARGET_ARCHS))
-        raise Eagle3Error(f"{model.path.name}: the pinned llama.cpp cannot extract hidden states from "
-                          f"'{model.arch}' models (supported: {supported})")
-    return LayerCapture(layers, model.n_embd, n_rows)
+def capture_for(target: TargetInfo, layers: list[int], n_rows: int) -> LayerCapture | None:
+    """What a context of `target` needs to give `layers`' inputs: a LayerCapture where its graph has no hook,
+    None where llama.cpp's hook does (TargetInfo.require_extraction refuses the rest)."""
+    return LayerCapture(layers, target.n_embd, n_rows) if target.captured else None

@@ -390,6 +390,13 @@ class TargetInfo:
         """How its hidden states are read: "hook", "eval callback" or "none"."""
         return "hook" if self.hooked else "eval callback" if self.captured else "none"
 
+    def require_extraction(self) -> None:
+        """One Eagle3Error line where neither way reads its hidden states."""
+        if self.extraction == "none":
+            supported = ", ".join(sorted(keys.HOOKED_TARGET_ARCHS | keys.CAPTURED_TARGET_ARCHS))
+            raise Eagle3Error(f"{self.path.name}: the pinned llama.cpp cannot extract hidden states from "
+                              f"'{self.arch}' models (supported: {supported})")
+
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> "TargetInfo":
         if g.arch == keys.ARCH_EAGLE3:

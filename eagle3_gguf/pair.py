@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from . import keys, rpc
-from .capture import LayerCapture
+from .capture import capture_for
 from .errors import Eagle3Error
 from .gguf_file import HeadInfo, TargetInfo, read_gguf
 from .native import Context, Model, cache_type, default_threads, flash_attn_type
@@ -48,10 +48,7 @@ class PairConfig:
 
 def check_pair(target: TargetInfo, head: HeadInfo, d2t: np.ndarray | None = None) -> None:
     """Raise one Eagle3Error line for the first thing that keeps the two from working together."""
-    if target.extraction == "none":
-        raise Eagle3Error(
-            f"{target.path.name}: the pinned llama.cpp cannot extract hidden states from '{target.arch}' models "
-            f"(supported: {', '.join(sorted(keys.HOOKED_TARGET_ARCHS | keys.CAPTURED_TARGET_ARCHS))})")
+    target.require_extraction()
     if target.captured and 0 in head.target_layers:
         raise Eagle3Error(
             f"head extracts layer id 0 (the embeddings), which eagle3-gguf captures only from hooked graphs, not "
@@ -141,8 +138,7 @@ def load_pair(target_path: str | Path, head_path: str | Path, config: PairConfig
             target_model = Model(target_path, n_gpu_layers=config.n_gpu_layers, devices=target_devices, repack=repack)
             opened.append(target_model)
         if target_ctx is None:
-            capture = LayerCapture(head_info.target_layers, target_info.n_embd, config.n_batch) \
-                if target_info.captured else None  # no hook in its graph: an eval callback copies the rows
+            capture = capture_for(target_info, head_info.target_layers, config.n_batch)
             target_ctx = Context(target_model, n_ctx=config.n_ctx, n_batch=config.n_batch, n_threads=threads,
                                  type_k=type_k, type_v=type_v, flash_attn=flash_attn_type(config.flash_attn),
                                  n_seq_max=config.n_seq_max, capture=capture)

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import keys
 from ..errors import Eagle3Error
 
 
@@ -86,10 +85,7 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
     emit = on_event or (lambda _stage, _payload: None)
     out = Path(out)
     tgt = read_target(target)
-    if tgt.extraction == "none":  # before anything is written
-        supported = ", ".join(sorted(keys.HOOKED_TARGET_ARCHS | keys.CAPTURED_TARGET_ARCHS))
-        raise Eagle3Error(f"{Path(target).name}: the pinned llama.cpp cannot extract hidden states from "
-                          f"'{tgt.arch}' models (supported: {supported})")
+    tgt.require_extraction()  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
     layers = list(cfg.layer_ids) if cfg.layer_ids else default_layer_ids(tgt.n_layer)
     if len(layers) != 3 or not all(0 <= x < tgt.n_layer for x in layers):

@@ -36,9 +36,10 @@ from typing import Callable
 
 import numpy as np
 
-from ..capture import capture_for
+from ..capture import LayerCapture, capture_for
 from ..errors import Eagle3Error
 from ..extract import TargetFeatures
+from ..gguf_file import TargetInfo, read_gguf
 from ..native import Batch, Context, Model
 from ..tokens import chat_tokens, is_eog
 from .prompts import Prompt
@@ -261,21 +262,13 @@ def _finish(manifest: Manifest, out: Path, t0: float, *owners) -> None:
         owner.close()
 
 
-def _target_model(target_path: str | Path, config: "DataConfig") -> Model:
-    """The target as inference loads it (pair.load_pair): repacked only where that keeps rows exact."""
-    from ..gguf_file import TargetInfo, read_gguf
-
-    repack = TargetInfo.from_gguf(read_gguf(target_path)).repack_exact
-    return Model(target_path, n_gpu_layers=config.n_gpu_layers, repack=repack)
-
-
-def _capture(model: Model, layers: list[int], n_batch: int):
-    """The eval callback an unhooked target needs (capture.py), or None; the model is closed on a refusal."""
-    try:
-        return capture_for(model, layers, n_batch)
-    except Eagle3Error:
-        model.close()
-        raise
+def _open_target(target_path: str | Path, config: "DataConfig", n_batch: int) -> tuple[Model, LayerCapture | None]:
+    """The target as inference loads it (pair.load_pair): refused where its states cannot be read, repacked only
+    where that keeps rows exact, and the eval callback an unhooked graph needs (capture.py)."""
+    target = TargetInfo.from_gguf(read_gguf(target_path))
+    target.require_extraction()
+    capture = capture_for(target, config.layers, n_batch)
+    return Model(target_path, n_gpu_layers=config.n_gpu_layers, repack=target.repack_exact), capture
 
 
 def generate_data(target_path: str | Path, prompts: list[Prompt], out: str | Path, config: DataConfig,
@@ -286,8 +279,7 @@ def generate_data(target_path: str | Path, prompts: list[Prompt], out: str | Pat
     S = config.n_seq
     n_ctx = S * (config.max_prompt + config.max_new + 8)
     n_batch = max(config.max_prompt, S)
-    model = _target_model(target_path, config)
-    capture = _capture(model, config.layers, n_batch)  # before anything is written
+    model, capture = _open_target(target_path, config, n_batch)  # before anything is written
     manifest = _open_manifest(out, target_path, model, config, prompts_source, "self")
     ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=config.n_threads, n_seq_max=S,
                   kv_unified=False,  # a row attends over its own sequence only: 2.5x the tok/s of one cache
@@ -373,9 +365,8 @@ def teacher_forced_data(target_path: str | Path, records: TokenRecords, out: str
     out = Path(out)
     if config.topk < 1:
         raise Eagle3Error(f"top-k {config.topk}: teacher-forced data keeps at least 1 label per position")
-    model = _target_model(target_path, config)
     n_batch = min(config.n_batch, config.max_tokens)
-    capture = _capture(model, config.layers, n_batch)  # before anything is written
+    model, capture = _open_target(target_path, config, n_batch)  # before anything is written
     manifest = _open_manifest(out, target_path, model, config, source, "teacher")
     if manifest.topk != config.topk:
         model.close()
