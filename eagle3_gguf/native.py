@@ -125,9 +125,11 @@ llama_model_n_devices = _bind("llama_model_n_devices", [model_p], ctypes.c_int32
 llama_model_get_device = _bind("llama_model_get_device", [model_p, ctypes.c_int], ctypes.c_void_p)
 
 
+@functools.cache
 def sibling_library(stem: str) -> ctypes.CDLL | None:
     """A ggml library beside libllama, as libllama loaded it: by its soname file first (a wheel holds
-    libggml.so and libggml.so.0 as two copies, and only the one libllama loaded shares its state)."""
+    libggml.so and libggml.so.0 as two copies, and only the one libllama loaded shares its state). One
+    handle per library, so every binding of a function is made on the same object."""
     libdir = Path(_lib._name).parent
     for name in (f"lib{stem}.so.0", f"lib{stem}.0.dylib", f"lib{stem}.so", f"lib{stem}.dylib", f"{stem}.dll"):
         if (libdir / name).is_file():

@@ -7,8 +7,12 @@ and the commands import no circle.
 from __future__ import annotations
 
 import logging
+import os
+import re
 import signal
 import sys
+import threading
+import time
 
 import typer
 
@@ -166,9 +170,6 @@ def rpc_servers(value: str | None, backend) -> tuple[str, ...]:
 
 
 def _rpc_gone(message: str) -> None:
-    import os
-    import re
-
     sys.stdout.flush()
     why = re.sub(r"^\S+:\d+: ", "", message)  # ggml's source file and line
     os.write(2, f"error: llama.cpp aborted ({why}); with --rpc, most often an rpc-server gone mid-run: check their "
@@ -186,9 +187,6 @@ class Watchdog:
     thread watches); `pause` disarms it until the next tick (between runs, for a prompt's processing)."""
 
     def __init__(self, limit: float, what: str):
-        import threading
-        import time
-
         self.limit, self.what, self._clock = limit, what, time.monotonic
         self.last: float | None = None  # None: not armed
         self._done = threading.Event()
@@ -204,8 +202,6 @@ class Watchdog:
         self._done.set()
 
     def _watch(self) -> None:
-        import os
-
         while not self._done.wait(min(1.0, self.limit / 4)):
             last = self.last
             if last is not None and self._clock() - last > self.limit:
