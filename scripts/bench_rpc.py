@@ -21,18 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_data  # noqa: E402
 from build_upstream import rpc_module, rpc_server_bin  # noqa: E402
+from serving import free_port, kill_group, start_rpc_server, wait_listening  # noqa: E402
 
 SERVER_BIN, MODULE = rpc_server_bin(), rpc_module()  # resolved before EAGLE3_GGUF_CACHE changes (main)
 CONTENDERS = {  # name -> GenerateConfig fields beside n_predict
@@ -65,38 +64,18 @@ class Prompt:
         return tok_s / self.target_only, tok_s / statistics.mean(self.target_only_runs)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_listening(port: int, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"nothing listens on {port}")
-
-
 def start_endpoint(latency_ms: float, threads: int, procs: list) -> str:
     """An rpc-server, behind a delay proxy when latency_ms > 0; its address for --rpc."""
-    port = _free_port()
-    server = subprocess.Popen([str(SERVER_BIN), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    server, endpoint = start_rpc_server(SERVER_BIN, threads, lifetime=7200)
     procs.append(server)
-    _wait_listening(port, server)
     if latency_ms <= 0:
-        return f"127.0.0.1:{port}"
-    front = _free_port()
+        return endpoint
+    front = free_port()
     proxy = subprocess.Popen([sys.executable, str(Path(__file__).parent / "rpc_proxy.py"), "--listen", str(front),
-                              "--to", f"127.0.0.1:{port}", "--delay-ms", str(latency_ms), "--lifetime", "7200"],
+                              "--to", endpoint, "--delay-ms", str(latency_ms), "--lifetime", "7200"],
                              start_new_session=True)
     procs.append(proxy)
-    _wait_listening(front, proxy)
+    wait_listening(proxy, front)
     return f"127.0.0.1:{front}"
 
 
@@ -148,11 +127,7 @@ def bench(args) -> list[Prompt]:
         for owner in opened:
             owner.close()
         for proc in procs:
-            try:
-                os.killpg(proc.pid, 9)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            kill_group(proc)
 
 
 def table(prompts: list[Prompt], command: str) -> list[str]:

@@ -1,13 +1,17 @@
-"""Run `eagle3-gguf serve` as a child process: a free port, waiting until it answers, stopping it. Shared by
-scripts/soak.py and the tests (tests/conftest.py puts scripts/ on the path)."""
+"""Run `eagle3-gguf serve` as a child process: a free port, waiting until it answers, stopping it; and the
+pinned tree's ggml-rpc-server on loopback. Shared by scripts/soak.py, scripts/bench_rpc.py and the tests
+(tests/conftest.py puts scripts/ on the path)."""
 
 from __future__ import annotations
 
 import http.client
+import os
+import signal
 import socket
 import subprocess
 import time
 from contextlib import closing
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -42,3 +46,40 @@ def stop(proc: subprocess.Popen, timeout: float = 30.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=timeout)
+
+
+def wait_listening(proc: subprocess.Popen, port: int, timeout: float = 30.0) -> None:
+    """Until something accepts TCP connections on 127.0.0.1:port (an rpc-server takes the next client after
+    this probe); RuntimeError if `proc` exits first or nothing listens within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on 127.0.0.1:{port}")
+
+
+def start_rpc_server(binary: Path, threads: int, lifetime: float = 900.0) -> tuple[subprocess.Popen, str]:
+    """ggml-rpc-server on a free loopback port, ended by `timeout` after `lifetime` seconds whatever happens, in a
+    process group of its own (kill_group ends it and `timeout` both): (process, "127.0.0.1:PORT")."""
+    port = free_port()
+    proc = subprocess.Popen(["timeout", str(int(lifetime)), str(binary), "-H", "127.0.0.1", "-p", str(port),
+                             "-t", str(threads)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        wait_listening(proc, port)
+    except RuntimeError:
+        kill_group(proc)
+        raise
+    return proc, f"127.0.0.1:{port}"
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to a child started with start_new_session and everything in its group (a stopped one too)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()

@@ -21,6 +21,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from build_upstream import rpc_module, rpc_server_bin  # noqa: E402
+from serving import free_port, kill_group, start_rpc_server  # noqa: E402
 
 from eagle3_gguf.rpc import RPC_BACKEND_ENV  # noqa: E402
 
@@ -30,34 +31,8 @@ ENV = {**os.environ, RPC_BACKEND_ENV: str(rpc_module())}
 PROMPT = "The capital of France is Paris. The capital of Germany is"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_server() -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    proc = subprocess.Popen(["timeout", "900", str(rpc_server_bin()), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()  # the server takes the next client
-            return proc, f"127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.1)
-    _stop(proc)
-    raise RuntimeError("rpc-server did not start")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGKILL to `timeout` and the server under it (their own process group)."""
-    try:
-        os.killpg(proc.pid, 9)
-    except ProcessLookupError:
-        pass
-    proc.wait()
+    return start_rpc_server(rpc_server_bin(), threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +40,7 @@ def servers():
     started = [_start_server() for _ in range(2)]
     yield ",".join(endpoint for _, endpoint in started)
     for proc, _ in started:
-        _stop(proc)
+        kill_group(proc)
 
 
 def _generate(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -116,7 +91,7 @@ def test_serve_over_rpc(servers):
     """serve --rpc: the target on the servers, the answer a local plain Llama's."""
     import http.client
 
-    from serving import free_port, stop, wait_ready
+    from serving import stop, wait_ready
 
     code = f"""
 from eagle3_gguf.assets import smollm2_path
@@ -155,7 +130,7 @@ def _one_error_line(res: subprocess.CompletedProcess) -> str:
 
 @needs_rpc
 def test_no_server_there():
-    port = _free_port()
+    port = free_port()
     line = _one_error_line(_generate("-n", "8", "--rpc", f"127.0.0.1:{port}"))
     assert line == (f"error: RPC server 127.0.0.1:{port}: Connection refused; start rpc-server there "
                     "(rpc-server -H HOST -p PORT) or fix --rpc")
@@ -187,7 +162,7 @@ def _mid_run(*flags: str):
         assert run.stdout.read(40)  # it is generating over RPC
         yield proc, run
     finally:
-        _stop(proc)  # SIGKILL ends a stopped process too
+        kill_group(proc)  # SIGKILL ends a stopped process too
         if run is not None:
             run.kill()
             run.wait()
@@ -201,7 +176,7 @@ def _ended(run: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess
 @needs_rpc
 def test_server_gone_mid_run():
     with _mid_run() as (server, run):
-        _stop(server)
+        kill_group(server)
         line = _one_error_line(_ended(run, 120))
     assert line.startswith("error: llama.cpp aborted (Remote RPC server crashed or returned malformed response); "
                            "with --rpc, most often an rpc-server gone mid-run"), line
