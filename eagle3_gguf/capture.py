@@ -95,9 +95,10 @@ def _compile(lib: Path) -> None:
 class LayerCapture:
     """Buffers for the inputs of `layers` (each >= 1) over up to `n_rows` batch rows, and the eval callback
     that fills them: pass `callback` and `user_data` as a context's cb_eval / cb_eval_user_data, `reset()`
-    before each decode, then `rows(lid)` holds that decode's rows in the order llama.cpp computed them: batch
-    order with a unified KV cache, ubatch order otherwise (llama.cpp's hook restores batch order; split
-    sequences of unequal lengths into separate decodes, as train's data generation does)."""
+    before each decode and `check()` after it; the buffer at `address(lid)` then holds that decode's rows of
+    layer lid in the order llama.cpp computed them: batch order with a unified KV cache, ubatch order otherwise
+    (llama.cpp's hook restores batch order; split sequences of unequal lengths into separate decodes, as train's
+    data generation does)."""
 
     def __init__(self, layers: list[int], n_embd: int, n_rows: int):
         wanted = sorted(set(layers))
@@ -138,18 +139,8 @@ class LayerCapture:
             raise Eagle3Error(f"this target's graph computed no '{graph_name(missing[0])}': its hidden states cannot "
                               "be captured")
 
-    def rows(self, lid: int, n_rows: int) -> np.ndarray:
-        """Layer lid's input rows of the last decode.  # [n_rows, n_embd] (view)"""
-        i = self.layers.index(lid)
-        c = self._struct
-        if c.overflow:
-            raise Eagle3Error("a decode held more rows than the capture buffers (n_batch): raise them")
-        if c.off[i] < n_rows * self.n_embd * 4:
-            raise Eagle3Error(f"layer {lid}'s input was not captured for {n_rows} rows (got {c.off[i] // (4 * self.n_embd)}): "
-                              f"its graph names no '{graph_name(lid)}'")
-        return self.buffers[lid][:n_rows]
-
     def address(self, lid: int) -> int:
+        """Where layer lid's rows lie (native.Context reads them there, as it reads llama.cpp's own)."""
         return self.buffers[lid].ctypes.data
 
 
