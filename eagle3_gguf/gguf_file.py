@@ -478,14 +478,17 @@ def tokenizer_kvs(src: str | Path) -> list[KeyValue]:
     return kvs
 
 
-def copy_tokenizer(src: str | Path, writer) -> int:
-    """Copy every `tokenizer.*` key of the GGUF at `src` into a gguf.GGUFWriter; returns the vocab size.
+def copy_tokenizer(src: str | Path, writer, skip: frozenset[str] = frozenset()) -> int:
+    """Copy every `tokenizer.*` key of the GGUF at `src` but those in `skip` into a gguf.GGUFWriter; returns the
+    vocab size.
 
     A head must carry its target's tokenizer: llama.cpp loads a vocab for every model, and the eagle3
     graph scatters draft logits into `vocab.n_tokens()` slots.
     """
     n_vocab = 0
     for kv in tokenizer_kvs(src):
+        if kv.key in skip:
+            continue
         writer.add_key_value(kv.key, kv.value, kv.vtype, sub_type=kv.sub_type)
         if kv.key == keys.KEY_TOKENIZER_TOKENS:
             n_vocab = len(kv.value)

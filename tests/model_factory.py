@@ -68,8 +68,9 @@ def _common_hparams(w: gguf.GGUFWriter, arch: str, d: TinyDims, n_vocab: int, n_
 
 
 def write_tiny_target(path: str | Path, dims: TinyDims = TinyDims(), *, seed: int = 0,
-                      tokenizer_from: Path | None = None, arch: str = keys.ARCH_LLAMA) -> Path:
-    """A random llama-arch target with SmolLM2's tokenizer (Q8_0 matrices, tied embeddings).
+                      tokenizer_from: Path | None = None, arch: str = keys.ARCH_LLAMA, chat_template: bool = True) -> Path:
+    """A random llama-arch target with SmolLM2's tokenizer (Q8_0 matrices, tied embeddings), and its chat
+    template unless `chat_template` is False (a base model's GGUF).
     `arch` relabels it: "qwen2" loads and runs (its graph takes the same tensors); others serve the tests of
     refused pairs."""
     path = Path(path)
@@ -78,7 +79,8 @@ def write_tiny_target(path: str | Path, dims: TinyDims = TinyDims(), *, seed: in
     hd = d.n_embd // d.n_head
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-random-{arch}")
-    n_vocab = copy_tokenizer(tokenizer_from or smollm2_path(), w)
+    n_vocab = copy_tokenizer(tokenizer_from or smollm2_path(), w,
+                             skip=frozenset() if chat_template else frozenset({keys.KEY_CHAT_TEMPLATE}))
     _common_hparams(w, arch, d, n_vocab, d.n_layer)
 
     def mat(name: str, *shape: int, scale: float | None = None) -> None:

@@ -148,6 +148,34 @@ def test_gemma3_270m_is_lossless(gemma3_pair):
             assert spec.stats.n_drafted > 0 and (i >= 2 or spec.stats.n_accepted > 0)
 
 
+@pytest.mark.slow
+def test_gemma3_trains_on_raw_text(tmp_path, gemma3_pair):
+    """`train` on a base model whose GGUF has no chat template (prompt format auto: raw text) and whose residual
+    stream passes float16's range at BOS: the data keep those rows in float32, the losses are finite, and the
+    trained head drafts losslessly."""
+    pytest.importorskip("torch")
+    from eagle3_gguf.train import PipelineConfig, run_training
+    from eagle3_gguf.train.data import load_dataset
+    from eagle3_gguf.train.loop import TrainConfig
+
+    target, _ = gemma3_pair
+    res = run_training(target, tmp_path, PipelineConfig(
+        n_prompts=2, max_new=8, n_seq=2, draft_vocab=256, n_ff=256, n_threads=2,
+        train=TrainConfig(max_steps=2, batch_tokens=256, n_threads=2)))
+    data = load_dataset(tmp_path / "data")
+    assert data.manifest.prompts_source.endswith("; raw text") and data.feats.dtype == np.float32
+    assert np.abs(data.feats).max() > np.finfo(np.float16).max and np.isfinite(data.feats).all()
+    assert np.isfinite(res.train.final_loss) and np.isfinite(res.train.evals[-1].loss).all()
+    cfg = GenerateConfig(n_predict=16, draft_max=4, draft_policy="fixed")
+    with load_pair(target, res.gguf, PairConfig(n_ctx=256, n_batch=64, n_threads=2)) as pair:
+        prompt = tokenize(pair.target_model, "The capital of France is")
+        with Runner(pair.target) as plain:
+            base = plain.generate(prompt, cfg, speculative=False)
+        with Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
+            spec = d.generate(prompt, cfg)
+    assert spec.tokens == base.tokens and spec.stats.n_drafted > 0
+
+
 def test_training_data_from_an_unhooked_target(tmp_path, qwen2_pair):
     """`train`'s data generation captures too: a record's features are a lone decode's (batched sequences
     round a little differently, as on hooked targets: tests/test_train.py)."""

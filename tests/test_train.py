@@ -18,13 +18,13 @@ from eagle3_gguf.native import Batch, Context, Model  # noqa: E402
 from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
 from eagle3_gguf.session import Eagle3Session  # noqa: E402
 from eagle3_gguf.train import PipelineConfig, run_training  # noqa: E402
-from eagle3_gguf.tokens import chat_tokens  # noqa: E402
-from eagle3_gguf.train.data import DataConfig, generate_data, load_dataset  # noqa: E402
+from eagle3_gguf.tokens import chat_tokens, tokenize  # noqa: E402
+from eagle3_gguf.train.data import DataConfig, generate_data, load_dataset, stored  # noqa: E402
 from eagle3_gguf.train.export import convert_to_gguf, export_checkpoint, export_safeai, read_head_gguf, read_target, \
     read_token_embeddings  # noqa: E402
 from eagle3_gguf.train.loop import TrainConfig  # noqa: E402
 from eagle3_gguf.train.model import Eagle3Head, HeadConfig  # noqa: E402
-from eagle3_gguf.train.prompts import build_prompts  # noqa: E402
+from eagle3_gguf.train.prompts import build_prompts, source  # noqa: E402
 from eagle3_gguf.train.vocab import answer_token_counts, build_draft_vocab  # noqa: E402
 
 LAYERS = [1, 3, 4]
@@ -82,6 +82,32 @@ def test_data_resumes(tmp_path, tiny_target):
     assert first.n_prompts_done == 3
     again = generate_data(tiny_target, build_prompts(5), tmp_path, cfg)
     assert again.n_prompts_done == 5 and load_dataset(tmp_path).n_records == 5
+
+
+def test_raw_prompts_are_sent_as_generate_sends_them(tmp_path, tiny_target):
+    """prompt format raw (a base model's): each record starts with the prompt as `generate` without --chat
+    tokenizes it (BOS + text), not through the chat template; a resume in the other format is refused."""
+    prompts = build_prompts(2)
+    cfg = DataConfig(layers=LAYERS, n_seq=2, max_new=4, n_threads=2, chat=False)
+    generate_data(tiny_target, prompts, tmp_path, cfg, prompts_source=source(chat=False))
+    data = load_dataset(tmp_path)
+    with Model(tiny_target) as model:
+        for i, p in enumerate(prompts):
+            tokens, _, n_prompt = data.record(i)
+            assert list(tokens[:n_prompt]) == tokenize(model, p.text) != chat_tokens(model, p.text)
+    with pytest.raises(Eagle3Error, match="existing data answers other prompts"):
+        generate_data(tiny_target, build_prompts(3), tmp_path, dataclasses.replace(cfg, chat=True),
+                      prompts_source=source())
+
+
+def test_features_past_float16_are_kept_in_float32(tmp_path):
+    """Gemma 3's residual stream passes float16's range at BOS (~1e5 in one channel): such rows are stored in
+    float32, not as inf (which made every training loss NaN), and the data set loads as float32."""
+    small = np.ones((2, 6), np.float32)  # [n_rows, 3 * n_embd_tgt]
+    big = small.copy()
+    big[0, 3] = 1.2e5
+    assert stored(small).dtype == np.float16 and stored(big).dtype == np.float32
+    assert stored(big)[0, 3] == np.float32(1.2e5)
 
 
 def test_read_target_is_the_one_target_description(tiny_target, tiny_head):

@@ -78,3 +78,22 @@ def test_train_unknown_prompt_mix_is_one_line(tmp_path, tiny_target):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["error: --prompt-mix poetry: one of balanced, prose"]
     assert not (tmp_path / "o" / "data").exists()
+
+
+def test_train_prompt_format_is_checked_against_the_target(tmp_path, tiny_target):
+    """A base model's GGUF has no chat template: --prompt-format chat and ShareGPT data (rendered with the
+    template) are refused in one line before anything is written."""
+    pytest.importorskip("torch")
+    base = write_tiny_target(tmp_path / "base.gguf", TinyDims(), tokenizer_from=tiny_target, chat_template=False)
+    out = tmp_path / "o"
+    for args, line in (
+            (["--prompt-format", "xml"], "error: --prompt-format xml: one of auto, chat, raw"),
+            (["--prompt-format", "chat"], "error: base.gguf has no chat template: pass --prompt-format raw"),
+            (["--data-source", "sharegpt"], "error: --data-source sharegpt renders conversations with the target's "
+                                            "chat template and base.gguf has none: use --data-source self")):
+        r = run("train", "-m", str(base), "-o", str(out), *args)
+        assert (r.returncode, r.stderr.strip().splitlines()) == (2, [line])
+        assert not out.exists()
+    r = run("train", "-m", str(tiny_target), "-o", str(out), "--prompt-format", "raw", "--data-source", "sharegpt")
+    assert (r.returncode, r.stderr.strip().splitlines()) == (2, [
+        "error: --data-source sharegpt renders conversations with the target's chat template: use --data-source self"])

@@ -65,6 +65,10 @@ def register(app: typer.Typer) -> None:
                                          "where the data has its top-k distribution."),
         prompt_mix: str = typer.Option("balanced", "--prompt-mix", help="balanced (every category) or prose "
                                        "(open prose requests: explain, compare, write, advise)."),
+        prompt_format: str = typer.Option("auto", "--prompt-format", help="auto, chat or raw: our prompts through "
+                                          "the target's chat template, as `generate --chat` sends them, or as raw "
+                                          "text, as `generate` alone does (auto: chat where the GGUF has a "
+                                          "template; a base model without one gets raw)."),
         seed: int = typer.Option(0, "--seed", help="Prompt-list seed (the shipped head: 0)."),
         steps: int = typer.Option(None, "--steps", help="Optimizer steps (overrides --epochs)."),
         epochs: float = typer.Option(2.0, "--epochs", help="Passes over the data."),
@@ -107,7 +111,8 @@ def register(app: typer.Typer) -> None:
             cfg = PipelineConfig(n_prompts=prompts, prompt_mix=prompt_mix, seed=seed, layer_ids=ids, draft_vocab=draft_vocab, n_ff=n_ff, n_seq=n_seq,
                                  max_new=max_new, n_threads=threads, resume=resume, train=tcfg,
                                  data_target=data_model, data_source=data_source, max_data_gb=max_data_gb,
-                                 topk=topk, max_tokens=max_tokens, eagle31=eagle31)
+                                 topk=topk, max_tokens=max_tokens, eagle31=eagle31,
+                                 prompt_format=prompt_format)
             res = run_training(model, out, cfg, on_event=_Printer())
         except Eagle3Error as e:
             fail(str(e))

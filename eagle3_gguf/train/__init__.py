@@ -24,6 +24,7 @@ from ..errors import Eagle3Error
 
 
 DATA_SOURCES = ("self", "sharegpt")
+PROMPT_FORMATS = ("auto", "chat", "raw")  # auto: chat where the target's GGUF has a chat template, else raw
 
 
 @dataclass
@@ -37,6 +38,7 @@ class PipelineConfig:
     max_data_gb: float | None = None  # disk budget of the data shards: data making stops there
     data_minutes: float | None = None  # wall-time budget of this call's data making (resumable)
     prompt_mix: str = "balanced"  # prompts.MIXES: "balanced" (every category) or "prose"
+    prompt_format: str = "auto"  # PROMPT_FORMATS: prompts sent as `generate --chat` sends them, or raw text
     layer_ids: list[int] | None = None  # default [2, n//2, n-3]
     draft_vocab: int = 8192
     n_ff: int | None = None  # the head's MLP width; default: the target's
@@ -86,7 +88,6 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
     out = Path(out)
     tgt = read_target(target)
     tgt.require_extraction()  # before anything is written
-    out.mkdir(parents=True, exist_ok=True)
     layers = list(cfg.layer_ids) if cfg.layer_ids else default_layer_ids(tgt.n_layer)
     if len(layers) != 3 or not all(0 <= x < tgt.n_layer for x in layers):
         raise Eagle3Error(f"--layer-ids {layers}: need 3 ids in 0..{tgt.n_layer - 1} for this target")
@@ -106,15 +107,17 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
         raise Eagle3Error(f"--prompt-mix {cfg.prompt_mix}: one of {', '.join(MIXES)}")
     if cfg.data_source not in DATA_SOURCES:
         raise Eagle3Error(f"--data-source {cfg.data_source}: one of {', '.join(DATA_SOURCES)}")
+    chat = prompt_chat(cfg, tgt)
+    out.mkdir(parents=True, exist_ok=True)  # every check above passed
     dcfg = DataConfig(layers=layers, n_seq=cfg.n_seq, max_new=cfg.max_new, n_threads=cfg.n_threads,
                       max_bytes=None if cfg.max_data_gb is None else int(cfg.max_data_gb * 1e9),
                       max_seconds=None if cfg.data_minutes is None else cfg.data_minutes * 60,
-                      max_tokens=cfg.max_tokens, topk=cfg.topk)
+                      max_tokens=cfg.max_tokens, topk=cfg.topk, chat=chat)
     if cfg.data_source == "sharegpt":
         manifest = sharegpt_data(data_target, out, cfg, dcfg, emit)
     else:
         manifest = generate_data(data_target, build_prompts(cfg.n_prompts, cfg.seed, cfg.prompt_mix), data_dir,
-                                 dcfg, prompts_source=source(cfg.prompt_mix, cfg.seed),
+                                 dcfg, prompts_source=source(cfg.prompt_mix, cfg.seed, chat),
                                  progress=lambda p: emit("data", p))
     data = load_dataset(data_dir)
 
@@ -142,6 +145,21 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
     emit("convert", conv)
     return PipelineResult(out, manifest.n_tokens, manifest.n_answer_tokens, manifest.seconds, vocab.size, coverage,
                           result, ckpt_dir, conv.out, conv.file_bytes)
+
+
+def prompt_chat(cfg: PipelineConfig, target: Any) -> bool:
+    """Whether the prompts go through the target's chat template (`generate --chat`) or as raw text
+    (`generate` without it: BOS + the text), which a base model without a template is prompted with."""
+    if cfg.prompt_format not in PROMPT_FORMATS:
+        raise Eagle3Error(f"--prompt-format {cfg.prompt_format}: one of {', '.join(PROMPT_FORMATS)}")
+    chat = target.has_chat_template if cfg.prompt_format == "auto" else cfg.prompt_format == "chat"
+    if chat and not target.has_chat_template:
+        raise Eagle3Error(f"{target.path.name} has no chat template: pass --prompt-format raw")
+    if not chat and cfg.data_source == "sharegpt":
+        raise Eagle3Error(f"--data-source sharegpt renders conversations with the target's chat template"
+                          f"{'' if target.has_chat_template else f' and {target.path.name} has none'}: "
+                          "use --data-source self")
+    return chat
 
 
 def sharegpt_data(data_target: str | Path, out: Path, cfg: PipelineConfig, dcfg: Any, emit: Event) -> Any:

@@ -11,7 +11,8 @@ each step decodes one batch holding the new prompts' prefill rows and one row pe
 Finished sequences are written to shards of `shard_NNNNN.npz`:
 
     tokens   [n_tok] int32        prompt + answer tokens of the shard's records, concatenated
-    feats    [n_tok, 3 * n_embd]  float16; row j = features of token j (the last row of a record is 0:
+    feats    [n_tok, 3 * n_embd]  float16 (float32 in a shard holding a row past float16's range: see
+                                   `stored`); row j = features of token j (the last row of a record is 0:
                                    its token was never decoded)
     starts   [n_rec + 1] int64    record boundaries in tokens/feats
     n_prompt [n_rec] int32        prompt length of each record (labels before it are not the target's)
@@ -41,7 +42,7 @@ from ..errors import Eagle3Error
 from ..extract import TargetFeatures
 from ..gguf_file import TargetInfo, read_gguf
 from ..native import Batch, Context, Model
-from ..tokens import chat_tokens, is_eog
+from ..tokens import chat_tokens, is_eog, tokenize
 from .prompts import Prompt
 
 MANIFEST = "manifest.json"
@@ -58,6 +59,7 @@ class DataConfig:
     max_bytes: int | None = None  # disk budget of the shards: stop once they take this much
     max_seconds: float | None = None  # stop after this long (resumable)
     n_gpu_layers: int = 0  # target layers offloaded by a GPU build of llama.cpp
+    chat: bool = True  # self: prompts through the target's chat template, else raw text after BOS
     # teacher-forced only
     max_tokens: int = 2048  # tokens per record (longer records are cut; the rest is causal, so unchanged)
     n_batch: int = 512  # rows per target decode (one record's chunk)
@@ -110,6 +112,7 @@ class Manifest:
     topk: int = 0
     n_bytes: int = 0  # shard bytes on disk
     capped: bool = False  # stopped at the disk budget (max_bytes)
+    feats_dtype: str = "float16"  # "float32" once a shard holds a row float16 cannot (`stored`)
 
     def save(self, out: Path) -> None:
         tmp = out / (MANIFEST + ".tmp")
@@ -148,7 +151,7 @@ class _Slot:
 @dataclass
 class _Record:
     tokens: np.ndarray  # [n] int32
-    feats: np.ndarray  # [n, 3 * n_embd_tgt] float16
+    feats: np.ndarray  # [n, 3 * n_embd_tgt] float16 or float32 (`stored`)
     n_prompt: int
     n_labels: int  # answer tokens
     extra: dict[str, np.ndarray] = field(default_factory=dict)  # teacher-forced: mask, topk_ids, topk_logp
@@ -188,6 +191,8 @@ class _ShardWriter:
             name = f"shard_{len(self.manifest.shards):05d}.npz"
             starts = np.cumsum([0] + [len(r.tokens) for r in self.records]).astype(np.int64)
             extra = {k: np.concatenate([r.extra[k] for r in self.records]) for k in self.records[0].extra}
+            if any(r.feats.dtype == np.float32 for r in self.records):
+                self.manifest.feats_dtype = "float32"
             np.savez(self.out / name, tokens=np.concatenate([r.tokens for r in self.records]),
                      feats=np.concatenate([r.feats for r in self.records]), starts=starts,
                      n_prompt=np.asarray([r.n_prompt for r in self.records], np.int32), **extra)
@@ -201,6 +206,13 @@ class _ShardWriter:
         self.done = set()
         self.manifest.save(self.out)
         self.records, self.n_tok, self.n_bytes = [], 0, 0
+
+
+def stored(feats: np.ndarray) -> np.ndarray:
+    """Rows as kept on disk: float16 (half of float32's bytes) where every value fits, else float32. Gemma 3's
+    residual stream reaches ~1e5 in one channel at BOS (a massive activation), past float16's 65504."""
+    fits = np.abs(feats).max(initial=0.0) <= np.finfo(np.float16).max
+    return feats.astype(np.float16 if fits else np.float32)
 
 
 def _step(model: Model, ctx: Context, extract: TargetFeatures, batch: Batch, group: list[_Slot],
@@ -219,9 +231,9 @@ def _step(model: Model, ctx: Context, extract: TargetFeatures, batch: Batch, gro
     batch.set_rows(np.asarray(rows_tok, np.int32), np.asarray(rows_pos, np.int32), np.asarray(rows_seq, np.int32),
                    np.asarray(rows_out))
     ctx.decode(batch)
-    feats = extract.gather(len(rows_tok)).astype(np.float16)  # [n_rows, 3 * n_embd_tgt]
+    feats = extract.gather(len(rows_tok))  # [n_rows, 3 * n_embd_tgt]
     for slot, start, n in spans:
-        slot.feats.append(feats[start:start + n])
+        slot.feats.append(stored(feats[start:start + n]))
         slot.n_fed += n
         choice = int(np.argmax(ctx.logits_ith(start + n - 1)))  # row index in the batch
         slot.tokens.append(choice)
@@ -300,7 +312,8 @@ def generate_data(target_path: str | Path, prompts: list[Prompt], out: str | Pat
                     if next_index in skip:
                         next_index += 1
                         continue
-                    toks = chat_tokens(model, prompts[next_index].text)
+                    text = prompts[next_index].text
+                    toks = chat_tokens(model, text) if config.chat else tokenize(model, text)
                     if len(toks) <= config.max_prompt:
                         slot.index, slot.tokens, slot.feats, slot.n_prompt, slot.n_fed = next_index, toks, [], \
                             len(toks), 0
@@ -394,7 +407,7 @@ def teacher_forced_data(target_path: str | Path, records: TokenRecords, out: str
                     chunk = tokens[a:a + n_batch]
                     batch.set(chunk, a, logits="all")
                     ctx.decode(batch)
-                    feats.append(extract.gather(len(chunk)).astype(np.float16))  # [n_chunk, 3 * n_embd_tgt]
+                    feats.append(stored(extract.gather(len(chunk))))  # [n_chunk, 3 * n_embd_tgt]
                     top = top_k(ctx.logits(len(chunk)), config.topk)  # [n_chunk, k] each
                     ids.append(top[0])
                     logp.append(top[1])
@@ -426,7 +439,7 @@ class Dataset:
     next token as a one-hot top-k and the answer mask n_prompt gives)."""
 
     tokens: np.ndarray  # [n_tok] int32
-    feats: np.ndarray  # [n_tok, 3 * n_embd_tgt] float16
+    feats: np.ndarray  # [n_tok, 3 * n_embd_tgt] float16, or float32 where a folder's manifest says so
     starts: np.ndarray  # [n_rec + 1] int64
     n_prompt: np.ndarray  # [n_rec] int32
     manifest: Manifest
@@ -477,7 +490,8 @@ def load_dataset(path: str | Path | list[str | Path]) -> Dataset:
             n_rec += len(z["n_prompt"])
     k = max(m.topk for m in manifests)
     width = 3 * manifests[0].n_embd
-    data = Dataset(np.zeros(n_tok, np.int32), np.zeros((n_tok, width), np.float16), np.zeros(n_rec + 1, np.int64),
+    dtype = np.float32 if any(m.feats_dtype == "float32" for m in manifests) else np.float16
+    data = Dataset(np.zeros(n_tok, np.int32), np.zeros((n_tok, width), dtype), np.zeros(n_rec + 1, np.int64),
                    np.zeros(n_rec, np.int32), manifests[0])
     if k:
         data.mask = np.zeros(n_tok, bool)

@@ -339,9 +339,10 @@ def _extract(rng: random.Random) -> str:
 MIXES = ("balanced", "prose")
 
 
-def source(mix: str = "balanced", seed: int = 0) -> str:
+def source(mix: str = "balanced", seed: int = 0, chat: bool = True) -> str:
     """What a data manifest records as its prompts (the shipped head's data: SOURCE alone)."""
-    return SOURCE if (mix, seed) == ("balanced", 0) else f"{SOURCE}; mix {mix}, seed {seed}"
+    text = SOURCE if (mix, seed) == ("balanced", 0) else f"{SOURCE}; mix {mix}, seed {seed}"
+    return text if chat else f"{text}; raw text"
 
 
 def build_prompts(n: int, seed: int = 0, mix: str = "balanced") -> list[Prompt]:
