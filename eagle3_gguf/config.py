@@ -52,7 +52,8 @@ KNOBS: dict[str, Knob] = {
     "draft_topk": Knob("--draft-topk", "Draft a tree, verified in one batch (1: a chain). With --draft-policy fixed: "
                        "EAGLE-2's dynamic tree, --draft-max deep, this many tokens per depth (the head runs the "
                        "likeliest this-many at each depth); adaptive: up to this many - 1 of the head's runner-up "
-                       "tokens beside each chain token, where a row pays. Greedy and --spec-sampling match only."),
+                       "tokens beside each chain token, where a row pays (greedy and --spec-sampling match; under rejection "
+                       "it drafts chains)."),
     "draft_nodes": Knob("--draft-nodes", "With --draft-topk > 1: draft tokens a tree verifies at most (the likeliest "
                         "first; 0: --draft-max x --draft-topk). The fixed policy fills the tree; the adaptive one "
                         "adds a branch where it expects it to pay."),

@@ -164,6 +164,14 @@ class RejectionSampler:
         """p: the target's distribution at a verify row.  # logits: [n_vocab]"""
         return self.transform.dist(logits)
 
+    def pick(self, logits: np.ndarray) -> int:
+        """A token drawn from p at a draft tree's node.  # logits: [n_vocab]
+        A tree holds the head's likeliest tokens, fixed before verification, not draws from q. For fixed
+        proposals the recursive rejection rule (SpecInfer's: accept child c with its probability under the
+        residual, take c out of it, try the next) keeps a child exactly when it is a draw from p, so the walk
+        keeps the target's own sample where it is a child: the same acceptance, with one draw per node."""
+        return self.target(logits).sample(self.rng.random())
+
     def verify(self, drafts: Sequence[int], qs: Sequence[Dist], row_logits: Callable[[int], np.ndarray],
                stop: Callable[[int], bool] | None = None) -> list[int]:
         """The tokens a cycle emits: the accepted drafts, then the token drawn at the first rejection

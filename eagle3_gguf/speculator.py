@@ -234,9 +234,6 @@ class Speculator:
         `rejection`: verify drafts drawn from the head's q by rejection sampling instead of hooks.pick.
         `spec_sampling`: how drafts are verified, for the statistics. May calibrate (see policy_for)."""
         speculative = config is not None and config.draft_max > 0 and self.session is not None
-        if speculative and config.draft_topk > 1 and rejection is not None:
-            raise Eagle3Error("a draft tree keeps the target's own samples (spec_sampling 'match'): at temperature "
-                              "> 0 set spec_sampling to match (--spec-sampling match) or draft_topk to 1")
         if speculative and self.needs_calibration(config):
             keep = 0  # calibrating clears both caches
         policy = self.policy_for(config) if speculative else None
@@ -325,9 +322,11 @@ class Speculator:
             draft = Draft(found.tokens, [], [one_hot(tok) for tok in found.tokens] if rejection is not None else [])
         elif k > 0:
             t = time.perf_counter()
-            if policy.expand and rejection is None:
+            if policy.expand:
                 tree = session.draft_tree(id_last, k, policy.expand, min(policy.nodes, k_cap))
                 draft = tree.chain_draft
+                if rejection is not None:  # the head's likeliest tokens, not draws from q: one-hot proposals
+                    draft.qs = [one_hot(tok) for tok in draft.tokens]
                 tree = tree if tree.n_nodes > tree.chain else None  # a chain alone: verified as one
             else:
                 draft = session.draft(id_last, k, policy.judge, sampler=rejection,
@@ -355,7 +354,9 @@ class Speculator:
             feat_rows = range(o, o + n_acc + 1) if o else None  # None: rows 0..n_acc, the session's default
             self._redo = []
         else:
-            w = self._verify_tree(tree, redo, pos, pick)
+            node_pick = pick if rejection is None else \
+                (lambda _rows, _pos0, i: rejection.pick(self.logits_ith(i)))  # from this generation's stream
+            w = self._verify_tree(tree, redo, pos, node_pick)
             out, n_acc, on_chain = w.out, w.n_acc, w.on_chain
             rows = kept = [id_last, *(tree.tokens[node] for node in w.path)]
             feat_rows = [o, *(o + node for node in w.path)] if o or on_chain < n_acc else None

@@ -434,10 +434,12 @@ class Draws:
     counts: Counter  # first three generated tokens -> draws
     accepted: int
     drafted: int
+    tree_cycles: int = 0
 
 
-def decode_many(session, decoder, prompt, n_draws: int, spec_sampling: str, sampling: dict, k: int = 2) -> Draws:
-    cfg = GenerateConfig(n_predict=k + 2, draft_max=k, draft_policy="fixed", spec_sampling=spec_sampling)
+def decode_many(session, decoder, prompt, n_draws: int, spec_sampling: str, sampling: dict, k: int = 2,
+                **tree) -> Draws:
+    cfg = GenerateConfig(n_predict=k + 2, draft_max=k, draft_policy="fixed", spec_sampling=spec_sampling, **tree)
     out = Draws(Counter(), 0, 0)
     for seed in range(n_draws):
         r = decoder.generate(prompt, cfg, Sampler(seed=seed, **sampling))
@@ -445,6 +447,7 @@ def decode_many(session, decoder, prompt, n_draws: int, spec_sampling: str, samp
         out.counts[toks] += 1
         out.accepted += r.stats.n_accepted
         out.drafted += r.stats.n_drafted
+        out.tree_cycles += r.stats.tree_cycles
     return out
 
 
@@ -473,6 +476,35 @@ def test_decoder_rejection_keeps_more_drafts_than_match(mirror_draws):
     draws, _ = mirror_draws
     rej, match = draws["rejection"], draws["match"]
     assert rej.accepted / rej.drafted > match.accepted / match.drafted
+
+
+def test_trees_under_rejection_sampling_are_target_only_sampling(tiny_target, tiny_head, mirror_ctx):
+    """Draft trees (top-2, 4 nodes, 2 deep) at T > 0 with spec_sampling rejection, the random head (nearly always
+    wrong): 1,500 seeds, the first three generated tokens follow target-only sampling (chi-square p > 0.01)."""
+    with load_pair(tiny_target, tiny_head, PairConfig(n_ctx=256, n_batch=64, n_threads=1, n_seq_max=5)) as pair:
+        prompt = tokenize(pair.target_model, "Once upon a time, in a small village,")
+        with Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
+            draws = decode_many(s, d, prompt, 1500, "rejection", HOT3, draft_topk=2, draft_nodes=4)
+        exact = exact_prefixes(mirror_ctx, prompt, Sampler(**HOT3).transform, 3, eog=pair.target_model)
+    assert draws.tree_cycles >= 1500
+    assert chi_square_cells(draws.counts, exact) > 0.01
+
+
+@pytest.mark.slow
+def test_smollm2_trees_under_rejection_sampling_are_target_only_sampling(smollm2_path):
+    """The real pair with trees (top-2, 4 nodes, 2 deep), 400 seeds, spec_sampling rejection: the first three
+    generated tokens follow target-only sampling (chi-square p > 0.01), and tree nodes are kept."""
+    from eagle3_gguf.assets import default_head_path
+    from eagle3_gguf.tokens import chat_tokens
+
+    sampling = dict(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0)
+    with load_pair(smollm2_path, default_head_path(), PairConfig(n_ctx=512, n_threads=1, n_seq_max=5)) as pair:
+        prompt = chat_tokens(pair.target_model, "Write a short poem about the sea.")
+        exact = exact_prefixes(pair.target, prompt, Sampler(**sampling).transform, 3, eog=pair.target_model)
+        with Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
+            draws = decode_many(s, d, prompt, 400, "rejection", sampling, draft_topk=2, draft_nodes=4)
+    assert draws.tree_cycles > 200 and draws.accepted > 0.1 * draws.drafted  # (a last cycle may be a chain)
+    assert chi_square_cells(draws.counts, exact) > 0.01
 
 
 @pytest.mark.slow
