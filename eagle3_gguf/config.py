@@ -10,6 +10,11 @@ Where the command line's default differs from the library's, `COMMAND_LINE` hold
 - spec_sampling: "match" in the library, "rejection" on the command line. The drop-in keeps plain Llama's
   text for every seed (what a one-line change must not break); the CLI draws the target's distribution with
   more drafts kept (README, rejection sampling).
+- draft_topk / draft_nodes: `generate` with the adaptive policy caps trees at ADAPTIVE_TREE (4 / 8): the policy
+  adds a head runner-up beside its chain only where the row is expected to pay, so on 2 CPU cores it verifies
+  no tree and runs as fast as chains (bench/NOTES.md, tree-default), and where rows are nearly free (a GPU) it
+  takes them. The library, `serve` and the fixed policy draft chains (1 / 0): llama-cpp-python opens its context
+  with one sequence (Eagle3Llama, serve) and a tree needs several; a fixed shape is one a user names.
 """
 
 from __future__ import annotations
@@ -53,10 +58,11 @@ KNOBS: dict[str, Knob] = {
                        "EAGLE-2's dynamic tree, --draft-max deep, this many tokens per depth (the head runs the "
                        "likeliest this-many at each depth); adaptive: up to this many - 1 of the head's runner-up "
                        "tokens beside each chain token, where a row pays (greedy and --spec-sampling match; under rejection "
-                       "it drafts chains)."),
+                       "it drafts chains). Default: 4 for generate's adaptive policy, else 1 (serve runs "
+                       "llama-cpp-python's one-sequence context)."),
     "draft_nodes": Knob("--draft-nodes", "With --draft-topk > 1: draft tokens a tree verifies at most (the likeliest "
                         "first; 0: --draft-max x --draft-topk). The fixed policy fills the tree; the adaptive one "
-                        "adds a branch where it expects it to pay."),
+                        "adds a branch where it expects it to pay. Default: 8 for generate's adaptive policy, else 0."),
     "draft_lookup_max": Knob("--draft-lookup-max", "Tokens a lookup draft verifies at most (it costs no draft "
                              "step, so it may exceed --draft-max; the adaptive policy picks the length from the "
                              "measured cost of verify rows; a copy runs long)."),
@@ -129,3 +135,4 @@ class DraftConfig:
 LIBRARY = DraftConfig()
 # The command line's defaults, where they differ from the library's (the module doc says why).
 COMMAND_LINE = DraftConfig(draft_p_min=0.5, spec_sampling="rejection")
+ADAPTIVE_TREE = {"draft_topk": 4, "draft_nodes": 8}  # generate's tree caps with the adaptive policy (above)

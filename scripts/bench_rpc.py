@@ -8,7 +8,8 @@ For each latency, two rpc-servers (the pinned tree's ggml-rpc-server, `-t 2`; on
 rpc-server serves one client at a time) each behind a delay proxy (scripts/rpc_proxy.py: every message, each
 way, waits the latency; none at 0), the SmolLM2 target split across the pair and the shipped head on this
 machine. Per prompt and per latency, interleaved in one process: target-only, then each contender
-(the adaptive default with K <= 4 and <= 8, fixed K=4 with p_min 0), then target-only again; a contender's
+(--contenders, of CONTENDERS: the adaptive policy with K <= 4 and <= 8, fixed K=4 with p_min 0, and the adaptive
+policy with generate's tree caps), then target-only again; a contender's
 speed is taken against the faster of the two target-only runs at the same latency (conservative: the faster of
 two noisy runs is biased high) and against their mean, and the adaptive runs that drafted nothing are the
 control for that bias. Every run's text is
@@ -38,6 +39,7 @@ CONTENDERS = {  # name -> GenerateConfig fields beside n_predict
     "adaptive K<=4": {},
     "adaptive K<=8": {"draft_max": 8},
     "fixed K=4": {"draft_max": 4, "draft_p_min": 0.0, "draft_policy": "fixed"},
+    "adaptive K<=4, trees 4x8": {"draft_topk": 4, "draft_nodes": 8},  # generate's default (config.ADAPTIVE_TREE)
 }
 
 
@@ -97,10 +99,12 @@ def bench(args) -> list[Prompt]:
     opened = []
     try:
         decoders = {}
+        chosen = {name: GenerateConfig(n_predict=args.n_predict, **CONTENDERS[name]) for name in args.contenders}
+        n_seq = max(c.tree_sequences for c in chosen.values())
         for ms in latencies:
             servers = tuple(start_endpoint(ms, args.server_threads, procs) for _ in range(2))
             config = PairConfig(n_ctx=2048, n_threads=args.threads, n_gpu_layers=-1, n_gpu_layers_draft=0,
-                                rpc_servers=servers, rpc_backend=str(MODULE))
+                                rpc_servers=servers, rpc_backend=str(MODULE), n_seq_max=n_seq)
             pair = load_pair(smollm2_path(), default_head_path(), config)
             session = Eagle3Session(pair.target, pair.head)
             dec = Runner(pair.target, session)
@@ -113,8 +117,7 @@ def bench(args) -> list[Prompt]:
                 prompt = tokenize(pair.target_model, apply_chat_template(pair.target_model, [Message("user", p.text)]),
                                   add_special=False)
                 base = dec.generate(prompt, plain, speculative=False)
-                runs = {name: _run(dec, prompt, GenerateConfig(n_predict=args.n_predict, **kw), base.tokens)
-                        for name, kw in CONTENDERS.items()}
+                runs = {name: _run(dec, prompt, config, base.tokens) for name, config in chosen.items()}
                 again = dec.generate(prompt, plain, speculative=False)
                 both = [base.stats.tokens_per_second, again.stats.tokens_per_second]
                 rec = Prompt(p.id, ms, max(both), runs, both)
@@ -139,7 +142,7 @@ def table(prompts: list[Prompt], command: str) -> list[str]:
     for ms in sorted({p.latency_ms for p in prompts}):
         at = [p for p in prompts if p.latency_ms == ms]
         base = statistics.median(p.target_only for p in at)
-        for name in CONTENDERS:
+        for name in at[0].runs:
             faster, mean = zip(*(p.ratios(name) for p in at))
             lines.append(
                 f"| {ms:g} ms | {base:.1f} | {name} | {statistics.median(faster):.3f}x | "
@@ -147,7 +150,8 @@ def table(prompts: list[Prompt], command: str) -> list[str]:
                 f"{statistics.median(p.runs[name].tau for p in at):.2f} | "
                 f"{statistics.mean(p.runs[name].drafts_per_cycle for p in at):.2f} | "
                 f"{sum(p.runs[name].identical for p in at)}/{len(at)} |")
-    idle = [p.ratios(n) for p in prompts for n in CONTENDERS if p.runs[n].drafts_per_cycle == 0]
+    idle = [p.ratios(n) for p in prompts for n in p.runs
+            if n.startswith("adaptive") and p.runs[n].drafts_per_cycle == 0]
     if idle:
         faster, mean = zip(*idle)
         lines += ["", f"Control: the {len(idle)} adaptive runs that drafted nothing (target-only in all but the "
@@ -163,8 +167,14 @@ def main() -> int:
     ap.add_argument("--n-predict", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="this machine's threads (the head)")
     ap.add_argument("--server-threads", type=int, default=2, help="each rpc-server's threads")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, of: " + ", ".join(CONTENDERS))
     ap.add_argument("--out", type=Path, default=Path("bench/rpc-cpu"))
     args = ap.parse_args()
+    args.contenders = args.contenders.split(",")
+    unknown = [n for n in args.contenders if n not in CONTENDERS]
+    if unknown:
+        print(f"error: --contenders {', '.join(unknown)}: not one of {', '.join(CONTENDERS)}", file=sys.stderr)
+        return 2
     if not (SERVER_BIN.exists() and MODULE.exists()):
         print("error: RPC parts not built: python scripts/build_upstream.py", file=sys.stderr)
         return 2

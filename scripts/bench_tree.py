@@ -58,8 +58,10 @@ class Prompt:
     identical: dict[str, bool] = field(default_factory=dict)
     tree_cycles: dict[str, int] = field(default_factory=dict)
     branch_kept: dict[str, int] = field(default_factory=dict)
-    # --timed: each contender's speed against target-only's (the faster of its runs before and after them)
+    # --timed: each contender's speed against target-only's (the faster of its runs before and after them: the
+    # faster of two noisy runs is biased high) and against their mean
     speedup: dict[str, float] = field(default_factory=dict)
+    speedup_mean: dict[str, float] = field(default_factory=dict)
 
 
 FIELDS = {f.name for f in fields(Prompt)}
@@ -67,7 +69,7 @@ FIELDS = {f.name for f in fields(Prompt)}
 
 def contenders(args) -> list[Contender]:
     out = []
-    for shape in args.shapes.split(","):
+    for shape in filter(None, args.shapes.split(",")):
         depth, topk, nodes = (int(x) for x in shape.split("x"))
         name = f"chain K={depth}" if topk == 1 else f"tree {depth}x{topk}x{nodes}"
         out.append(Contender(name, GenerateConfig(n_predict=args.n_predict, draft_max=depth, draft_policy="fixed",
@@ -101,8 +103,9 @@ def run(args, workload: str, runs: list[Contender]) -> list[Prompt]:
                 rec.branch_kept[c.name] = r.stats.tree_branch_kept
             if args.timed:
                 again = dec.generate(prompt, plain, speculative=False)
-                fastest = max(base.stats.tokens_per_second, again.stats.tokens_per_second)
-                rec.speedup = {name: tok_s / fastest for name, tok_s in rec.speedup.items()}
+                both = (base.stats.tokens_per_second, again.stats.tokens_per_second)
+                rec.speedup_mean = {name: tok_s / statistics.fmean(both) for name, tok_s in rec.speedup.items()}
+                rec.speedup = {name: tok_s / max(both) for name, tok_s in rec.speedup.items()}
             else:
                 rec.speedup = {}
             out.append(rec)
@@ -119,7 +122,7 @@ def table(workload: str, runs: list[Contender], prompts: list[Prompt]) -> list[s
     lines = [f"### {workload} ({len(prompts)} prompts)", "",
              "| contender | verify rows | tau, median | vs the best chain at <= rows | per-prompt ratio, median "
              "| tokens / forwards, all prompts | vs the best chain | tree cycles | branch kept | identical "
-             "| speed vs target-only, per-prompt median |", "|" + "---|" * 11]
+             "| speed vs target-only, per-prompt median (the faster run / their mean) |", "|" + "---|" * 11]
     for c in runs:
         fits = [ch for ch in chains if ch.rows <= c.rows]
         best = max(fits, key=lambda ch: median_tau[ch.name]) if fits else None
@@ -128,8 +131,10 @@ def table(workload: str, runs: list[Contender], prompts: list[Prompt]) -> list[s
                  if best else "")
         vs_pooled = f"{pooled[c.name] / pooled[best.name]:.3f}x" if best else ""
         ident = sum(p.identical[c.name] for p in prompts)
-        speed = (f"{statistics.median(p.speedup[c.name] for p in prompts):.3f}x"
-                 if all(p.speedup for p in prompts) else "")
+        speed = (f"{statistics.median(p.speedup[c.name] for p in prompts):.3f}x" if all(p.speedup for p in prompts)
+                 else "")
+        if speed and all(p.speedup_mean for p in prompts):
+            speed += f" / {statistics.median(p.speedup_mean[c.name] for p in prompts):.3f}x"
         lines.append(f"| {c.name} | {c.rows} | {median_tau[c.name]:.3f} | {vs} | {ratio} | {pooled[c.name]:.3f} | "
                      f"{vs_pooled} | "
                      f"{sum(p.tree_cycles[c.name] for p in prompts)} | {sum(p.branch_kept[c.name] for p in prompts)} | "

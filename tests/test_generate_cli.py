@@ -136,6 +136,24 @@ def test_generate_a_draft_tree(tiny_target, tiny_head):
     assert st["stop_reason"] == "context full" and st["tree_cycles"] > 0
 
 
+def test_generate_caps_trees_for_the_adaptive_policy_only():
+    """generate's default: the adaptive policy may add branches (caps 4 / 8, config.ADAPTIVE_TREE), the fixed one
+    drafts chains unless a tree is asked for; a given value is kept; serve passes chains (1 / 0)."""
+    from eagle3_gguf.cli.common import drafting_from_flags
+
+    flags = dict(draft_max=4, draft_p_min=0.5, spec_sampling="rejection", draft_temp_scale=None, draft_lookup="on",
+                 draft_lookup_max=16)
+
+    def caps(policy, topk, nodes):
+        d = drafting_from_flags(draft_policy=policy, draft_topk=topk, draft_nodes=nodes, **flags)
+        return d.draft_topk, d.draft_nodes, d.tree_sequences
+
+    assert caps("adaptive", None, None) == (4, 8, 9)
+    assert caps("fixed", None, None) == (1, 0, 1)
+    assert caps("adaptive", None, 6) == (4, 6, 9) and caps("adaptive", 2, None) == (2, 0, 8)
+    assert caps("fixed", 3, None) == (3, 0, 12) and caps("adaptive", 1, 0) == (1, 0, 1)
+
+
 def test_generate_streams_text_and_prints_stats(tiny_target, tiny_head):
     r = invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-p", "Hello", "-n", "8",
                "--baseline")
