@@ -39,7 +39,7 @@ CONTENDERS = {  # name -> GenerateConfig fields beside n_predict
     "adaptive K<=4": {},
     "adaptive K<=8": {"draft_max": 8},
     "fixed K=4": {"draft_max": 4, "draft_p_min": 0.0, "draft_policy": "fixed"},
-    "adaptive K<=4, trees 4x8": {"draft_topk": 4, "draft_nodes": 8},  # generate's default (config.ADAPTIVE_TREE)
+    "adaptive K<=4 + trees 4x8": {"draft_topk": 4, "draft_nodes": 8},  # generate's default (config.ADAPTIVE_TREE)
 }
 
 
