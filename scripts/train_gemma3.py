@@ -23,7 +23,6 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,9 +81,7 @@ def train() -> Path:
     if cfg.resume:
         cfg.data_minutes = 0  # the data of the first call are the data: a rerun only resumes training
     res = run_training(target(), RUN, cfg, on_event=on_event)
-    summary = {"n_tokens": res.n_tokens, "n_answer_tokens": res.n_answer_tokens, "data_seconds": res.data_seconds,
-               "draft_vocab": res.draft_vocab, "coverage": res.coverage, "train": asdict(res.train),
-               "gguf_bytes": res.gguf_bytes}
+    summary = res.summary()
     (RUN / "train_summary.json").write_text(json.dumps(summary, indent=1))
     log(f"summary {json.dumps(summary)}")
     return res.gguf

@@ -119,9 +119,7 @@ def train() -> Path:
                          max_new=256, n_threads=THREADS, outtype="q8_0", fc_type="q4_0", resume=True, train=tcfg,
                          data_target=requantized(Path(smollm2_path()), "Q4_0"))
     res = run_training(smollm2_path(), RUN, cfg, on_event=on_event)
-    summary = {"n_tokens": res.n_tokens, "n_answer_tokens": res.n_answer_tokens, "data_seconds": res.data_seconds,
-               "draft_vocab": res.draft_vocab, "coverage": res.coverage, "train": asdict(res.train),
-               "gguf_bytes": res.gguf_bytes}
+    summary = res.summary()
     (RUN / "train_summary.json").write_text(json.dumps(summary, indent=1))
     log(f"summary {json.dumps(summary)}")
     return res.gguf

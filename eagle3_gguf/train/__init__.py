@@ -16,7 +16,7 @@ Stages, each in its own place under the run folder OUT/ and each resumable:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -67,6 +67,12 @@ class PipelineResult:
     checkpoint: Path
     gguf: Path
     gguf_bytes: int
+
+    def summary(self) -> dict[str, Any]:
+        """What a run reports of itself as JSON (the training scripts' train_summary.json)."""
+        return {"n_tokens": self.n_tokens, "n_answer_tokens": self.n_answer_tokens, "data_seconds": self.data_seconds,
+                "draft_vocab": self.draft_vocab, "coverage": self.coverage, "train": asdict(self.train),
+                "gguf_bytes": self.gguf_bytes}
 
 
 Event = Callable[[str, Any], None]  # (stage, payload): "data" Progress, "vocab" dict, "train" TrainReport, ...
