@@ -62,7 +62,7 @@ KNOBS: dict[str, Knob] = {
                        "llama-cpp-python's one-sequence context)."),
     "draft_nodes": Knob("--draft-nodes", "With --draft-topk > 1: draft tokens a tree verifies at most (the likeliest "
                         "first; 0: --draft-max x --draft-topk). The fixed policy fills the tree; the adaptive one "
-                        "adds a branch where it expects it to pay. Default: 8 for generate's adaptive policy, else 0."),
+                        "adds a branch where it expects it to pay. Default: 8 with generate's adaptive policy, else 0."),
     "draft_lookup_max": Knob("--draft-lookup-max", "Tokens a lookup draft verifies at most (it costs no draft "
                              "step, so it may exceed --draft-max; the adaptive policy picks the length from the "
                              "measured cost of verify rows; a copy runs long)."),

@@ -78,8 +78,9 @@ def train() -> Path:
     cfg = PipelineConfig(n_prompts=N_PROMPTS, data_minutes=DATA_MINUTES, prompt_format="raw", layer_ids=LAYERS,
                          draft_vocab=DRAFT_VOCAB, n_seq=N_SEQ, max_new=256, n_threads=THREADS, outtype="q8_0",
                          fc_type="q4_0", resume=(RUN / "data" / "manifest.json").is_file(), train=tcfg)
-    if cfg.resume:
-        cfg.data_minutes = 0  # the data of the first call are the data: a rerun only resumes training
+    if cfg.resume:  # a rerun makes only the data the first call's budget has left, then resumes training
+        done = json.loads((RUN / "data" / "manifest.json").read_text())["seconds"] / 60
+        cfg.data_minutes = max(DATA_MINUTES - done, 0.0)
     res = run_training(target(), RUN, cfg, on_event=on_event)
     summary = res.summary()
     (RUN / "train_summary.json").write_text(json.dumps(summary, indent=1))

@@ -150,8 +150,11 @@ def test_generate_caps_trees_for_the_adaptive_policy_only():
 
     assert caps("adaptive", None, None) == (4, 8, 9)
     assert caps("fixed", None, None) == (1, 0, 1)
-    assert caps("adaptive", None, 6) == (4, 6, 9) and caps("adaptive", 2, None) == (2, 0, 8)
+    assert caps("adaptive", None, 6) == (4, 6, 9) and caps("adaptive", 2, None) == (2, 8, 8)
     assert caps("fixed", 3, None) == (3, 0, 12) and caps("adaptive", 1, 0) == (1, 0, 1)
+    with pytest.raises(Eagle3Error, match=r"^--draft-temp-scale shapes the draws of chain drafts: a fixed tree"):
+        drafting_from_flags(draft_policy="fixed", draft_topk=2, draft_nodes=None, temp=0.8,
+                            **dict(flags, draft_temp_scale=0.5))
 
 
 def test_generate_streams_text_and_prints_stats(tiny_target, tiny_head):

@@ -68,8 +68,8 @@ def test_train_cli_end_to_end(tmp_path, tiny_target):
     r = run(*args, "--resume", "--prompt-mix", "prose")  # other prompts must not extend this data
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        f"error: {out / 'data'}: existing data answers other prompts ({SOURCE}): resume with the same prompt mix, "
-        "or use another output folder"]
+        f"error: {out / 'data'}: existing data answers other prompts ({SOURCE}): resume with the same prompt mix and "
+        "--prompt-format, or use another output folder"]
 
 
 def test_train_unknown_prompt_mix_is_one_line(tmp_path, tiny_target):

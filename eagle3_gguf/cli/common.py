@@ -104,15 +104,13 @@ def drafting_from_flags(draft_max: int, draft_p_min: float, draft_policy: str, s
                         draft_temp_scale: float | None, draft_lookup: str, draft_lookup_max: int,
                         temp: float | None = None, draft_topk: int | None = 1, draft_nodes: int | None = 0):
     """The DraftConfig of `generate`'s and `serve`'s drafting flags, errors naming the flags. A given
-    --draft-temp-scale must have an effect (temp None: the temperature comes with each request). draft_topk
-    None (generate's default): config.ADAPTIVE_TREE's caps with the adaptive policy, else a chain."""
+    --draft-temp-scale must have an effect (temp None: the temperature comes with each request). draft_topk /
+    draft_nodes None (generate's default): config.ADAPTIVE_TREE's caps with the adaptive policy, else a chain."""
     from ..config import ADAPTIVE_TREE, DraftConfig
 
-    if draft_topk is None:
-        tree = ADAPTIVE_TREE if draft_policy == "adaptive" else {"draft_topk": 1, "draft_nodes": 0}
-        draft_topk = tree["draft_topk"]
-        draft_nodes = tree["draft_nodes"] if draft_nodes is None else draft_nodes
-    draft_nodes = 0 if draft_nodes is None else draft_nodes
+    tree = ADAPTIVE_TREE if draft_policy == "adaptive" else {"draft_topk": 1, "draft_nodes": 0}
+    draft_topk = tree["draft_topk"] if draft_topk is None else draft_topk
+    draft_nodes = tree["draft_nodes"] if draft_nodes is None else draft_nodes
 
     drafting = DraftConfig.from_flags(draft_max=draft_max, draft_p_min=draft_p_min, draft_policy=draft_policy,
                                       spec_sampling=spec_sampling, draft_temp_scale=draft_temp_scale,
@@ -125,6 +123,9 @@ def drafting_from_flags(draft_max: int, draft_p_min: float, draft_policy: str, s
                               "effect with --spec-sampling match")
         if temp == 0.0:
             raise Eagle3Error("--draft-temp-scale needs --temp > 0 (at --temp 0 drafts and tokens are greedy)")
+        if drafting.draft_policy == "fixed" and drafting.draft_topk > 1:
+            raise Eagle3Error("--draft-temp-scale shapes the draws of chain drafts: a fixed tree (--draft-topk > 1) "
+                              "verifies the head's likeliest tokens, drawn from nothing")
     return drafting
 
 

@@ -259,7 +259,7 @@ def _open_manifest(out: Path, target_path: str | Path, model: Model, config: Dat
                           f"{manifest.n_embd}: use another output folder")
     if prompts_source and manifest.prompts_source and manifest.prompts_source != prompts_source:
         raise Eagle3Error(f"{out}: existing data answers other prompts ({manifest.prompts_source}): resume with "
-                          "the same prompt mix, or use another output folder")
+                          "the same prompt mix and --prompt-format, or use another output folder")
     if manifest.kind != kind:
         raise Eagle3Error(f"{out}: existing data is {manifest.kind} data, not {kind}: use another output folder")
     manifest.capped = False  # a new budget may allow more
