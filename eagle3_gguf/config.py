@@ -135,4 +135,4 @@ class DraftConfig:
 LIBRARY = DraftConfig()
 # The command line's defaults, where they differ from the library's (the module doc says why).
 COMMAND_LINE = DraftConfig(draft_p_min=0.5, spec_sampling="rejection")
-ADAPTIVE_TREE = {"draft_topk": 4, "draft_nodes": 8}  # generate's tree caps with the adaptive policy (above)
+ADAPTIVE_TREE = DraftConfig(draft_topk=4, draft_nodes=8)  # generate's tree caps with the adaptive policy (above)

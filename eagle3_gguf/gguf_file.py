@@ -397,6 +397,13 @@ class TargetInfo:
             raise Eagle3Error(f"{self.path.name}: the pinned llama.cpp cannot extract hidden states from "
                               f"'{self.arch}' models (supported: {supported})")
 
+    def require_hook(self) -> None:
+        """One Eagle3Error line where its states are captured: llama-cpp-python's context (the drop-in's,
+        serve's) takes no eval callback, so only a context eagle3-gguf makes can read them."""
+        if self.captured:
+            raise Eagle3Error(f"{self.path.name}: '{self.arch}' targets have no hidden-state hook; eagle3-gguf "
+                              "captures them on a context of its own (eagle3-gguf generate), not on llama-cpp-python's")
+
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> "TargetInfo":
         if g.arch == keys.ARCH_EAGLE3:

@@ -144,10 +144,7 @@ def _check_target(model_path: str) -> None:
     """A target whose hidden states only eagle3-gguf's own contexts capture is refused here."""
     from .gguf_file import TargetInfo, read_gguf
 
-    info = TargetInfo.from_gguf(read_gguf(model_path))
-    if info.captured:
-        raise Eagle3Error(f"{Path(model_path).name}: '{info.arch}' targets have no hidden-state hook; eagle3-gguf "
-                          "captures them on a context of its own (eagle3-gguf generate), not on llama-cpp-python's")
+    TargetInfo.from_gguf(read_gguf(model_path)).require_hook()
 
 
 class Eagle3Llama(Llama):

@@ -143,10 +143,8 @@ def load_pair(target_path: str | Path, head_path: str | Path, config: PairConfig
                                  type_k=type_k, type_v=type_v, flash_attn=flash_attn_type(config.flash_attn),
                                  n_seq_max=config.n_seq_max, capture=capture)
             opened.append(target_ctx)
-        elif target_info.captured:
-            raise Eagle3Error(f"{Path(target_path).name}: '{target_info.arch}' targets have no hidden-state hook; "
-                              "eagle3-gguf captures them on a context of its own (eagle3-gguf generate), not on "
-                              "llama-cpp-python's")
+        else:
+            target_info.require_hook()
         head_ngl = config.n_gpu_layers if config.n_gpu_layers_draft is None else config.n_gpu_layers_draft
         head_model = Model(head_path, n_gpu_layers=head_ngl, devices=head_devices)
         opened.append(head_model)

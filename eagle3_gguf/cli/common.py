@@ -108,9 +108,9 @@ def drafting_from_flags(draft_max: int, draft_p_min: float, draft_policy: str, s
     draft_nodes None (generate's default): config.ADAPTIVE_TREE's caps with the adaptive policy, else a chain."""
     from ..config import ADAPTIVE_TREE, DraftConfig
 
-    tree = ADAPTIVE_TREE if draft_policy == "adaptive" else {"draft_topk": 1, "draft_nodes": 0}
-    draft_topk = tree["draft_topk"] if draft_topk is None else draft_topk
-    draft_nodes = tree["draft_nodes"] if draft_nodes is None else draft_nodes
+    if draft_policy == "adaptive":  # otherwise from_flags gives a knob not given the command line's default
+        draft_topk = ADAPTIVE_TREE.draft_topk if draft_topk is None else draft_topk
+        draft_nodes = ADAPTIVE_TREE.draft_nodes if draft_nodes is None else draft_nodes
 
     drafting = DraftConfig.from_flags(draft_max=draft_max, draft_p_min=draft_p_min, draft_policy=draft_policy,
                                       spec_sampling=spec_sampling, draft_temp_scale=draft_temp_scale,
