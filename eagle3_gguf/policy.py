@@ -34,6 +34,7 @@ import hashlib
 import json
 import math
 import os
+import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -159,7 +160,7 @@ class CostKey:
             return f"{Path(p).resolve()}:{st.st_size}:{st.st_mtime_ns}"
 
         return cls(ident(target), ident(head), n_threads, setup, n_batch,
-                   f"{os.uname().machine}:{os.cpu_count()}:{backend_fingerprint()}")
+                   f"{os.uname().machine}:{os.cpu_count()}:{cpu_model()}:{backend_fingerprint()}")
 
     @classmethod
     def for_contexts(cls, target, head, n_batch: int) -> "CostKey":
@@ -173,6 +174,16 @@ class CostKey:
         base = Path(os.environ.get("EAGLE3_GGUF_CACHE", Path.home() / ".cache" / "eagle3-gguf"))
         digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:20]
         return base / "costs" / f"{digest}.json"
+
+
+def cpu_model() -> str:
+    """The CPU's model name: two CPUs with the same features (llama.cpp's system info) can price rows apart
+    (SmolLM2 Q4_1, 2 cores: two rows 1.6-1.75x one row on an Intel Xeon, 2.0x on an AMD EPYC)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
 
 
 def load_costs(key: CostKey, k_max: int) -> CostCurve | None:

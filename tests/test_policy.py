@@ -211,6 +211,17 @@ def test_a_changed_file_is_a_new_key(key, tmp_path):
     assert load_costs(CostKey.for_files(tmp_path / "t.gguf", tmp_path / "h.gguf", 2, "kv 1/30", 512), 1) is None
 
 
+def test_another_cpu_model_is_a_new_key(key, tmp_path, monkeypatch):
+    """A home directory that moved to another machine with the same CPU features measures again."""
+    import eagle3_gguf.policy as policy
+
+    assert policy.cpu_model() in key.machine
+    save_costs(key, CostCurve([0.01, 0.016], 0.001))
+    monkeypatch.setattr(policy, "cpu_model", lambda: "Another CPU")
+    other = CostKey.for_files(tmp_path / "t.gguf", tmp_path / "h.gguf", 2, "kv 1/30", 512)
+    assert other.machine != key.machine and load_costs(other, 1) is None
+
+
 def test_measure_takes_the_least_disturbed_run_and_keeps_the_curve_monotone():
     calls = []
 
