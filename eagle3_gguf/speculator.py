@@ -184,6 +184,7 @@ class Speculator:
     def calibrate(self, k_max: int) -> CostCurve:
         """The cost curve from the cache, or measured now (a fraction of a second) and cached."""
         target, session = self.target, self.session
+        session.extract.enable(True)  # verify rows as a cycle decodes them
         key = CostKey.for_contexts(target, session.draft_ctx, self.batch.capacity)
         cached = load_costs(key, k_max)
         if cached is not None:
@@ -234,6 +235,8 @@ class Speculator:
         `rejection`: verify drafts drawn from the head's q by rejection sampling instead of hooks.pick.
         `spec_sampling`: how drafts are verified, for the statistics. May calibrate (see policy_for)."""
         speculative = config is not None and config.draft_max > 0 and self.session is not None
+        if self.session is not None:
+            self.session.extract.enable(speculative)  # a plain run needs no features: target-only's cost
         if speculative and self.needs_calibration(config):
             keep = 0  # calibrating clears both caches
         policy = self.policy_for(config) if speculative else None

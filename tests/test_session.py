@@ -44,6 +44,28 @@ def test_greedy_equals_target_only_tiny(tiny_pair, k, policy):
             check_stats_add_up(spec.stats, len(spec.tokens))
 
 
+def test_a_plain_run_extracts_nothing_and_the_next_speculative_run_does(smollm2_path):
+    """Target-only decodes without the head's layer inputs, as llama.cpp alone would (over RPC each one is
+    fetched over the network); the next speculative run extracts them again (llama.cpp must reserve its
+    graph anew, or the features go stale and nothing is accepted) and drafts exactly as before."""
+    from eagle3_gguf.assets import default_head_path
+
+    with load_pair(smollm2_path, default_head_path(), PairConfig(n_ctx=512, n_threads=2)) as pair, \
+            Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
+        prompt = tokenize(pair.target_model, apply_chat_template(pair.target_model, [Message("user", "Explain how a bicycle works.")]),
+                          add_special=False)
+        cfg = GenerateConfig(n_predict=64, draft_max=4, draft_policy="fixed")
+        first = d.generate(prompt, cfg)
+        base = d.generate(prompt, cfg, speculative=False)
+        lid = min(s.layers)
+        assert not s.extract.enabled
+        with pytest.raises(Eagle3Error, match="was not extracted"):
+            pair.target.layer_inp(lid, 1)
+        again = d.generate(prompt, cfg)
+        assert s.extract.enabled and again.tokens == first.tokens == base.tokens
+        assert again.stats.accepted_by_pos == first.stats.accepted_by_pos and again.stats.n_accepted >= 10, again.stats.n_accepted
+
+
 def test_forced_acceptance_every_length(tiny_pair):
     k = 4
     with Runner(tiny_pair.target) as plain:
