@@ -37,7 +37,7 @@ import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from . import rpc
 from .config import COMMAND_LINE, DraftConfig
@@ -67,6 +67,10 @@ class ServeConfig:
     api_key: str | None = None  # requests must send it (Authorization: Bearer KEY); None: none asked
     rpc_servers: tuple[str, ...] = ()  # rpc-server hosts for the target's offloaded layers (eagle3_gguf.rpc)
     rpc_backend: str | None = None  # the RPC client module, where llama-cpp-python has none built in
+    # With rpc_servers: on_stall(seconds) is called once, from a watching thread, when one graph call has run
+    # for more than rpc_timeout seconds (an rpc-server that stopped answering: llama.cpp waits forever)
+    rpc_timeout: float = 60.0
+    on_stall: Callable[[float], None] | None = None
 
     @property
     def loopback(self) -> bool:
@@ -129,6 +133,8 @@ def build_app(config: ServeConfig):
 
             SLOTS.close()
             engine = Engine()  # the model is built, and every graph computed, on the engine's thread
+            if config.rpc_servers and config.on_stall is not None:
+                engine.watch(config.rpc_timeout, config.on_stall)
             try:
                 llm = engine.adopt_llama(engine.call(load, settings))
                 try:

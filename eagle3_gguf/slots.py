@@ -82,6 +82,7 @@ class Engine:
     def __init__(self):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
+        self._graph_since: float | None = None  # when the graph call running now began (None: none runs)
         self._thread = threading.Thread(target=self._serve, name="eagle3-engine", daemon=True)
         self._thread.start()
 
@@ -110,9 +111,34 @@ class Engine:
             raise job.error
         return job.result
 
+    def graph(self, fn, *args):
+        """call() for one of llama.cpp's graph calls, timed for watch()."""
+        return self.call(self._timed, fn, *args)
+
+    def _timed(self, fn, *args):
+        self._graph_since = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self._graph_since = None
+
+    def watch(self, limit: float, on_stall: Callable[[float], None]) -> None:
+        """Call on_stall(seconds) (from a daemon thread, once) when a graph call has run for more than `limit`
+        seconds: over RPC, an rpc-server that stops answering without closing its connection leaves llama.cpp
+        waiting forever, and nothing on this thread can end the wait."""
+        def run() -> None:
+            while not self._closed:
+                time.sleep(min(1.0, limit / 4))
+                since = self._graph_since
+                if since is not None and time.monotonic() - since > limit:
+                    on_stall(time.monotonic() - since)
+                    return
+
+        threading.Thread(target=run, name="eagle3-engine-watch", daemon=True).start()
+
     def adopt(self, ctx: Context) -> Context:
         """Run ctx's graphs (decode, encode, process) on this thread (its `runner`)."""
-        ctx.runner = self.call
+        ctx.runner = self.graph
         return ctx
 
     def adopt_llama(self, llm: Eagle3Llama) -> Eagle3Llama:
@@ -120,7 +146,7 @@ class Engine:
         own decodes on its context (plain decoding, where it falls back)."""
         self.adopt(llm._e3_pair.target)
         self.adopt(llm._e3_pair.head)
-        llm.run_graphs_with(self.call)
+        llm.run_graphs_with(self.graph)
         return llm
 
     def close(self) -> None:

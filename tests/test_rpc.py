@@ -194,6 +194,44 @@ def test_server_frozen_mid_run():
     assert 2 < waited < 10, waited
 
 
+@needs_rpc
+def test_serve_with_a_server_frozen_mid_request():
+    """serve --rpc-timeout: an rpc-server that stops answering mid-request ends the server with one error line
+    and exit 2 (llama.cpp would wait forever, and so would every client)."""
+    import http.client
+
+    from serving import wait_ready
+
+    from eagle3_gguf.assets import default_head_path, smollm2_path
+
+    server, endpoint = _start_server()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "eagle3_gguf.cli.main", "serve", "-m", str(smollm2_path()),
+                             "--draft", str(default_head_path()), "--port", str(port), "-c", "4096", "-t", "2",
+                             "--rpc", endpoint, "--rpc-timeout", "3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        wait_ready(proc, port)
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        c.request("POST", "/v1/completions", body=json.dumps({
+            "prompt": "Count from 1 to 2000, one number per line:", "max_tokens": 3000, "temperature": 0,
+            "stream": True}), headers={"Content-Type": "application/json"})
+        assert c.getresponse().read(200)  # tokens stream over RPC
+        os.killpg(server.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        waited = time.monotonic() - start
+    finally:
+        kill_group(server)  # SIGKILL ends a stopped process too
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    last = [ln for ln in err.splitlines() if ln.strip()][-1]
+    assert proc.returncode == 2 and last.startswith("error: a target step has run for "), err[-2000:]
+    assert last.endswith(" s: the rpc-servers stopped answering (check their hosts)")
+    assert 2 < waited < 12, waited
+
+
 @pytest.mark.parametrize("args,message", [
     (["--rpc", "localhost"], "--rpc: 'localhost' is not host:port (e.g. --rpc 192.168.1.2:50052,192.168.1.3:50052)"),
     (["--rpc", "127.0.0.1:1,127.0.0.1:1"], "--rpc: a server is named twice in '127.0.0.1:1,127.0.0.1:1'"),
@@ -206,6 +244,14 @@ def test_server_frozen_mid_run():
 ])
 def test_bad_rpc_flags(args, message):
     assert _one_error_line(_generate("-n", "8", *args)) == f"error: {message}"
+
+
+@pytest.mark.parametrize("value", ["0", "inf", "-1"])
+def test_serve_bad_rpc_timeout(value):
+    res = subprocess.run([sys.executable, "-m", "eagle3_gguf.cli.main", "serve", "-m", "t.gguf", "--draft", "h.gguf",
+                          "--rpc", "127.0.0.1:1", "--rpc-timeout", value], capture_output=True, text=True, timeout=60,
+                         env=ENV)
+    assert _one_error_line(res) == f"error: --rpc-timeout must be a positive number of seconds (got {float(value)})"
 
 
 def test_missing_rpc_backend_module():

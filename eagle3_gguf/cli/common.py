@@ -190,6 +190,24 @@ RPC_TIMEOUT_HELP = ("With --rpc: end the run with an error when, once tokens flo
                     "Ctrl-C). Loading and prompt processing are not timed.")
 
 
+SERVE_RPC_TIMEOUT_HELP = ("With --rpc: end the server with an error when one target step (a decode, or a prompt chunk of "
+                          "up to 512 tokens) runs for more than this many seconds (an rpc-server that stops without "
+                          "closing its connection leaves llama.cpp waiting forever). Loading is not timed.")
+
+
+def check_rpc_timeout(seconds: float) -> None:
+    if not 0 < seconds < float("inf"):
+        raise Eagle3Error(f"--rpc-timeout must be a positive number of seconds (got {seconds})")
+
+
+def rpc_stalled(seconds: float) -> None:
+    """serve's engine watch found a graph call running for `seconds`: one error line, exit 2."""
+    sys.stdout.flush()
+    os.write(2, f"error: a target step has run for {seconds:.0f} s: the rpc-servers stopped answering (check their "
+                f"hosts)\n".encode())
+    os._exit(2)  # the engine thread is inside llama.cpp, waiting on a socket: nothing else can end it
+
+
 class Watchdog:
     """One error line and exit 2 when, once armed by a `tick`, none followed for `limit` seconds (a daemon
     thread watches); `pause` disarms it until the next tick (between runs, for a prompt's processing)."""

@@ -11,8 +11,9 @@ from typing import Optional
 import typer
 
 from ..errors import Eagle3Error
-from .common import (check_context_flags, draft_option, drafting_from_flags, fail, gpu_layers, gpu_layers_option,
-                     RPC_TIMEOUT_HELP, Watchdog, rpc_backend_option, rpc_option, rpc_servers, setup_logging)
+from .common import (check_context_flags, check_rpc_timeout, draft_option, drafting_from_flags, fail, gpu_layers,
+                     gpu_layers_option, RPC_TIMEOUT_HELP, Watchdog, rpc_backend_option, rpc_option, rpc_servers,
+                     setup_logging)
 
 
 def register(app: typer.Typer) -> None:
@@ -61,8 +62,7 @@ def register(app: typer.Typer) -> None:
             from ..decode import GenerateConfig
 
             config = GenerateConfig(n_predict=n_predict, **asdict(drafting))
-            if not 0 < rpc_timeout < float("inf"):
-                raise Eagle3Error(f"--rpc-timeout must be a positive number of seconds (got {rpc_timeout})")
+            check_rpc_timeout(rpc_timeout)
             _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, baseline, as_json, rpc_timeout)
         except Eagle3Error as e:
             fail(str(e))

@@ -10,8 +10,9 @@ import typer
 
 from ..errors import Eagle3Error
 from ..server import ServeConfig, build_app, configure_heap
-from .common import (TERMINATION, check_context_flags, draft_option, drafting_from_flags, fail, gpu_layers,
-                     gpu_layers_option, rpc_backend_option, rpc_option, rpc_servers, setup_logging)
+from .common import (SERVE_RPC_TIMEOUT_HELP, TERMINATION, check_context_flags, check_rpc_timeout, draft_option,
+                     drafting_from_flags, fail, gpu_layers, gpu_layers_option, rpc_backend_option, rpc_option,
+                     rpc_servers, rpc_stalled, setup_logging)
 
 
 MAX_PARALLEL = 64
@@ -66,6 +67,7 @@ def register(app: typer.Typer) -> None:
         n_gpu_layers_draft: str = gpu_layers_option("The head", "-ngld", "--n-gpu-layers-draft", "--gpu-layers-draft"),
         rpc: Optional[str] = rpc_option(),
         rpc_backend: Optional[Path] = rpc_backend_option(),
+        rpc_timeout: float = typer.Option(60.0, "--rpc-timeout", help=SERVE_RPC_TIMEOUT_HELP),
         alias: Optional[str] = typer.Option(None, "--alias", help="Model name clients send (default: the target file name without .gguf)."),
         draft_policy: str = draft_option("draft_policy"),
         spec_sampling: str = draft_option("spec_sampling"),
@@ -92,7 +94,9 @@ def register(app: typer.Typer) -> None:
                                  n_gpu_layers=gpu_layers(n_gpu_layers, "-ngl"),
                                  n_gpu_layers_draft=gpu_layers(n_gpu_layers_draft, "-ngld"),
                                  api_key=read_api_key(api_key, api_key_file), rpc_servers=rpc_servers(rpc, rpc_backend),
-                                 rpc_backend=str(rpc_backend) if rpc_backend else None)
+                                 rpc_backend=str(rpc_backend) if rpc_backend else None, rpc_timeout=rpc_timeout,
+                                 on_stall=rpc_stalled)
+            check_rpc_timeout(rpc_timeout)
             if not 0 < port < 65536:
                 raise Eagle3Error(f"--port must be in 1..65535 (got {port})")
             check_parallel(parallel, n_ctx, draft_max, interrupt_requests)
