@@ -315,7 +315,6 @@ class _SlotTurn:
     def __init__(self, joint: JointTarget, seq: int):
         self.joint = joint
         self.seq = seq
-        self.trees = False  # the joint target's sequences are the slots
         self._lock = threading.Lock()
 
     def acquire(self, blocking: bool = True) -> bool:
