@@ -53,10 +53,11 @@ class Text:
     out: list[int]  # the target's greedy continuation
 
 
-def texts(target: Path, workload: str, limit: int, n_predict: int, lookup_max: int) -> tuple[list[Text], CostCurve]:
+def texts(target: Path, head: Path, workload: str, limit: int, n_predict: int,
+          lookup_max: int) -> tuple[list[Text], CostCurve]:
     """The target's greedy texts, and the adaptive policy's calibrated curve for lookup drafts of lookup_max."""
     out = []
-    with load_pair(target, default_head_path(), PairConfig(n_ctx=4096, n_threads=2)) as pair, \
+    with load_pair(target, head, PairConfig(n_ctx=4096, n_threads=2)) as pair, \
             Eagle3Session(pair.target, pair.head) as session, Runner(pair.target, session) as dec:
         for p in bench_data.load(workload, limit):
             prompt = tokenize(pair.target_model, apply_chat_template(pair.target_model, [Message("user", p.text)]),
@@ -123,9 +124,11 @@ def main() -> int:
     ap.add_argument("--n-predict", type=int, default=128)
     ap.add_argument("--lookup-max", type=int, default=16, help="a lookup draft's tokens at most (generate's default)")
     ap.add_argument("--target", type=Path, default=None, help="target GGUF (default: SmolLM2-135M-Instruct Q4_1)")
+    ap.add_argument("--draft", type=Path, default=None, help="its head, for the cost curve (default: the shipped one)")
     ap.add_argument("--out", type=Path, default=None, help="folder for results.json and results.md")
     args = ap.parse_args()
-    ts, costs = texts(args.target or smollm2_path(), args.workload, args.limit, args.n_predict, args.lookup_max)
+    ts, costs = texts(args.target or smollm2_path(), args.draft or default_head_path(), args.workload, args.limit,
+                      args.n_predict, args.lookup_max)
     c = costs.relative()  # [lookup_max + 1]
     policy = AdaptivePolicy(CostCurve(costs.verify_s, costs.draft_step_s, costs.draft_fixed_s, "given"), 4,
                             lookup_max=args.lookup_max)
