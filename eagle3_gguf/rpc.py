@@ -17,6 +17,8 @@ import os
 import re
 import socket
 import struct
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -190,6 +192,34 @@ def local_devices() -> list[int]:
         if kind in found and lib.ggml_backend_reg_name(lib.ggml_backend_dev_backend_reg(dev)) != _RPC_REG_NAME:
             found[kind].append(dev)
     return found[GGML_BACKEND_DEVICE_TYPE_GPU] or found[GGML_BACKEND_DEVICE_TYPE_IGPU]
+
+
+class Watchdog:
+    """Calls on_stall(seconds) once, from a daemon thread, when, armed by a `tick`, no tick followed for more than
+    `limit` seconds; `pause` disarms it until the next tick. An rpc-server that stops answering without closing
+    its connection leaves llama.cpp waiting forever, and nothing on the waiting thread can end the wait."""
+
+    def __init__(self, limit: float, on_stall: Callable[[float], None]):
+        self.limit, self.on_stall = limit, on_stall
+        self.last: float | None = None  # None: not armed
+        self._done = threading.Event()
+        threading.Thread(target=self._watch, name="eagle3-rpc-watch", daemon=True).start()
+
+    def tick(self, *_args) -> None:
+        self.last = time.monotonic()
+
+    def pause(self) -> None:
+        self.last = None
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        while not self._done.wait(min(1.0, self.limit / 4)):
+            last = self.last
+            if last is not None and time.monotonic() - last > self.limit:
+                self.on_stall(time.monotonic() - last)
+                return
 
 
 _AbortCallback = ctypes.CFUNCTYPE(None, ctypes.c_char_p)  # void (*)(const char * error_message)

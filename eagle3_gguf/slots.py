@@ -39,6 +39,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from . import rpc
 from .errors import Eagle3Error
 from .llama import Eagle3Llama
 from .native import Batch, Context
@@ -82,7 +83,7 @@ class Engine:
     def __init__(self):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
-        self._graph_since: float | None = None  # when the graph call running now began (None: none runs)
+        self._watchdog: rpc.Watchdog | None = None  # armed while a graph call runs (watch())
         self._thread = threading.Thread(target=self._serve, name="eagle3-engine", daemon=True)
         self._thread.start()
 
@@ -116,25 +117,19 @@ class Engine:
         return self.call(self._timed, fn, *args)
 
     def _timed(self, fn, *args):
-        self._graph_since = time.monotonic()
+        watchdog = self._watchdog
+        if watchdog is None:
+            return fn(*args)
+        watchdog.tick()
         try:
             return fn(*args)
         finally:
-            self._graph_since = None
+            watchdog.pause()
 
     def watch(self, limit: float, on_stall: Callable[[float], None]) -> None:
-        """Call on_stall(seconds) (from a daemon thread, once) when a graph call has run for more than `limit`
-        seconds: over RPC, an rpc-server that stops answering without closing its connection leaves llama.cpp
-        waiting forever, and nothing on this thread can end the wait."""
-        def run() -> None:
-            while not self._closed:
-                time.sleep(min(1.0, limit / 4))
-                since = self._graph_since
-                if since is not None and time.monotonic() - since > limit:
-                    on_stall(time.monotonic() - since)
-                    return
-
-        threading.Thread(target=run, name="eagle3-engine-watch", daemon=True).start()
+        """Call on_stall(seconds) (once, from rpc.Watchdog's thread) when one graph call has run for more than
+        `limit` seconds (an rpc-server that stopped answering)."""
+        self._watchdog = rpc.Watchdog(limit, on_stall)
 
     def adopt(self, ctx: Context) -> Context:
         """Run ctx's graphs (decode, encode, process) on this thread (its `runner`)."""
@@ -152,6 +147,8 @@ class Engine:
     def close(self) -> None:
         """Stop the thread once the jobs handed in so far have run."""
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.stop()
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join()

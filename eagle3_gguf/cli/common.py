@@ -11,8 +11,6 @@ import os
 import re
 import signal
 import sys
-import threading
-import time
 
 import typer
 
@@ -177,12 +175,18 @@ def rpc_servers(value: str | None, backend) -> tuple[str, ...]:
     return servers
 
 
-def _rpc_gone(message: str) -> None:
+def exit_now(message: str) -> None:
+    """One error line and exit 2 at once, from any thread: where llama.cpp is about to abort, or waits on an
+    rpc-server forever, no exception can unwind it."""
     sys.stdout.flush()
+    os.write(2, f"error: {message}\n".encode())
+    os._exit(2)
+
+
+def _rpc_gone(message: str) -> None:
     why = re.sub(r"^\S+:\d+: ", "", message)  # ggml's source file and line
-    os.write(2, f"error: llama.cpp aborted ({why}); with --rpc, most often an rpc-server gone mid-run: check their "
-                f"hosts and run again\n".encode())
-    os._exit(2)  # ggml aborts the moment this returns: nothing else can run
+    exit_now(f"llama.cpp aborted ({why}); with --rpc, most often an rpc-server gone mid-run: check their hosts and "
+             "run again")  # ggml aborts the moment this returns
 
 
 RPC_TIMEOUT_HELP = ("With --rpc: end the run with an error when, once tokens flow, none came for this many seconds (an "
@@ -201,36 +205,5 @@ def check_rpc_timeout(seconds: float) -> None:
 
 
 def rpc_stalled(seconds: float) -> None:
-    """serve's engine watch found a graph call running for `seconds`: one error line, exit 2."""
-    sys.stdout.flush()
-    os.write(2, f"error: a target step has run for {seconds:.0f} s: the rpc-servers stopped answering (check their "
-                f"hosts)\n".encode())
-    os._exit(2)  # the engine thread is inside llama.cpp, waiting on a socket: nothing else can end it
-
-
-class Watchdog:
-    """One error line and exit 2 when, once armed by a `tick`, none followed for `limit` seconds (a daemon
-    thread watches); `pause` disarms it until the next tick (between runs, for a prompt's processing)."""
-
-    def __init__(self, limit: float, what: str):
-        self.limit, self.what, self._clock = limit, what, time.monotonic
-        self.last: float | None = None  # None: not armed
-        self._done = threading.Event()
-        threading.Thread(target=self._watch, daemon=True).start()
-
-    def tick(self, *_args) -> None:
-        self.last = self._clock()
-
-    def pause(self) -> None:
-        self.last = None
-
-    def stop(self) -> None:
-        self._done.set()
-
-    def _watch(self) -> None:
-        while not self._done.wait(min(1.0, self.limit / 4)):
-            last = self.last
-            if last is not None and self._clock() - last > self.limit:
-                sys.stdout.flush()
-                os.write(2, f"error: no token for {self.limit:g} s: {self.what}\n".encode())
-                os._exit(2)
+    """serve's engine watch found a graph call running for `seconds`."""
+    exit_now(f"a target step has run for {seconds:.0f} s: the rpc-servers stopped answering (check their hosts)")

@@ -12,7 +12,7 @@ import typer
 
 from ..errors import Eagle3Error
 from .common import (check_context_flags, check_rpc_timeout, draft_option, drafting_from_flags, fail, gpu_layers,
-                     gpu_layers_option, RPC_TIMEOUT_HELP, Watchdog, rpc_backend_option, rpc_option, rpc_servers,
+                     exit_now, gpu_layers_option, RPC_TIMEOUT_HELP, rpc_backend_option, rpc_option, rpc_servers,
                      setup_logging)
 
 
@@ -97,6 +97,7 @@ def _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max, n_seq_ma
 
 
 def _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, baseline, as_json, rpc_timeout) -> None:
+    from .. import rpc
     from ..assets import default_head_path, smollm2_path
     from ..decode import PartialResult, Runner, Sampler
     from ..pair import load_pair
@@ -115,7 +116,8 @@ def _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, base
     head_path = draft or default_head_path()
     with load_pair(target_path, head_path, pair_config) as pair:
         tokens = chat_tokens(pair.target_model, prompt) if chat else tokenize(pair.target_model, prompt)
-        watchdog = Watchdog(rpc_timeout, "the rpc-servers stopped answering (check their hosts)") \
+        watchdog = rpc.Watchdog(rpc_timeout, lambda _s: exit_now(
+            f"no token for {rpc_timeout:g} s: the rpc-servers stopped answering (check their hosts)")) \
             if pair_config.rpc_servers else None
         with Eagle3Session(pair.target, pair.head) as session, Runner(pair.target, session) as decoder:
             detok = Detokenizer(pair.target_model)
