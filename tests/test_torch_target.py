@@ -69,6 +69,9 @@ def test_torch_target_gives_llama_cpps_rows_on_a_tiny_target(tmp_path, tiny_targ
         assert np.array_equal(batch.label_positions(r)[0], disk.label_positions(r)[0])
     cos, same, gap = _agreement(disk, batch)
     assert cos > 0.999 and same > 0.9 and gap < 0.5, (cos, same, gap)
+    counts = online.label_counts(49152, batch_tokens=64)  # batched apart, top-1 alone: the same labels
+    assert counts.sum() == sum(len(disk.label_positions(r)[0]) for r in range(3))
+    assert np.array_equal(counts, batch.label_counts(49152))
     t2d = np.arange(49152, dtype=np.int64)
     a, b = collate(disk, [2, 0], t2d, 2, CPU), collate(online, [2, 0], t2d, 2, CPU)
     assert a.feats.shape == b.feats.shape and torch.equal(a.tokens, b.tokens)

@@ -168,30 +168,39 @@ class OnlineData:
         """The first n records, on the same target."""
         return OnlineData(self.target, self.records.head(n), self.topk)
 
+    def _teacher(self, records: list[int], k: int) -> tuple[TeacherRows, torch.Tensor, torch.Tensor]:
+        """One forward of the target over the records, right-padded; which rows are real, and which are answers.
+        # rows: [B, T, ...]; real, answer: [B, T] bool, on the target's device"""
+        parts = [self.records.record(r) for r in records]
+        T = max(len(t) for t, _ in parts)
+        tokens = np.zeros((len(parts), T), np.int64)
+        real = np.zeros((len(parts), T), bool)
+        answer = np.zeros((len(parts), T), bool)
+        for b, (t, m) in enumerate(parts):
+            tokens[b, :len(t)], real[b, :len(t)], answer[b, :len(t)] = t, True, m
+        dev = self.target.device
+        return (self.target.forward(torch.from_numpy(tokens).to(dev), k), torch.from_numpy(real).to(dev),
+                torch.from_numpy(answer).to(dev))
+
     def select(self, records: list[int]) -> tuple[Dataset, list[int]]:
         """These records as a Dataset (their features and top-k from one forward of the target), and their
         indices in it."""
+        rows, real, _ = self._teacher(records, self.topk)
         parts = [self.records.record(r) for r in records]
-        lens = [len(t) for t, _ in parts]
-        padded = np.zeros((len(parts), max(lens)), np.int64)  # [B, T]
-        for b, (t, _) in enumerate(parts):
-            padded[b, :len(t)] = t
-        rows = self.target.forward(torch.from_numpy(padded).to(self.target.device), self.topk)
-        keep = torch.from_numpy(np.arange(padded.shape[1]) < np.array(lens)[:, None]).to(self.target.device)  # [B, T]
-        tokens = np.concatenate([t for t, _ in parts]).astype(np.int32)
-        mask = np.concatenate([m for _, m in parts]).astype(bool)
-        starts = np.cumsum([0] + lens).astype(np.int64)
-        data = Dataset(tokens, rows.feats[keep].cpu().numpy(), starts,
-                       np.array([int(np.argmax(m)) for _, m in parts], np.int32), None, mask,
-                       rows.topk_ids[keep].cpu().numpy().astype(np.int32),
-                       rows.topk_logp[keep].cpu().numpy())
+        data = Dataset(np.concatenate([t for t, _ in parts]), rows.feats[real].cpu().numpy(),
+                       np.cumsum([0] + [len(t) for t, _ in parts]).astype(np.int64),
+                       np.array([int(np.argmax(m)) for _, m in parts], np.int32), None,
+                       np.concatenate([m for _, m in parts]), rows.topk_ids[real].int().cpu().numpy(),
+                       rows.topk_logp[real].cpu().numpy())
         return data, list(range(len(parts)))
 
     def label_counts(self, n_vocab: int, batch_tokens: int = 16384) -> np.ndarray:
-        """How often each target token is the target's choice at an answer position.  # [n_vocab] int64"""
+        """How often each target token is the target's choice at an answer position (its top-1 after the token
+        before): a forward per batch, nothing copied back but the counts.  # [n_vocab] int64"""
         from .loop import make_batches  # the loop reads this module's data; it is not needed to load it
 
-        counts = np.zeros(n_vocab, np.int64)
+        counts = torch.zeros(n_vocab, dtype=torch.int64, device=self.target.device)
         for group in make_batches(self, list(range(self.n_records)), batch_tokens, None):
-            counts += self.select(group)[0].label_counts(n_vocab)
-        return counts
+            rows, _, answer = self._teacher(group, 1)
+            counts += torch.bincount(rows.topk_ids[:, :-1, 0][answer[:, 1:]], minlength=n_vocab)
+        return counts.cpu().numpy()
