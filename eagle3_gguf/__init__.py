@@ -8,11 +8,11 @@ __version__ = "0.1.0"
 
 # llama_cpp before any module that imports gguf: gguf imports sentencepiece where it is installed, and on the lent
 # H200's image sentencepiece (or tokenizers) loaded first made llama.cpp segfault at model load; llama_cpp first
-# loaded (bench/NOTES.md, tree-gpu). A training machine may lack it: train.torch_target needs none, and the
-# modules that run llama.cpp import it themselves
+# loaded (bench/NOTES.md, tree-gpu). A training machine may lack it, or its library: train.torch_target needs
+# neither, and the modules that run llama.cpp import it themselves (and raise there)
 try:
     importlib.import_module("llama_cpp")
-except ImportError:
+except (ImportError, OSError, RuntimeError):
     pass
 
 from .errors import Eagle3Error, NativeError  # noqa: E402

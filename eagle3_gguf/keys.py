@@ -32,6 +32,8 @@ KEY_ROPE_FREQ_BASE = "{arch}.rope.freq_base"
 KEY_ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"
 KEY_ROPE_SCALING_FACTOR = "{arch}.rope.scaling.factor"
 KEY_ROPE_SCALING_ORIG_CTX = "{arch}.rope.scaling.original_context_length"
+KEY_ROPE_SCALING_ATTN_FACTOR = "{arch}.rope.scaling.attn_factor"
+KEY_ROPE_SCALE_LINEAR = "{arch}.rope.scale_linear"  # the older spelling of a linear scaling factor
 
 # -- EAGLE-3 keys (LLM_KV_TARGET_LAYERS, LLM_KV_TARGET_HIDDEN_SIZE, LLM_KV_NORM_BEFORE_*) ----------
 KEY_TARGET_LAYERS = "{arch}.target_layers"  # exactly 3 ids, input-of-layer convention

@@ -54,12 +54,15 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 # llama.cpp (and the scripts that run it) imported by the stages that use it: `--v2 --online` runs without it
+if TYPE_CHECKING:
+    from eagle3_gguf.train.data import Manifest
 
 RUN = ROOT / "runs" / "smollm2"
 PROSE_RUN = ROOT / "runs" / "smollm2-prose"  # stage 2: prose data, then the fine-tune of stage 1's head
@@ -329,6 +332,15 @@ V2_SMOKE = V2Size(conversations=12, max_tokens=256, draft_vocab=DRAFT_VOCAB, epo
                   lr=1e-3, batch_tokens_cpu=BATCH_TOKENS, batch_tokens_gpu=BATCH_TOKENS)
 
 
+@dataclass
+class OnlineSource:
+    """Where --online's data came from (the summary's "data", in place of a manifest)."""
+
+    device: str  # the torch target's
+    records: int  # conversations kept
+    tokens: int
+
+
 def v2_prepare(out: Path, size: V2Size, json_path: str | None, data_model: Path, smoke: bool):
     """runs/.../sharegpt: the first `size.conversations` training conversations, tokenized (reused once made)."""
     from eagle3_gguf.benchmarks import contamination_texts
@@ -361,9 +373,9 @@ def v2_prepare(out: Path, size: V2Size, json_path: str | None, data_model: Path,
 
 
 def v2_data(out: Path, size: V2Size, train_set, data_model: Path, gpu: bool, max_data_gb: float | None,
-            t_end: float):
-    """The teacher-forced data on disk through llama.cpp (resumable): its manifest as a dict once every
-    conversation is done (or the disk budget reached), None while some are left."""
+            t_end: float) -> Manifest | None:
+    """The teacher-forced data on disk through llama.cpp (resumable): its manifest once every conversation is
+    done (or the disk budget reached), None while some are left."""
     from eagle3_gguf.train.data import DataConfig, teacher_forced_data
 
     max_gb = max_data_gb if max_data_gb is not None else (40.0 if gpu else 10.0)
@@ -381,7 +393,7 @@ def v2_data(out: Path, size: V2Size, train_set, data_model: Path, gpu: bool, max
     if manifest.n_prompts_done < train_set.n_records and not manifest.capped:
         log("data not finished: rerun to continue")
         return None
-    return asdict(manifest)
+    return manifest
 
 
 def v2(args) -> int:
@@ -404,8 +416,9 @@ def v2(args) -> int:
     try:
         target = Path(args.target) if args.target else smollm2_path()
         data_model = Path(args.data_model) if args.data_model else target
-        if args.online and args.stage == "data":
-            raise Eagle3Error("--stage data: --online keeps no data on disk; leave out one of them")
+        if args.online and (args.stage == "data" or args.max_data_gb is not None):
+            raise Eagle3Error(f"{'--stage data' if args.stage == 'data' else '--max-data-gb'}: --online keeps no "
+                              "data on disk; leave out one of them")
         prep = v2_prepare(out, size, args.sharegpt_json, data_model, args.smoke)
         if args.stage == "prepare":
             return 0
@@ -413,8 +426,8 @@ def v2(args) -> int:
         if args.online:
             teacher = TorchTarget.from_gguf(data_model, LAYERS, pick_device())
             data = OnlineData.of(teacher, train_set, size.max_tokens, TOPK)
-            made = {"online": str(teacher.device), "records": data.n_records, "tokens": int(data.starts[-1])}
-            log(f"online teacher forcing on {teacher.device}: {data.n_records} conversations, {made['tokens']} tokens")
+            made = OnlineSource(str(teacher.device), data.n_records, int(data.starts[-1]))
+            log(f"online teacher forcing on {made.device}: {made.records} conversations, {made.tokens} tokens")
         else:
             made = v2_data(out, size, train_set, data_model, gpu, args.max_data_gb, t_end)
             if made is None:
@@ -452,7 +465,7 @@ def v2(args) -> int:
         print(f"error: {conv.out} is {conv.file_bytes} bytes, over the {MAX_HEAD_BYTES}-byte budget", file=sys.stderr)
         return 2
     (out / f"v2_summary{suffix}.json").write_text(json.dumps(
-        {"data": made, "train": asdict(res), "gguf": str(conv.out), "gguf_bytes": conv.file_bytes,
+        {"data": asdict(made), "train": asdict(res), "gguf": str(conv.out), "gguf_bytes": conv.file_bytes,
          "prepare": asdict(prep.stats)}, indent=1, default=str))
     log(f"head v2: {conv.out} ({conv.file_bytes} bytes)")
     return 0
@@ -489,9 +502,18 @@ def main() -> int | None:
     s3.add_argument("--stage3", action="store_true", help="make the data, fine-tune, write runs/smollm2-stage3/head.gguf")
     s3.add_argument("--data-minutes", type=float, default=55.0, help="stage 3: data making (half ShareGPT, half ours)")
     args = ap.parse_args()
-    if not args.online:
+    v2_online = args.online and (args.v2 or args.smoke)
+    if args.online and not v2_online:
+        print("error: --online trains head v2: add --v2 (or --smoke)", file=sys.stderr)
+        return 2
+    try:
         from eagle3_gguf.native import install_log_callback
-
+    except ImportError:
+        if not v2_online:
+            print("error: llama-cpp-python is not installed (pip install -e .): without it only --v2 --online "
+                  "trains", file=sys.stderr)
+            return 2
+    else:
         install_log_callback()  # llama.cpp's log goes to the (silent) eagle3_gguf.llama_cpp logger
     if args.v2 or args.smoke:
         return v2(args)
@@ -500,7 +522,8 @@ def main() -> int | None:
     build_upstream()  # returns at once when the tools are built
     shipped = ROOT / "eagle3_gguf" / "heads" / "smollm2-135m-instruct-eagle3.gguf"
     if args.stage3:
-        stage3(shipped, args.data_minutes, args.train_minutes or STAGE3_TRAIN_MINUTES)
+        minutes = STAGE3_TRAIN_MINUTES if args.train_minutes is None else args.train_minutes
+        stage3(shipped, args.data_minutes, minutes)
         return
     if args.measure_vocab:
         measure_vocab()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import gguf
@@ -68,9 +69,10 @@ def _common_hparams(w: gguf.GGUFWriter, arch: str, d: TinyDims, n_vocab: int, n_
 
 
 def write_tiny_target(path: str | Path, dims: TinyDims = TinyDims(), *, seed: int = 0,
-                      tokenizer_from: Path | None = None, arch: str = keys.ARCH_LLAMA, chat_template: bool = True) -> Path:
-    """A random llama-arch target with SmolLM2's tokenizer (Q8_0 matrices, tied embeddings), and its chat
-    template unless `chat_template` is False (a base model's GGUF).
+                      tokenizer_from: Path | None = None, arch: str = keys.ARCH_LLAMA, chat_template: bool = True,
+                      untied: bool = False, extra: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
+    """A random llama-arch target with SmolLM2's tokenizer (Q8_0 matrices, tied embeddings unless `untied`), and
+    its chat template unless `chat_template` is False (a base model's GGUF). `extra` adds keys or tensors.
     `arch` relabels it: "qwen2" loads and runs (its graph takes the same tensors); others serve the tests of
     refused pairs."""
     path = Path(path)
@@ -99,6 +101,10 @@ def write_tiny_target(path: str | Path, dims: TinyDims = TinyDims(), *, seed: in
         mat(keys.blk(keys.T_FFN_GATE, i), d.n_ff, d.n_embd)  # [n_ff, n_embd]
         mat(keys.blk(keys.T_FFN_UP, i), d.n_ff, d.n_embd)
         mat(keys.blk(keys.T_FFN_DOWN, i), d.n_embd, d.n_ff)  # [n_embd, n_ff]
+    if untied:
+        mat(keys.T_OUTPUT, n_vocab, d.n_embd)  # [n_vocab, n_embd]
+    if extra is not None:
+        extra(w)
     return _write(w, path)
 
 

@@ -4,6 +4,7 @@ head trains from it batch by batch on a machine without llama-cpp-python."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from arch_targets import write_arch_target  # noqa: E402
+from model_factory import write_tiny_target  # noqa: E402
 from test_sharegpt import _conversations, _write_truncated  # noqa: E402
 
+from eagle3_gguf import keys  # noqa: E402
 from eagle3_gguf.errors import Eagle3Error  # noqa: E402
 from eagle3_gguf.train.data import DataConfig, TokenRecords, load_dataset, teacher_forced_data  # noqa: E402
 from eagle3_gguf.train.loop import collate  # noqa: E402
@@ -31,44 +34,51 @@ def _records(lengths: list[int], prompt: int, seed: int = 0, n_vocab: int = 4915
     return TokenRecords.join(tokens, [np.arange(n) >= prompt for n in lengths])
 
 
-def _both(target: Path, records: TokenRecords, layers: list[int], tmp_path: Path, topk: int = 4):
+def _both(target: Path, records: TokenRecords, layers: list[int], tmp_path: Path, topk: int = 4,
+          max_tokens: int = 512):
     """The same records teacher-forced by llama.cpp (on disk) and by the torch target (one batch)."""
-    teacher_forced_data(target, records, tmp_path / "data", DataConfig(layers=layers, max_tokens=512, topk=topk,
-                                                                       n_batch=512, n_threads=2))
+    teacher_forced_data(target, records, tmp_path / "data", DataConfig(layers=layers, max_tokens=max_tokens,
+                                                                       topk=topk, n_batch=512, n_threads=2))
     disk = load_dataset(tmp_path / "data")
-    online = OnlineData.of(TorchTarget.from_gguf(target, layers, CPU), records, 512, topk)
+    online = OnlineData.of(TorchTarget.from_gguf(target, layers, CPU), records, max_tokens, topk)
     return disk, online
 
 
-def _agreement(disk, batch) -> tuple[float, float, float]:
+def _agreement(disk, batch) -> tuple[float, float, float, float]:
     """The smallest cosine between the two sets of feature rows; the share of rows whose greedy next token is
-    the same; and, where it is not, how far (in nats, by the torch target's top-k) llama.cpp's choice lies
-    below the torch target's: the largest such gap (a near-tie when small; 99 outside the top-k)."""
+    the same; where it is not, how far (in nats, by the torch target's top-k) llama.cpp's choice lies below the
+    torch target's: the largest such gap (a near-tie when small; 99 outside the top-k); where it is, the largest
+    difference of its log-probability."""
     a, b = disk.feats.astype(np.float32), batch.feats
     cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
     choice = disk.topk_ids[:, 0]
+    same = batch.topk_ids[:, 0] == choice
     gaps = [float(batch.topk_logp[i, 0] - batch.topk_logp[i, list(batch.topk_ids[i]).index(choice[i])])
-            if choice[i] in batch.topk_ids[i] else 99.0 for i in np.flatnonzero(batch.topk_ids[:, 0] != choice)]
-    return float(cos.min()), float(np.mean(batch.topk_ids[:, 0] == choice)), max(gaps, default=0.0)
+            if choice[i] in batch.topk_ids[i] else 99.0 for i in np.flatnonzero(~same)]
+    logp = np.abs(batch.topk_logp[same, 0] - disk.topk_logp[same, 0].astype(np.float32))
+    return float(cos.min()), float(np.mean(same)), max(gaps, default=0.0), float(logp.max())
 
 
 def test_torch_target_gives_llama_cpps_rows_on_a_tiny_target(tmp_path, tiny_target):
     """The tiny random llama (Q8_0): the records' tokens, answer masks and label positions are the disk data's,
     every feature row points the same way (cos > 0.999; llama.cpp rounds activations to 8 bits, the torch
     target does not), the greedy next tokens agree but for near-ties (random weights: flat distributions), and
-    collate builds the same batches from either."""
-    records = _records([40, 70, 25, 3], prompt=10)
-    records.mask[records.starts[3]:] = False  # a record with no answer is left out, as teacher_forced_data does
-    disk, online = _both(tiny_target, records, [1, 3, 5], tmp_path)
+    collate builds the same batches from either. Records are cut to max_tokens and left out without an answer
+    token past the first, as teacher_forced_data does."""
+    records = _records([40, 70, 25, 3, 30], prompt=10)
+    records.mask[records.starts[3]:] = False
+    records.mask[records.starts[4]] = True  # only the first token: nothing the head could learn to predict
+    disk, online = _both(tiny_target, records, [1, 3, 5], tmp_path, max_tokens=60)
     assert online.n_records == disk.n_records == 3 and np.array_equal(online.starts, disk.starts)
+    assert list(np.diff(online.starts)) == [40, 60, 25]
     batch, idx = online.select([0, 1, 2])
     assert idx == [0, 1, 2] and batch.manifest is None
     assert np.array_equal(batch.tokens, disk.tokens) and np.array_equal(batch.mask, disk.mask)
     assert np.array_equal(batch.n_prompt, disk.n_prompt)
     for r in range(3):
         assert np.array_equal(batch.label_positions(r)[0], disk.label_positions(r)[0])
-    cos, same, gap = _agreement(disk, batch)
-    assert cos > 0.999 and same > 0.9 and gap < 0.5, (cos, same, gap)
+    cos, same, gap, logp = _agreement(disk, batch)
+    assert cos > 0.999 and same > 0.9 and gap < 0.5 and logp < 0.5, (cos, same, gap, logp)
     counts = online.label_counts(49152, batch_tokens=64)  # batched apart, top-1 alone: the same labels
     assert counts.sum() == sum(len(disk.label_positions(r)[0]) for r in range(3))
     assert np.array_equal(counts, batch.label_counts(49152))
@@ -93,18 +103,53 @@ def test_torch_target_gives_llama_cpps_rows_on_smollm2(tmp_path, smollm2_path):
     records = TokenRecords.join(texts, [np.arange(len(t)) >= 40 for t in texts])
     disk, online = _both(smollm2_path, records, [2, 15, 27], tmp_path, topk=8)
     batch, _ = online.select([0, 1])
-    cos, same, gap = _agreement(disk, batch)
-    assert cos > 0.998 and same >= 0.9 and gap < 0.5, (cos, same, gap)
+    cos, same, gap, logp = _agreement(disk, batch)
+    assert cos > 0.998 and same >= 0.9 and gap < 0.5 and logp < 0.5, (cos, same, gap, logp)
+
+
+def test_torch_target_computes_an_untied_output(tmp_path):
+    """A target with its own output.weight: the torch target's logits come from it, as llama.cpp's."""
+    target = write_tiny_target(tmp_path / "untied.gguf", untied=True)
+    disk, online = _both(target, _records([50], prompt=5), [0, 2, 4], tmp_path)
+    cos, same, gap, logp = _agreement(disk, online.select([0])[0])
+    assert cos > 0.999 and same > 0.9 and gap < 0.5 and logp < 0.5, (cos, same, gap, logp)
+
+
+def _refused(tmp_path, name: str, extra) -> str:
+    path = write_tiny_target(tmp_path / f"{name}.gguf", extra=extra)
+    with pytest.raises(Eagle3Error) as e:
+        TorchTarget.from_gguf(path, [1, 3, 5], CPU)
+    return str(e.value)
 
 
 def test_torch_target_refuses_what_it_does_not_compute(tmp_path, tiny_target, tiny_head):
+    """One line each, before any weight is read: what llama.cpp would apply and this forward would not."""
     with pytest.raises(Eagle3Error, match="this is an EAGLE-3 head, not a target model"):
         TorchTarget.from_gguf(tiny_head, [1, 3, 5], CPU)
+    elsewhere = r"make this target's data with llama\.cpp \(data\.teacher_forced_data\)$"
     qwen3 = write_arch_target(tmp_path / "qwen3.gguf", "qwen3")
-    with pytest.raises(Eagle3Error, match=r"runs llama-architecture GGUFs, not 'qwen3': make the data with llama\.cpp"):
+    with pytest.raises(Eagle3Error, match=r"runs llama-architecture GGUFs, not 'qwen3': " + elsewhere):
         TorchTarget.from_gguf(qwen3, [0, 1, 2], CPU)
-    with pytest.raises(Eagle3Error, match=r"3 layer inputs in 0\.\.5, not \[1, 3, 6\]"):
+    with pytest.raises(Eagle3Error, match=r"3 layer inputs in 0\.\.5, not \[1, 3, 6\]: pick the head's layers"):
         TorchTarget.from_gguf(tiny_target, [1, 3, 6], CPU)
+    bias = np.zeros(64, np.float32)
+    assert re.search(r"no place for blk\.0\.attn_q\.bias \(6 such tensors\): " + elsewhere, _refused(
+        tmp_path, "bias", lambda w: [w.add_tensor(f"blk.{i}.attn_q.bias", bias) for i in range(6)]))
+    assert re.search(r"no place for rope_freqs\.weight", _refused(
+        tmp_path, "freqs", lambda w: w.add_tensor(keys.T_ROPE_FREQS, np.ones(8, np.float32))))
+    for key, value in ((keys.KEY_ROPE_SCALING_FACTOR, 2.0), (keys.KEY_ROPE_SCALE_LINEAR, 4.0),
+                       (keys.KEY_ROPE_SCALING_ATTN_FACTOR, 0.5)):
+        message = _refused(tmp_path, "scaled", lambda w: w.add_float32(keys.arch_key(key, "llama"), value))
+        assert re.search("does not scale RoPE: " + elsewhere, message), (key, message)
+    message = _refused(tmp_path, "yarn", lambda w: w.add_string(keys.arch_key(keys.KEY_ROPE_SCALING_TYPE, "llama"),
+                                                              "yarn"))
+    assert re.search("does not scale RoPE", message)
+    message = _refused(tmp_path, "keylen", lambda w: w.add_uint32(keys.arch_key(keys.KEY_KEY_LENGTH, "llama"), 32))
+    assert re.search("needs heads of n_embd / n_head = 16: " + elsewhere, message)
+    linear = write_tiny_target(tmp_path / "linear1.gguf", extra=lambda w: (
+        w.add_string(keys.arch_key(keys.KEY_ROPE_SCALING_TYPE, "llama"), "linear"),
+        w.add_float32(keys.arch_key(keys.KEY_ROPE_SCALING_FACTOR, "llama"), 1.0)))
+    assert TorchTarget.from_gguf(linear, [1, 3, 5], CPU).info.n_layer == 6  # linear x1: RoPE as it is
 
 
 @pytest.mark.slow
@@ -120,15 +165,29 @@ def test_online_v2_trains_without_llama_cpp(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     blocked = ("import runpy, sys; sys.modules['llama_cpp'] = None; sys.argv = sys.argv[1:]; "
                "runpy.run_path(sys.argv[0], run_name='__main__')")
-    r = subprocess.run([sys.executable, "-c", blocked, str(SCRIPT), *run, "--online"], capture_output=True,
-                       text=True, timeout=300)
+    online = [sys.executable, "-c", blocked, str(SCRIPT), *run, "--online"]
+    r = subprocess.run(online + ["--budget-minutes", "0.01"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 75, r.stderr[-2000:]  # out of time after a step: checkpointed, rerun to go on
+    step = torch.load(tmp_path / "run" / "train" / "ckpt.pt", weights_only=False)["step"]
+    assert 0 < step < 6
+    r = subprocess.run(online, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "llama_cpp" not in r.stdout + r.stderr
     summary = json.loads((tmp_path / "run" / "v2_summary.json").read_text())
-    assert summary["data"] == {"online": "cpu", "records": 12, "tokens": summary["data"]["tokens"]}
+    assert summary["data"] == {"device": "cpu", "records": 12, "tokens": summary["prepare"]["n_tokens"]}
     assert summary["train"]["steps"] == 6 and Path(summary["gguf"]).stat().st_size <= 12_000_000
     r = subprocess.run([sys.executable, "-c", blocked, str(SCRIPT), "--smoke", "--online", "--out",
                         str(tmp_path / "elsewhere")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'elsewhere' / 'sharegpt'}: no prepared conversations, and preparing them needs "
         "llama-cpp-python: run --stage prepare where it is installed and bring that folder"]
+    for extra, flag in ((["--stage", "data"], "--stage data"), (["--max-data-gb", "1"], "--max-data-gb")):
+        r = subprocess.run(online + extra, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+            f"error: {flag}: --online keeps no data on disk; leave out one of them"]
+    r = subprocess.run([sys.executable, "-c", blocked, str(SCRIPT), "--measure-only"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: llama-cpp-python is not installed (pip install -e .): without it only --v2 --online trains"]
+    r = subprocess.run([sys.executable, str(SCRIPT), "--online"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip() == "error: --online trains head v2: add --v2 (or --smoke)"

@@ -224,11 +224,11 @@ def read_head_gguf(path: str | Path) -> HeadWeights:
                         max_position=int(g.get(keys.KEY_CONTEXT_LENGTH, 0)) or 2048,
                         norm_before_fc=info.norm_before_fc, fc_norm=info.fc_norm is not None,
                         norm_output=info.norm_output)
-    state = {param: tensor_f32(g, tensor) for param, tensor in _GGUF_NAMES.items()}
+    state = {param: tensor_f32(g, tensor, "convert the head again") for param, tensor in _GGUF_NAMES.items()}
     state["attn.q_proj.weight"] = _unpermute_rope_rows(state["attn.q_proj.weight"], config.n_head)
     state["attn.k_proj.weight"] = _unpermute_rope_rows(state["attn.k_proj.weight"], config.n_head_kv)
     if config.norm_before_fc:
-        state["input_norm.weight"] = tensor_f32(g, keys.T_ENC_OUTPUT_NORM)
+        state["input_norm.weight"] = tensor_f32(g, keys.T_ENC_OUTPUT_NORM, "convert the head again")
     if config.fc_norm:
         weights = np.asarray(g.metadata[keys.KEY_FC_NORM_WEIGHT], dtype=np.float32).reshape(3, -1)
         state.update({f"fc_norm.{i}.weight": w for i, w in enumerate(weights)})
@@ -238,13 +238,14 @@ def read_head_gguf(path: str | Path) -> HeadWeights:
     return HeadWeights(config, DraftVocab(ids.astype(np.int64), info.n_vocab, float("nan")), state)
 
 
-def tensor_f32(g, name: str) -> np.ndarray:
-    """A tensor of the head GGUF as float32 in PyTorch order.  # [rows, row length]"""
+def tensor_f32(g, name: str, fix: str) -> np.ndarray:
+    """A tensor of a GGUF (a head's; a target's for train.torch_target) as float32 in PyTorch order; `fix` says
+    what to do where it is missing.  # [rows, row length]"""
     from gguf.quants import dequantize
 
     t = g.raw.tensor(name)
     if t is None:
-        raise Eagle3Error(f"{g.path.name}: no {name} tensor")
+        raise Eagle3Error(f"{g.path.name}: no {name} tensor: {fix}")
     w = np.asarray(dequantize(read_tensor_data(g.path, t), t.ggml_type), dtype=np.float32)
     return w.reshape(*reversed([int(n) for n in t.shape])).copy()  # writable: torch.from_numpy shares it
 

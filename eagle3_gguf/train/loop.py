@@ -348,7 +348,6 @@ def train_head(data: Dataset | OnlineData, vocab: DraftVocab, head_config: HeadC
                 continue
             if step >= total:
                 break
-            b = collate(data, recs, t2d, cfg.n_unroll, device, cfg.soft_labels)
             elapsed = time.perf_counter() - t_start
             frac = step / total
             if cfg.max_minutes is not None:
@@ -359,6 +358,7 @@ def train_head(data: Dataset | OnlineData, vocab: DraftVocab, head_config: HeadC
             if cfg.pause_after_s is not None and elapsed >= cfg.pause_after_s:
                 result.paused = True
                 break
+            b = collate(data, recs, t2d, cfg.n_unroll, device, cfg.soft_labels)  # online: the target's forward
             lr = lr_at(frac, step, total, cfg)
             for grp in opt.param_groups:
                 grp["lr"] = lr

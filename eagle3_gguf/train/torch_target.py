@@ -27,6 +27,7 @@ from ..errors import Eagle3Error
 from ..gguf_file import GGUFFile, TargetInfo, read_gguf
 from .data import Dataset, TokenRecords
 from .export import tensor_f32
+from .loop import make_batches
 
 LOGIT_ROWS = 4096  # rows of the lm_head at a time: [4096, n_vocab] float32 is 0.8 GB at SmolLM2's vocab
 
@@ -51,6 +52,21 @@ class TeacherRows:
     topk_logp: torch.Tensor  # [B, T, k] float32: their log-probabilities over the full vocab
 
 
+# the tensors of a plain llama GGUF: anything else (biases, experts, fused qkv, RoPE factors) is refused
+_BLOCK = {"attn_norm": keys.T_ATTN_NORM, "wq": keys.T_ATTN_Q, "wk": keys.T_ATTN_K, "wv": keys.T_ATTN_V,
+          "wo": keys.T_ATTN_OUT, "ffn_norm": keys.T_FFN_NORM, "gate": keys.T_FFN_GATE, "up": keys.T_FFN_UP,
+          "down": keys.T_FFN_DOWN}
+_GLOBAL = (keys.T_TOKEN_EMBD, keys.T_OUTPUT_NORM, keys.T_OUTPUT)
+ELSEWHERE = "make this target's data with llama.cpp (data.teacher_forced_data)"
+
+
+@dataclass
+class TeacherBatch:
+    rows: TeacherRows  # [B, T, ...]: every padded position
+    real: torch.Tensor  # [B, T] bool: a record's token, not padding
+    answer: torch.Tensor  # [B, T] bool: an answer token (predicting it trains the head)
+
+
 class TorchTarget:
     """A llama-architecture target in torch (float32), for teacher forcing (module doc)."""
 
@@ -61,35 +77,42 @@ class TorchTarget:
         self.eps = float(info.rms_eps)
 
         def w(name: str) -> torch.Tensor:
-            return torch.from_numpy(tensor_f32(g, name)).to(device)
+            return torch.from_numpy(tensor_f32(g, name, "convert the target again")).to(device)
 
         self.embd = w(keys.T_TOKEN_EMBD)  # [n_vocab, n_embd]
         self.output = w(keys.T_OUTPUT) if g.tensor(keys.T_OUTPUT) is not None else self.embd  # tied where absent
         self.output_norm = w(keys.T_OUTPUT_NORM)
-        names = (keys.T_ATTN_NORM, keys.T_ATTN_Q, keys.T_ATTN_K, keys.T_ATTN_V, keys.T_ATTN_OUT, keys.T_FFN_NORM,
-                 keys.T_FFN_GATE, keys.T_FFN_UP, keys.T_FFN_DOWN)
-        self.blocks = [_Layer(*(w(keys.blk(t, i)) for t in names)) for i in range(info.n_layer)]  # the logits need all
+        self.blocks = [_Layer(**{field: w(keys.blk(name, i)) for field, name in _BLOCK.items()})
+                       for i in range(info.n_layer)]  # every layer: the soft labels need the logits
         half = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device) / self.head_dim
         self.inv_freq = (float(info.rope_theta) ** -half).float()  # [head_dim / 2]
 
     @classmethod
     def from_gguf(cls, path: str | Path, layers: list[int], device: torch.device) -> "TorchTarget":
-        """The target of a GGUF, checked to be one this forward computes as llama.cpp does."""
+        """The target of a GGUF, checked to be one this forward computes as llama.cpp does (one Eagle3Error
+        line otherwise, before any weight is read)."""
         g = read_gguf(path)
         info = TargetInfo.from_gguf(g)
         name = g.path.name
         if g.arch != keys.ARCH_LLAMA:
-            raise Eagle3Error(f"{name}: the torch target runs llama-architecture GGUFs, not '{g.arch}': make the "
-                              "data with llama.cpp instead (leave out --online)")
-        scaling = g.get(keys.KEY_ROPE_SCALING_TYPE)
-        if g.tensor(keys.T_ROPE_FREQS) is not None or scaling not in (None, "none"):
-            raise Eagle3Error(f"{name}: scaled RoPE is not in the torch target: leave out --online")
+            raise Eagle3Error(f"{name}: the torch target runs llama-architecture GGUFs, not '{g.arch}': {ELSEWHERE}")
+        known = set(_GLOBAL) | {keys.blk(t, i) for t in _BLOCK.values() for i in range(info.n_layer)}
+        other = [t.name for t in g.tensors if t.name not in known]
+        if other:
+            raise Eagle3Error(f"{name}: the torch target has no place for {other[0]} ({len(other)} such tensors): "
+                              f"{ELSEWHERE}")
+        factor = g.get(keys.KEY_ROPE_SCALING_FACTOR, g.get(keys.KEY_ROPE_SCALE_LINEAR))
+        if (g.get(keys.KEY_ROPE_SCALING_TYPE) not in (None, "none", "linear") or factor not in (None, 0.0, 1.0)
+                or g.get(keys.KEY_ROPE_SCALING_ATTN_FACTOR) not in (None, 1.0)):
+            raise Eagle3Error(f"{name}: the torch target does not scale RoPE: {ELSEWHERE}")
         if not isinstance(info.n_head, int) or not isinstance(info.n_head_kv, int):
-            raise Eagle3Error(f"{name}: per-layer head counts are not in the torch target: leave out --online")
-        bad = [lid for lid in layers if not 0 <= lid < info.n_layer]
-        if bad or len(layers) != keys.N_TARGET_LAYERS:
+            raise Eagle3Error(f"{name}: the torch target needs one head count for all layers: {ELSEWHERE}")
+        head_dim = info.n_embd // info.n_head
+        if any(g.get(k, head_dim) != head_dim for k in (keys.KEY_KEY_LENGTH, keys.KEY_VALUE_LENGTH)):
+            raise Eagle3Error(f"{name}: the torch target needs heads of n_embd / n_head = {head_dim}: {ELSEWHERE}")
+        if len(layers) != keys.N_TARGET_LAYERS or not all(0 <= lid < info.n_layer for lid in layers):
             raise Eagle3Error(f"{name}: the torch target extracts 3 layer inputs in 0..{info.n_layer - 1}, "
-                              f"not {list(layers)}")
+                              f"not {list(layers)}: pick the head's layers of this target")
         return cls(info, g, layers, device)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -168,39 +191,37 @@ class OnlineData:
         """The first n records, on the same target."""
         return OnlineData(self.target, self.records.head(n), self.topk)
 
-    def _teacher(self, records: list[int], k: int) -> tuple[TeacherRows, torch.Tensor, torch.Tensor]:
-        """One forward of the target over the records, right-padded; which rows are real, and which are answers.
-        # rows: [B, T, ...]; real, answer: [B, T] bool, on the target's device"""
+    def _teacher(self, records: list[int], k: int) -> TeacherBatch:
+        """One forward of the target over the records, right-padded."""
         parts = [self.records.record(r) for r in records]
         T = max(len(t) for t, _ in parts)
-        tokens = np.zeros((len(parts), T), np.int64)
-        real = np.zeros((len(parts), T), bool)
-        answer = np.zeros((len(parts), T), bool)
+        tokens = np.zeros((len(parts), T), np.int64)  # [B, T]
+        real = np.zeros((len(parts), T), bool)  # [B, T]
+        answer = np.zeros((len(parts), T), bool)  # [B, T]
         for b, (t, m) in enumerate(parts):
             tokens[b, :len(t)], real[b, :len(t)], answer[b, :len(t)] = t, True, m
         dev = self.target.device
-        return (self.target.forward(torch.from_numpy(tokens).to(dev), k), torch.from_numpy(real).to(dev),
-                torch.from_numpy(answer).to(dev))
+        return TeacherBatch(self.target.forward(torch.from_numpy(tokens).to(dev), k), torch.from_numpy(real).to(dev),
+                            torch.from_numpy(answer).to(dev))
 
     def select(self, records: list[int]) -> tuple[Dataset, list[int]]:
         """These records as a Dataset (their features and top-k from one forward of the target), and their
         indices in it."""
-        rows, real, _ = self._teacher(records, self.topk)
+        tb = self._teacher(records, self.topk)
         parts = [self.records.record(r) for r in records]
-        data = Dataset(np.concatenate([t for t, _ in parts]), rows.feats[real].cpu().numpy(),
-                       np.cumsum([0] + [len(t) for t, _ in parts]).astype(np.int64),
-                       np.array([int(np.argmax(m)) for _, m in parts], np.int32), None,
-                       np.concatenate([m for _, m in parts]), rows.topk_ids[real].int().cpu().numpy(),
-                       rows.topk_logp[real].cpu().numpy())
+        data = Dataset(tokens=np.concatenate([t for t, _ in parts]), feats=tb.rows.feats[tb.real].cpu().numpy(),
+                       starts=np.cumsum([0] + [len(t) for t, _ in parts]).astype(np.int64),
+                       n_prompt=np.array([int(np.argmax(m)) for _, m in parts], np.int32), manifest=None,
+                       mask=np.concatenate([m for _, m in parts]),
+                       topk_ids=tb.rows.topk_ids[tb.real].int().cpu().numpy(),
+                       topk_logp=tb.rows.topk_logp[tb.real].cpu().numpy())
         return data, list(range(len(parts)))
 
     def label_counts(self, n_vocab: int, batch_tokens: int = 16384) -> np.ndarray:
         """How often each target token is the target's choice at an answer position (its top-1 after the token
         before): a forward per batch, nothing copied back but the counts.  # [n_vocab] int64"""
-        from .loop import make_batches  # the loop reads this module's data; it is not needed to load it
-
         counts = torch.zeros(n_vocab, dtype=torch.int64, device=self.target.device)
         for group in make_batches(self, list(range(self.n_records)), batch_tokens, None):
-            rows, _, answer = self._teacher(group, 1)
-            counts += torch.bincount(rows.topk_ids[:, :-1, 0][answer[:, 1:]], minlength=n_vocab)
+            tb = self._teacher(group, 1)
+            counts += torch.bincount(tb.rows.topk_ids[:, :-1, 0][tb.answer[:, 1:]], minlength=n_vocab)
         return counts.cpu().numpy()
