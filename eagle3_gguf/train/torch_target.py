@@ -10,11 +10,14 @@ tests/test_torch_target.py.
 
 `OnlineData` is the teacher-forced data set computed as training reads it: the records' tokens and answer masks
 (sharegpt.prepare's), their features and soft labels from the TorchTarget, batch by batch (`select`). The training
-loop reads it as it reads a `data.Dataset` on disk.
+loop reads it as it reads a `data.Dataset` on disk. Self-distillation needs answers first: `TorchTarget.generate`
+answers a batch of prompts greedily (KV cache; each answer equals the full forward's argmax at every step), and
+`self_distilled` answers the conversations' first turns (`first_turns`) batch by batch, resumably.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +64,12 @@ ELSEWHERE = "make this target's data with llama.cpp (data.teacher_forced_data)"
 
 
 @dataclass
+class KV:
+    k: torch.Tensor  # [B, n_head_kv, columns, head_dim]
+    v: torch.Tensor  # [B, n_head_kv, columns, head_dim]
+
+
+@dataclass
 class TeacherBatch:
     rows: TeacherRows  # [B, T, ...]: every padded position
     real: torch.Tensor  # [B, T] bool: a record's token, not padding
@@ -84,6 +93,12 @@ class TorchTarget:
         self.output_norm = w(keys.T_OUTPUT_NORM)
         self.blocks = [_Layer(**{field: w(keys.blk(name, i)) for field, name in _BLOCK.items()})
                        for i in range(info.n_layer)]  # every layer: the soft labels need the logits
+        texts = [bytes(t).decode(errors="replace") for t in g.metadata.get(keys.KEY_TOKENIZER_TOKENS) or []]
+        ids = [g.metadata.get(k) for k in (keys.KEY_TOKENIZER_EOS_ID, keys.KEY_TOKENIZER_EOT_ID,
+                                             keys.KEY_TOKENIZER_EOM_ID)]
+        # where a generation ends: llama.cpp's end-of-generation tokens
+        self.stop = frozenset([int(i) for i in ids if i is not None] +
+                              [i for i, t in enumerate(texts) if t in keys.EOG_TOKEN_TEXTS])
         half = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device) / self.head_dim
         self.inv_freq = (float(info.rope_theta) ** -half).float()  # [head_dim / 2]
 
@@ -123,29 +138,41 @@ class TorchTarget:
         x0, x1 = x[..., 0::2], x[..., 1::2]
         return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).flatten(-2)
 
+    def _blocks(self, x: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, cache: list[KV] | None = None,
+                at: int = 0, feats: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """The layers over x [B, q, n_embd] at positions pos [B, q]; mask [B, 1, q, keys] bool (None: causal over
+        x alone); with a cache, its columns at..at + q take this call's keys and values and the queries see
+        columns 0..at + q. feats collects the requested layers' inputs."""
+        B, q, _ = x.shape
+        hd = self.head_dim
+        ang = pos.float()[..., None] * self.inv_freq  # [B, q, hd / 2]
+        cos, sin = torch.cos(ang)[:, :, None], torch.sin(ang)[:, :, None]  # [B, q, 1, hd / 2]
+        for il, L in enumerate(self.blocks):
+            if feats is not None and il in self.layers:
+                feats[il] = x
+            h = self._rms(x, L.attn_norm)
+            qh = self._rope((h @ L.wq.T).view(B, q, self.n_head, hd), cos, sin).transpose(1, 2)
+            kh = self._rope((h @ L.wk.T).view(B, q, self.n_head_kv, hd), cos, sin).transpose(1, 2)
+            vh = (h @ L.wv.T).view(B, q, self.n_head_kv, hd).transpose(1, 2)
+            if cache is not None:
+                cache[il].k[:, :, at:at + q], cache[il].v[:, :, at:at + q] = kh, vh
+                kh, vh = cache[il].k[:, :, :at + q], cache[il].v[:, :, :at + q]
+            if self.n_head != self.n_head_kv:  # head j reads kv head j // (n_head / n_head_kv), as ggml broadcasts
+                kh = kh.repeat_interleave(self.n_head // self.n_head_kv, dim=1)
+                vh = vh.repeat_interleave(self.n_head // self.n_head_kv, dim=1)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None)  # [B, heads, q, hd]
+            x = x + o.transpose(1, 2).reshape(B, q, -1) @ L.wo.T
+            h = self._rms(x, L.ffn_norm)
+            x = x + (F.silu(h @ L.gate.T) * (h @ L.up.T)) @ L.down.T
+        return x
+
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, k: int) -> TeacherRows:
         """Every position of right-padded records (causal: padding changes no earlier row).  # tokens: [B, T]"""
         B, T = tokens.shape
-        hd = self.head_dim
-        ang = torch.arange(T, device=self.device, dtype=torch.float32)[:, None] * self.inv_freq  # [T, hd / 2]
-        cos, sin = torch.cos(ang)[None, :, None], torch.sin(ang)[None, :, None]  # [1, T, 1, hd / 2]
-        x = self.embd[tokens]  # [B, T, n_embd]
-        feats = {}
-        for il, L in enumerate(self.blocks):
-            if il in self.layers:
-                feats[il] = x
-            h = self._rms(x, L.attn_norm)
-            q = self._rope((h @ L.wq.T).view(B, T, self.n_head, hd), cos, sin).transpose(1, 2)
-            kk = self._rope((h @ L.wk.T).view(B, T, self.n_head_kv, hd), cos, sin).transpose(1, 2)
-            v = (h @ L.wv.T).view(B, T, self.n_head_kv, hd).transpose(1, 2)
-            if self.n_head != self.n_head_kv:
-                kk = kk.repeat_interleave(self.n_head // self.n_head_kv, dim=1)
-                v = v.repeat_interleave(self.n_head // self.n_head_kv, dim=1)
-            o = F.scaled_dot_product_attention(q, kk, v, is_causal=True)  # [B, n_head, T, hd]
-            x = x + o.transpose(1, 2).reshape(B, T, -1) @ L.wo.T
-            h = self._rms(x, L.ffn_norm)
-            x = x + (F.silu(h @ L.gate.T) * (h @ L.up.T)) @ L.down.T
+        feats: dict[int, torch.Tensor] = {}
+        pos = torch.arange(T, device=self.device).expand(B, T)
+        x = self._blocks(self.embd[tokens], pos, None, feats=feats)  # [B, T, n_embd]
         x = self._rms(x, self.output_norm).reshape(B * T, -1)
         ids, logp = [], []
         for a in range(0, B * T, LOGIT_ROWS):
@@ -156,6 +183,44 @@ class TorchTarget:
         return TeacherRows(torch.cat([feats[lid] for lid in self.layers], -1), torch.cat(ids).view(B, T, k),
                            torch.cat(logp).view(B, T, k))
 
+
+    @torch.no_grad()
+    def generate(self, prompts: list[np.ndarray], max_new: int) -> list[np.ndarray]:
+        """Greedy answers to a batch of prompts, each up to max_new tokens and ending with the first stop token
+        it emits (kept); left-padded prompts, a KV cache.  # prompts: B x [n_i] -> B x [<= max_new] int32"""
+        stop = self.stop
+        B, P = len(prompts), max(len(p) for p in prompts)
+        dev, total = self.device, P + max_new
+        pad = torch.tensor([P - len(p) for p in prompts], device=dev)  # [B]
+        tokens = torch.zeros((B, P), dtype=torch.int64, device=dev)
+        for b, p in enumerate(prompts):
+            tokens[b, P - len(p):] = torch.from_numpy(np.asarray(p, np.int64))
+        cols = torch.arange(total, device=dev)
+        real = cols[None] >= pad[:, None]  # [B, total]: key columns holding a token (not padding)
+        causal = torch.ones((P, P), dtype=torch.bool, device=dev).tril()
+        # a padding row attends to itself alone: finite, and no real row ever attends to it
+        mask = (real[:, None, None, :P] & causal) | torch.eye(P, dtype=torch.bool, device=dev)  # [B, 1, P, P]
+        cache = [KV(torch.zeros((B, self.n_head_kv, total, self.head_dim), device=dev),
+                    torch.zeros((B, self.n_head_kv, total, self.head_dim), device=dev)) for _ in self.blocks]
+        pos = (cols[None, :P] - pad[:, None]).clamp(min=0)  # [B, P]
+        x = self._blocks(self.embd[tokens], pos, mask, cache, 0)
+        stop_ids = torch.tensor(sorted(stop), dtype=torch.int64, device=dev)
+        out = torch.zeros((B, max_new), dtype=torch.int64, device=dev)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        n = 0
+        while n < max_new and not bool(done.all()):
+            nxt = (self._rms(x[:, -1], self.output_norm) @ self.output.T).argmax(-1)  # [B]
+            out[:, n] = nxt
+            n += 1
+            done |= torch.isin(nxt, stop_ids)
+            if n < max_new:
+                x = self._blocks(self.embd[nxt][:, None], (P + n - 1 - pad)[:, None],
+                                 real[:, None, None, :P + n], cache, P + n - 1)
+        answers = []
+        for row in out[:, :n].cpu().numpy():
+            ends = np.flatnonzero(np.isin(row, list(stop)))
+            answers.append(row[:ends[0] + 1 if len(ends) else n].astype(np.int32))
+        return answers
 
 @dataclass
 class OnlineData:
@@ -225,3 +290,45 @@ class OnlineData:
             tb = self._teacher(group, 1)
             counts += torch.bincount(tb.rows.topk_ids[:, :-1, 0][tb.answer[:, 1:]], minlength=n_vocab)
         return counts.cpu().numpy()
+
+
+def first_turns(records: TokenRecords, max_len: int) -> list[np.ndarray]:
+    """Each conversation's opening as the target is asked it (its tokens before the first answer token: the
+    chat template's first user turn and assistant header), where it is at most max_len tokens."""
+    out = []
+    for i in range(records.n_records):
+        t, m = records.record(i)
+        n = int(np.argmax(m)) if m.any() else 0
+        if 0 < n <= max_len:
+            out.append(t[:n])
+    return out
+
+
+def self_distilled(target: TorchTarget, prompts: list[np.ndarray], path: Path, max_new: int, batch_rows: int,
+                   max_seconds: float | None = None) -> tuple[TokenRecords, bool]:
+    """The target's greedy answers to the prompts (shortest first, batch_rows at a time), kept in `path` after
+    every batch (a rerun goes on after the answers there): the records (prompt + answer, the answer masked) and
+    whether every prompt has its answer."""
+    t0 = time.perf_counter()
+    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
+    tokens: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    if path.is_file():
+        with np.load(path) as z:
+            done = TokenRecords(z["tokens"], z["starts"], z["mask"])
+        for i in range(done.n_records):
+            t, m = done.record(i)
+            tokens.append(t)
+            masks.append(m)
+    while len(tokens) < len(order):
+        if max_seconds is not None and time.perf_counter() - t0 >= max_seconds:
+            break
+        batch = [prompts[i] for i in order[len(tokens):len(tokens) + batch_rows]]
+        for p, a in zip(batch, target.generate(batch, max_new)):
+            tokens.append(np.concatenate([p, a]).astype(np.int32))
+            masks.append(np.arange(len(p) + len(a)) >= len(p))
+        records = TokenRecords.join(tokens, masks)
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, tokens=records.tokens, starts=records.starts, mask=records.mask)
+        tmp.replace(path)
+    return TokenRecords.join(tokens, masks), len(tokens) == len(order)
