@@ -436,6 +436,7 @@ def v2(args) -> int:
             if args.self_distill:  # the target's own answers to the conversations' first turns
                 prompts = first_turns(train_set, size.max_tokens - size.max_new)
                 records, done = self_distilled(teacher, prompts, out / "self.npz", size.max_new, 512 if gpu else 16,
+                                               size.batch_tokens_gpu * 4 if gpu else size.batch_tokens_cpu,
                                                max(1.0, t_end - time.monotonic() - 60))
                 log(f"self-distillation: {records.n_records}/{len(prompts)} answers, "
                     f"{int(records.mask.sum())} answer tokens")

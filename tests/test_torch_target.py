@@ -136,22 +136,26 @@ def test_generate_answers_greedily_with_its_cache(tmp_path, tiny_target):
 
 def test_self_distilled_answers_first_turns_resumably(tmp_path, tiny_target):
     """first_turns takes each conversation's tokens before its first answer; self_distilled answers them
-    shortest first, keeps every batch on disk, and a call out of time goes on where the last one stopped."""
-    records = _records([30, 20, 40, 25], prompt=10)
-    records.mask[records.starts[1]:records.starts[1] + 14] = False  # its answer starts at 14
+    shortest first (the same answers whatever the batches), keeps every batch on disk, and a call out of time
+    goes on where the last one stopped."""
+    records = _records([30, 20, 40, 25], prompt=0)
+    for r, start in enumerate((10, 14, 6, 8)):  # where each conversation's first answer starts
+        records.mask[records.starts[r]:records.starts[r] + start] = False
     prompts = first_turns(records, max_len=12)
-    assert [len(p) for p in prompts] == [10, 10, 10]  # the second opens with 14 tokens: over max_len
+    assert [len(p) for p in prompts] == [10, 6, 8]  # the second opens with 14 tokens: over max_len
     target = TorchTarget.from_gguf(tiny_target, [1, 3, 5], CPU)
     path = tmp_path / "self.npz"
-    none, done = self_distilled(target, prompts, path, 6, batch_rows=2, max_seconds=0.0)
+    none, done = self_distilled(target, prompts, path, 6, batch_rows=2, batch_tokens=64, max_seconds=0.0)
     assert none.n_records == 0 and not done and not path.exists()
-    first, done = self_distilled(target, prompts, path, 6, batch_rows=2)
+    first, done = self_distilled(target, prompts, path, 6, batch_rows=2, batch_tokens=20)  # one prompt a batch
     assert done and first.n_records == 3 and path.is_file()
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(sorted(prompts, key=len)):
         t, m = first.record(i)
-        assert np.array_equal(t[:10], p) and not m[:10].any() and m[10:].all() and len(t) == 16
-        assert np.array_equal(t[10:], target.generate([p], 6)[0])
-    again, done = self_distilled(target, prompts, path, 6, batch_rows=2, max_seconds=0.0)  # nothing left to do
+        assert np.array_equal(t[:len(p)], p) and not m[:len(p)].any() and m[len(p):].all() and len(t) == len(p) + 6
+        assert np.array_equal(t[len(p):], target.generate([p], 6)[0])
+    two, _ = self_distilled(target, prompts, tmp_path / "two.npz", 6, batch_rows=2, batch_tokens=64)
+    assert np.array_equal(two.tokens, first.tokens)  # two prompts a batch, left-padded: the same answers
+    again, done = self_distilled(target, prompts, path, 6, 2, 64, max_seconds=0.0)  # nothing left to do
     assert done and np.array_equal(again.tokens, first.tokens) and np.array_equal(again.mask, first.mask)
 
 

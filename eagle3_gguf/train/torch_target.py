@@ -305,10 +305,10 @@ def first_turns(records: TokenRecords, max_len: int) -> list[np.ndarray]:
 
 
 def self_distilled(target: TorchTarget, prompts: list[np.ndarray], path: Path, max_new: int, batch_rows: int,
-                   max_seconds: float | None = None) -> tuple[TokenRecords, bool]:
-    """The target's greedy answers to the prompts (shortest first, batch_rows at a time), kept in `path` after
-    every batch (a rerun goes on after the answers there): the records (prompt + answer, the answer masked) and
-    whether every prompt has its answer."""
+                   batch_tokens: int, max_seconds: float | None = None) -> tuple[TokenRecords, bool]:
+    """The target's greedy answers to the prompts (shortest first, at most batch_rows a batch and batch_tokens
+    of prompt and answer columns), kept in `path` after every batch (a rerun goes on after the answers there):
+    the records (prompt + answer, the answer masked) and whether every prompt has its answer."""
     t0 = time.perf_counter()
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
     tokens: list[np.ndarray] = []
@@ -323,10 +323,14 @@ def self_distilled(target: TorchTarget, prompts: list[np.ndarray], path: Path, m
     while len(tokens) < len(order):
         if max_seconds is not None and time.perf_counter() - t0 >= max_seconds:
             break
-        batch = [prompts[i] for i in order[len(tokens):len(tokens) + batch_rows]]
-        for p, a in zip(batch, target.generate(batch, max_new)):
-            tokens.append(np.concatenate([p, a]).astype(np.int32))
-            masks.append(np.arange(len(p) + len(a)) >= len(p))
+        a = b = len(tokens)
+        while b < len(order) and b - a < batch_rows and (b - a + 1) * (len(prompts[order[b]]) + max_new) <= max(
+                batch_tokens, len(prompts[order[a]]) + max_new):  # a batch holds one prompt at least
+            b += 1
+        batch = [prompts[i] for i in order[a:b]]
+        for p, answer in zip(batch, target.generate(batch, max_new)):
+            tokens.append(np.concatenate([p, answer]).astype(np.int32))
+            masks.append(np.arange(len(p) + len(answer)) >= len(p))
         records = TokenRecords.join(tokens, masks)
         tmp = path.with_suffix(".tmp.npz")
         np.savez(tmp, tokens=records.tokens, starts=records.starts, mask=records.mask)
