@@ -59,10 +59,15 @@ KEY_CHAT_TEMPLATE = "tokenizer.chat_template"
 KEY_TOKENIZER_EOS_ID = "tokenizer.ggml.eos_token_id"
 KEY_TOKENIZER_EOT_ID = "tokenizer.ggml.eot_token_id"
 KEY_TOKENIZER_EOM_ID = "tokenizer.ggml.eom_token_id"
-# token texts llama.cpp also ends a generation at (llama_vocab::impl::load's end-of-generation set, the ones a
-# llama-architecture chat model carries)
-EOG_TOKEN_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
-                             "<|end_of_text|>", "<eos>"})
+# token texts llama.cpp also ends a generation at, by name (llama_vocab::impl::load: its end-of-generation list,
+# and the fill-in-the-middle pad / repo / file-separator tokens it adds to that set)
+EOG_TOKEN_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+    "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]",
+    "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>",
+})
 
 
 def arch_key(template: str, arch: str) -> str:

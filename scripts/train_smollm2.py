@@ -35,7 +35,8 @@ the better heads per CPU-hour: the model card's regimes). That is the route on a
      this package (`pip install --no-index --no-deps --no-build-isolation --target /tmp/site WHEEL .`), runs
      `PYTHONPATH=/tmp/site python scripts/train_smollm2.py --v2 --online [--self] --target SMOLLM2.gguf
      --budget-minutes N` (N: the minutes left; training takes what the answers and the vocab pass leave of them, less
-     1.5 for the head file) and copies the head file to $OUT.
+     1.5 for the head file) and copies the head file to $OUT. With --self the answers may take a call of their
+     own (exit 75 with the answers kept): rerun the command while the machine is warm.
 
 It builds upstream's tools first where they are missing (scripts/build_upstream.py: llama-quantize
 makes the Q4_0 data model; the benchmark runs upstream beside ours). The run lands in runs/smollm2/
@@ -314,6 +315,8 @@ MORE = 75  # exit code: work is left, rerun the same command
 TOPK = 8  # soft labels: the target's top-8 next tokens
 ONLINE_VOCAB_RECORDS = 4000  # --online: conversations whose target choices pick the draft vocab (~4M tokens)
 ONLINE_WRITE_MINUTES = 1.5  # --online: the budget left after training, for the last evaluation and the head file
+ONLINE_MIN_TRAIN_MINUTES = 3.0  # --online: less of a call left than this for training, and the call ends (exit 75)
+ANSWER_ROWS = 512  # --self: prompts answered at once at most (the token budget binds first on chat prompts)
 
 
 @dataclass
@@ -328,12 +331,16 @@ class V2Size:
     lr: float
     batch_tokens_cpu: int
     batch_tokens_gpu: int
+    answer_tokens_cpu: int  # --self: prompt and answer columns answered at once
+    answer_tokens_gpu: int
 
 
 V2_FULL = V2Size(conversations=20000, max_tokens=2048, max_new=256, draft_vocab=8192, epochs=2.0, max_steps=None,
-                 unroll=UNROLL, lr=1e-3, batch_tokens_cpu=BATCH_TOKENS, batch_tokens_gpu=16384)
+                 unroll=UNROLL, lr=1e-3, batch_tokens_cpu=BATCH_TOKENS, batch_tokens_gpu=16384,
+                 answer_tokens_cpu=BATCH_TOKENS, answer_tokens_gpu=65536)
 V2_SMOKE = V2Size(conversations=12, max_tokens=256, max_new=16, draft_vocab=DRAFT_VOCAB, epochs=1.0, max_steps=6,
-                  unroll=UNROLL, lr=1e-3, batch_tokens_cpu=BATCH_TOKENS, batch_tokens_gpu=BATCH_TOKENS)
+                  unroll=UNROLL, lr=1e-3, batch_tokens_cpu=BATCH_TOKENS, batch_tokens_gpu=BATCH_TOKENS,
+                  answer_tokens_cpu=BATCH_TOKENS, answer_tokens_gpu=BATCH_TOKENS)
 
 
 @dataclass
@@ -409,7 +416,7 @@ def v2(args) -> int:
     from eagle3_gguf.errors import Eagle3Error
     from eagle3_gguf.train.data import load_dataset
     from eagle3_gguf.train.export import convert_to_gguf, export_checkpoint, read_target, read_token_embeddings
-    from eagle3_gguf.train.loop import TrainConfig, pick_device, train_head
+    from eagle3_gguf.train.loop import CKPT, TrainConfig, pick_device, train_head
     from eagle3_gguf.train.model import HeadConfig
     from eagle3_gguf.train.torch_target import OnlineData, TorchTarget, first_turns, self_distilled
     from eagle3_gguf.train.vocab import cached_draft_vocab
@@ -435,9 +442,10 @@ def v2(args) -> int:
             records = train_set
             if args.self_distill:  # the target's own answers to the conversations' first turns
                 prompts = first_turns(train_set, size.max_tokens - size.max_new)
-                records, done = self_distilled(teacher, prompts, out / "self.npz", size.max_new, 512 if gpu else 16,
-                                               size.batch_tokens_gpu * 4 if gpu else size.batch_tokens_cpu,
-                                               max(1.0, t_end - time.monotonic() - 60))
+                records, done = self_distilled(
+                    teacher, prompts, out / "self.npz", size.max_new, batch_rows=ANSWER_ROWS,
+                    batch_tokens=size.answer_tokens_gpu if gpu else size.answer_tokens_cpu,
+                    max_seconds=max(1.0, t_end - time.monotonic() - 60))
                 log(f"self-distillation: {records.n_records}/{len(prompts)} answers, "
                     f"{int(records.mask.sum())} answer tokens")
                 if not done:
@@ -462,16 +470,22 @@ def v2(args) -> int:
                                    out / f"vocab{'-self' if args.self_distill else ''}-{n_vocab}.npz")
         log(f"draft vocab {vocab.size}: covers {vocab.coverage:.1%} of the target's choices")
         head_cfg = HeadConfig.for_target(tgt, vocab.size, N_FF, eagle31=args.eagle31)
+        suffix = (f"-{args.tag}" if args.tag else "") + ("-self" if args.self_distill else "")
         train_minutes = args.train_minutes
         if train_minutes is None and args.online:  # a lent machine's call: the schedule ends with its budget
-            train_minutes = max(0.5, (t_end - time.monotonic()) / 60 - ONLINE_WRITE_MINUTES)
+            left = (t_end - time.monotonic()) / 60 - ONLINE_WRITE_MINUTES
+            if left < ONLINE_MIN_TRAIN_MINUTES:
+                log(f"{left:.1f} minutes of this call left to train: rerun to train in the next")
+                return MORE
+            ckpt = out / f"train{suffix}" / CKPT
+            trained = torch.load(ckpt, weights_only=False)["seconds"] / 60 if ckpt.is_file() else 0.0
+            train_minutes = trained + left  # the schedule counts the minutes trained before (TrainConfig)
         tcfg = TrainConfig(n_unroll=args.unroll or size.unroll, epochs=size.epochs, max_steps=size.max_steps,
                            lr=args.lr or size.lr, batch_tokens=size.batch_tokens_gpu if gpu else size.batch_tokens_cpu,
                            n_threads=None if gpu else TORCH_THREADS, bf16=True, ckpt_every=25,
                            soft_labels=not args.hard_labels, pause_after_s=max(1.0, t_end - time.monotonic() - 60),
                            max_minutes=train_minutes)
         embed = torch.from_numpy(read_token_embeddings(tgt))  # [n_vocab, n_embd]
-        suffix = (f"-{args.tag}" if args.tag else "") + ("-self" if args.self_distill else "")
         head, res = train_head(data, vocab, head_cfg, embed, out / f"train{suffix}", tcfg, resume=True,
                                progress=lambda r: on_event("train", r))
         log(f"training: {res.steps} steps, {res.seconds:.0f} s on {res.device}")
@@ -528,9 +542,10 @@ def main() -> int | None:
     s3.add_argument("--data-minutes", type=float, default=55.0, help="stage 3: data making (half ShareGPT, half ours)")
     args = ap.parse_args()
     v2_online = args.online and (args.v2 or args.smoke)
-    if args.online and not v2_online:
-        print("error: --online trains head v2: add --v2 (or --smoke)", file=sys.stderr)
-        return 2
+    for flag, given in (("--online", args.online), ("--self", args.self_distill)):
+        if given and not (args.v2 or args.smoke):
+            print(f"error: {flag} trains head v2: add --v2 (or --smoke)", file=sys.stderr)
+            return 2
     try:
         from eagle3_gguf.native import install_log_callback
     except ImportError:

@@ -126,18 +126,23 @@ def test_generate_answers_greedily_with_its_cache(tmp_path, tiny_target):
     for p, a in zip(prompts, answers):
         rows = target.forward(torch.from_numpy(np.concatenate([p, a]).astype(np.int64))[None], 1)
         assert np.array_equal(rows.topk_ids[0, len(p) - 1:-1, 0].numpy(), a)
-    target.stop = frozenset({int(answers[0][3]), int(answers[2][7])})
-    again = target.generate(prompts, 12)
+    stop = frozenset({int(answers[0][3]), int(answers[2][7])})
+    again = target.generate(prompts, 12, stop)
     assert len(again[0]) <= 4 and any(len(a) < 12 for a in again)
     for a, whole in zip(again, answers):
-        first = np.flatnonzero(np.isin(whole, list(target.stop)))
+        first = np.flatnonzero(np.isin(whole, list(stop)))
         assert np.array_equal(a, whole[:first[0] + 1] if len(first) else whole)
+    every = frozenset(int(a[0]) for a in answers)  # each row stops at once: the loop ends after one step
+    assert [len(a) for a in target.generate(prompts, 12, every)] == [1, 1, 1]
+    for bad in ([], [prompts[0], np.zeros(0, np.int32)]):
+        with pytest.raises(Eagle3Error, match="generate needs at least one prompt, none of them empty"):
+            target.generate(bad, 4)
 
 
 def test_self_distilled_answers_first_turns_resumably(tmp_path, tiny_target):
     """first_turns takes each conversation's tokens before its first answer; self_distilled answers them
-    shortest first (the same answers whatever the batches), keeps every batch on disk, and a call out of time
-    goes on where the last one stopped."""
+    shortest first (the same answers whatever the batches, one prompt a batch at least), keeps every batch on
+    disk, goes on after the answers there, refuses answers to other prompts, and returns the prompts' order."""
     records = _records([30, 20, 40, 25], prompt=0)
     for r, start in enumerate((10, 14, 6, 8)):  # where each conversation's first answer starts
         records.mask[records.starts[r]:records.starts[r] + start] = False
@@ -145,29 +150,40 @@ def test_self_distilled_answers_first_turns_resumably(tmp_path, tiny_target):
     assert [len(p) for p in prompts] == [10, 6, 8]  # the second opens with 14 tokens: over max_len
     target = TorchTarget.from_gguf(tiny_target, [1, 3, 5], CPU)
     path = tmp_path / "self.npz"
-    none, done = self_distilled(target, prompts, path, 6, batch_rows=2, batch_tokens=64, max_seconds=0.0)
-    assert none.n_records == 0 and not done and not path.exists()
-    first, done = self_distilled(target, prompts, path, 6, batch_rows=2, batch_tokens=20)  # one prompt a batch
-    assert done and first.n_records == 3 and path.is_file()
-    for i, p in enumerate(sorted(prompts, key=len)):
+    none, finished = self_distilled(target, prompts, path, 6, batch_rows=2, batch_tokens=64, max_seconds=0.0)
+    assert none.n_records == 0 and not finished and not path.exists()
+    first, finished = self_distilled(target, prompts, path, 6, batch_rows=2, batch_tokens=1)  # one prompt a batch
+    assert finished and first.n_records == 3 and path.is_file()
+    for i, p in enumerate(prompts):
         t, m = first.record(i)
         assert np.array_equal(t[:len(p)], p) and not m[:len(p)].any() and m[len(p):].all() and len(t) == len(p) + 6
         assert np.array_equal(t[len(p):], target.generate([p], 6)[0])
     two, _ = self_distilled(target, prompts, tmp_path / "two.npz", 6, batch_rows=2, batch_tokens=64)
     assert np.array_equal(two.tokens, first.tokens)  # two prompts a batch, left-padded: the same answers
-    again, done = self_distilled(target, prompts, path, 6, 2, 64, max_seconds=0.0)  # nothing left to do
-    assert done and np.array_equal(again.tokens, first.tokens) and np.array_equal(again.mask, first.mask)
+    with np.load(path) as z:  # a call that ended after its first batch: the shortest prompt's answer
+        n = int(z["starts"][1])
+        np.savez(tmp_path / "part.npz", tokens=z["tokens"][:n], starts=z["starts"][:2], mask=z["mask"][:n],
+                 order=z["order"][:1], max_new=6)
+    rest, finished = self_distilled(target, prompts, tmp_path / "part.npz", 6, batch_rows=2, batch_tokens=64)
+    assert finished and np.array_equal(rest.tokens, first.tokens) and np.array_equal(rest.mask, first.mask)
+    message = "self.npz: answers to other prompts or of another length: delete it, or use another --out"
+    for other, max_new in ((prompts, 7), (prompts[:2], 6), (first_turns(records, 9), 6)):
+        with pytest.raises(Eagle3Error, match=message):
+            self_distilled(target, other, path, max_new, 2, 64)
+    swapped = [prompts[0], prompts[1][::-1].copy(), prompts[2]]  # the same lengths, another prompt
+    with pytest.raises(Eagle3Error, match="self.npz: answers to other prompts: delete it"):
+        self_distilled(target, swapped, path, 6, 2, 64)
 
 
 @pytest.mark.slow
 def test_torch_target_stops_where_llama_cpp_does(smollm2_path):
-    """SmolLM2's stop tokens are end-of-generation tokens to llama.cpp too, its end-of-turn among them."""
+    """SmolLM2's stop tokens are llama.cpp's end-of-generation tokens, its end-of-turn among them."""
     from eagle3_gguf.native import Model
     from eagle3_gguf.tokens import is_eog, tokenize
 
     target = TorchTarget.from_gguf(smollm2_path, [2, 15, 27], CPU)
     with Model(smollm2_path) as model:
-        assert target.stop and all(is_eog(model, t) for t in target.stop)
+        assert target.stop == {t for t in range(target.info.n_vocab) if is_eog(model, t)}
         assert tokenize(model, "<|im_end|>", add_special=False) == [2] and 2 in target.stop
 
 
@@ -223,6 +239,10 @@ def test_online_v2_trains_without_llama_cpp(tmp_path):
                "runpy.run_path(sys.argv[0], run_name='__main__')")
     online = [sys.executable, "-c", blocked, str(SCRIPT), *run, "--online"]
     r = subprocess.run(online + ["--budget-minutes", "0.01"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 75 and "minutes of this call left to train: rerun" in r.stdout, r.stderr[-2000:]
+    assert not (tmp_path / "run" / "train").exists()
+    r = subprocess.run(online + ["--budget-minutes", "0.01", "--train-minutes", "5"], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 75, r.stderr[-2000:]  # out of time after a step: checkpointed, rerun to go on
     step = torch.load(tmp_path / "run" / "train" / "ckpt.pt", weights_only=False)["step"]
     assert 0 < step < 6
@@ -247,6 +267,8 @@ def test_online_v2_trains_without_llama_cpp(tmp_path):
     assert len(answers["starts"]) == 13 and 0 < answers["mask"].sum() <= 12 * 16
     r = subprocess.run([sys.executable, str(SCRIPT), *run, "--self"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip() == "error: --self: the target answers in torch; add --online"
+    r = subprocess.run([sys.executable, str(SCRIPT), "--self"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip() == "error: --self trains head v2: add --v2 (or --smoke)"
     for extra, flag in ((["--stage", "data"], "--stage data"), (["--max-data-gb", "1"], "--max-data-gb")):
         r = subprocess.run(online + extra, capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and r.stderr.strip().splitlines() == [

@@ -33,6 +33,8 @@ from .export import tensor_f32
 from .loop import make_batches
 
 LOGIT_ROWS = 4096  # rows of the lm_head at a time: [4096, n_vocab] float32 is 0.8 GB at SmolLM2's vocab
+# grouped-query attention inside F.scaled_dot_product_attention (torch 2.5 on): no copy of the cache per step
+SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 @dataclass
@@ -157,10 +159,13 @@ class TorchTarget:
             if cache is not None:
                 cache[il].k[:, :, at:at + q], cache[il].v[:, :, at:at + q] = kh, vh
                 kh, vh = cache[il].k[:, :, :at + q], cache[il].v[:, :, :at + q]
-            if self.n_head != self.n_head_kv:  # head j reads kv head j // (n_head / n_head_kv), as ggml broadcasts
+            # head j reads kv head j // (n_head / n_head_kv), as ggml broadcasts (in the kernel where torch can)
+            if self.n_head != self.n_head_kv and not SDPA_GQA:
                 kh = kh.repeat_interleave(self.n_head // self.n_head_kv, dim=1)
                 vh = vh.repeat_interleave(self.n_head // self.n_head_kv, dim=1)
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None)  # [B, heads, q, hd]
+            gqa = {"enable_gqa": True} if SDPA_GQA and self.n_head != self.n_head_kv else {}
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None,
+                                               **gqa)  # [B, n_head, q, hd]
             x = x + o.transpose(1, 2).reshape(B, q, -1) @ L.wo.T
             h = self._rms(x, L.ffn_norm)
             x = x + (F.silu(h @ L.gate.T) * (h @ L.up.T)) @ L.down.T
@@ -183,12 +188,14 @@ class TorchTarget:
         return TeacherRows(torch.cat([feats[lid] for lid in self.layers], -1), torch.cat(ids).view(B, T, k),
                            torch.cat(logp).view(B, T, k))
 
-
     @torch.no_grad()
-    def generate(self, prompts: list[np.ndarray], max_new: int) -> list[np.ndarray]:
+    def generate(self, prompts: list[np.ndarray], max_new: int, stop: frozenset[int] | None = None) -> list[np.ndarray]:
         """Greedy answers to a batch of prompts, each up to max_new tokens and ending with the first stop token
-        it emits (kept); left-padded prompts, a KV cache.  # prompts: B x [n_i] -> B x [<= max_new] int32"""
-        stop = self.stop
+        it emits (kept; default: the target's end-of-generation tokens); left-padded prompts, a KV cache. On a CPU
+        every token is the full forward's argmax; a GPU may part near-ties.  # prompts: B x [n_i] -> B x [<= max_new]"""
+        stop = self.stop if stop is None else stop
+        if not prompts or min(len(p) for p in prompts) == 0:
+            raise Eagle3Error("generate needs at least one prompt, none of them empty")
         B, P = len(prompts), max(len(p) for p in prompts)
         dev, total = self.device, P + max_new
         pad = torch.tensor([P - len(p) for p in prompts], device=dev)  # [B]
@@ -221,6 +228,7 @@ class TorchTarget:
             ends = np.flatnonzero(np.isin(row, list(stop)))
             answers.append(row[:ends[0] + 1 if len(ends) else n].astype(np.int32))
         return answers
+
 
 @dataclass
 class OnlineData:
@@ -307,17 +315,23 @@ def first_turns(records: TokenRecords, max_len: int) -> list[np.ndarray]:
 def self_distilled(target: TorchTarget, prompts: list[np.ndarray], path: Path, max_new: int, batch_rows: int,
                    batch_tokens: int, max_seconds: float | None = None) -> tuple[TokenRecords, bool]:
     """The target's greedy answers to the prompts (shortest first, at most batch_rows a batch and batch_tokens
-    of prompt and answer columns), kept in `path` after every batch (a rerun goes on after the answers there):
-    the records (prompt + answer, the answer masked) and whether every prompt has its answer."""
+    of prompt and answer columns), kept in `path` after every batch (a rerun goes on after the answers there,
+    checked to answer these prompts): the records in the prompts' order (prompt + answer, the answer masked) and
+    whether every prompt has its answer."""
     t0 = time.perf_counter()
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
     tokens: list[np.ndarray] = []
     masks: list[np.ndarray] = []
     if path.is_file():
         with np.load(path) as z:
-            done = TokenRecords(z["tokens"], z["starts"], z["mask"])
-        for i in range(done.n_records):
-            t, m = done.record(i)
+            kept = TokenRecords(z["tokens"], z["starts"], z["mask"])
+            kept_order, kept_new = list(z["order"]), int(z["max_new"])
+        if kept_new != max_new or kept_order != order[:len(kept_order)]:
+            raise Eagle3Error(f"{path}: answers to other prompts or of another length: delete it, or use another --out")
+        for i in range(kept.n_records):
+            t, m = kept.record(i)
+            if not np.array_equal(t[:len(prompts[order[i]])], prompts[order[i]]):
+                raise Eagle3Error(f"{path}: answers to other prompts: delete it, or use another --out")
             tokens.append(t)
             masks.append(m)
     while len(tokens) < len(order):
@@ -333,6 +347,11 @@ def self_distilled(target: TorchTarget, prompts: list[np.ndarray], path: Path, m
             masks.append(np.arange(len(p) + len(answer)) >= len(p))
         records = TokenRecords.join(tokens, masks)
         tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, tokens=records.tokens, starts=records.starts, mask=records.mask)
+        np.savez(tmp, tokens=records.tokens, starts=records.starts, mask=records.mask,
+                 order=np.asarray(order[:len(tokens)], np.int64), max_new=max_new)
         tmp.replace(path)
-    return TokenRecords.join(tokens, masks), len(tokens) == len(order)
+    finished = len(tokens) == len(order)
+    if finished:  # back to the prompts' order: the first records are not the shortest prompts' answers
+        at = np.argsort(order)
+        tokens, masks = [tokens[i] for i in at], [masks[i] for i in at]
+    return TokenRecords.join(tokens, masks), finished
