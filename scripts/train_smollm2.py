@@ -445,7 +445,8 @@ def v2(args) -> int:
                 records, done = self_distilled(
                     teacher, prompts, out / "self.npz", size.max_new, batch_rows=ANSWER_ROWS,
                     batch_tokens=size.answer_tokens_gpu if gpu else size.answer_tokens_cpu,
-                    max_seconds=max(1.0, t_end - time.monotonic() - 60))
+                    max_seconds=max(1.0, t_end - time.monotonic() - 60),
+                    progress=lambda n, total, seconds: log(f"answers {n}/{total} in {seconds:.0f} s"))
                 log(f"self-distillation: {records.n_records}/{len(prompts)} answers, "
                     f"{int(records.mask.sum())} answer tokens")
                 if not done:

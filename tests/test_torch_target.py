@@ -152,8 +152,10 @@ def test_self_distilled_answers_first_turns_resumably(tmp_path, tiny_target):
     path = tmp_path / "self.npz"
     none, finished = self_distilled(target, prompts, path, 6, batch_rows=2, batch_tokens=64, max_seconds=0.0)
     assert none.n_records == 0 and not finished and not path.exists()
-    first, finished = self_distilled(target, prompts, path, 6, batch_rows=2, batch_tokens=1)  # one prompt a batch
-    assert finished and first.n_records == 3 and path.is_file()
+    seen = []
+    first, finished = self_distilled(target, prompts, path, 6, batch_rows=2, batch_tokens=1,  # one prompt a batch
+                                     progress=lambda n, total, _s: seen.append((n, total)))
+    assert finished and first.n_records == 3 and path.is_file() and seen == [(1, 3), (2, 3), (3, 3)]
     for i, p in enumerate(prompts):
         t, m = first.record(i)
         assert np.array_equal(t[:len(p)], p) and not m[:len(p)].any() and m[len(p):].all() and len(t) == len(p) + 6

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -313,11 +314,12 @@ def first_turns(records: TokenRecords, max_len: int) -> list[np.ndarray]:
 
 
 def self_distilled(target: TorchTarget, prompts: list[np.ndarray], path: Path, max_new: int, batch_rows: int,
-                   batch_tokens: int, max_seconds: float | None = None) -> tuple[TokenRecords, bool]:
+                   batch_tokens: int, max_seconds: float | None = None,
+                   progress: Callable[[int, int, float], None] | None = None) -> tuple[TokenRecords, bool]:
     """The target's greedy answers to the prompts (shortest first, at most batch_rows a batch and batch_tokens
     of prompt and answer columns), kept in `path` after every batch (a rerun goes on after the answers there,
     checked to answer these prompts): the records in the prompts' order (prompt + answer, the answer masked) and
-    whether every prompt has its answer."""
+    whether every prompt has its answer. `progress(answered, prompts, seconds)` after every batch."""
     t0 = time.perf_counter()
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
     tokens: list[np.ndarray] = []
@@ -350,6 +352,8 @@ def self_distilled(target: TorchTarget, prompts: list[np.ndarray], path: Path, m
         np.savez(tmp, tokens=records.tokens, starts=records.starts, mask=records.mask,
                  order=np.asarray(order[:len(tokens)], np.int64), max_new=max_new)
         tmp.replace(path)
+        if progress is not None:
+            progress(len(tokens), len(order), time.perf_counter() - t0)
     finished = len(tokens) == len(order)
     if finished:  # back to the prompts' order: the first records are not the shortest prompts' answers
         at = np.argsort(order)
