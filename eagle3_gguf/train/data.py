@@ -85,6 +85,13 @@ class TokenRecords:
         a, b = self.starts[i], self.starts[i + 1]
         return self.tokens[a:b], self.mask[a:b]
 
+    def teachable(self, i: int, max_tokens: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Record i cut to max_tokens, or None where no answer token follows its first: what a teacher-forced
+        data set keeps of it (teacher_forced_data, torch_target.OnlineData)."""
+        t, m = self.record(i)
+        t, m = t[:max_tokens], m[:max_tokens]
+        return (t, m) if len(t) >= 3 and m[1:].any() else None
+
     def head(self, n: int) -> "TokenRecords":
         """The first n records."""
         n = min(n, self.n_records)
@@ -411,9 +418,9 @@ def teacher_forced_data(target_path: str | Path, records: TokenRecords, out: str
     stop = writer.over_budget(config, t0)  # a rerun at a spent disk budget adds nothing
     try:
         while index < records.n_records and not stop:
-            tokens, mask = records.record(index)
-            tokens, mask = tokens[:config.max_tokens], mask[:config.max_tokens]
-            if len(tokens) >= 3 and mask[1:].any():
+            kept = records.teachable(index, config.max_tokens)
+            if kept is not None:
+                tokens, mask = kept
                 ctx.clear()
                 feats, ids, logp = [], [], []
                 for a in range(0, len(tokens), n_batch):

@@ -242,16 +242,9 @@ class OnlineData:
 
     @classmethod
     def of(cls, target: TorchTarget, records: TokenRecords, max_tokens: int, topk: int) -> "OnlineData":
-        """Records cut to max_tokens and kept where an answer token follows the first, as
-        data.teacher_forced_data keeps them."""
-        tokens, masks = [], []
-        for i in range(records.n_records):
-            t, m = records.record(i)
-            t, m = t[:max_tokens], m[:max_tokens]
-            if len(t) >= 3 and m[1:].any():
-                tokens.append(t)
-                masks.append(m)
-        return cls(target, TokenRecords.join(tokens, masks), topk)
+        """What data.teacher_forced_data keeps of the records (TokenRecords.teachable)."""
+        kept = [r for r in (records.teachable(i, max_tokens) for i in range(records.n_records)) if r is not None]
+        return cls(target, TokenRecords.join([t for t, _ in kept], [m for _, m in kept]), topk)
 
     @property
     def n_records(self) -> int:
@@ -265,9 +258,8 @@ class OnlineData:
         """The first n records, on the same target."""
         return OnlineData(self.target, self.records.head(n), self.topk)
 
-    def _teacher(self, records: list[int], k: int) -> TeacherBatch:
-        """One forward of the target over the records, right-padded."""
-        parts = [self.records.record(r) for r in records]
+    def _teacher(self, parts: list[tuple[np.ndarray, np.ndarray]], k: int) -> TeacherBatch:
+        """One forward of the target over records (their tokens and answer masks), right-padded."""
         T = max(len(t) for t, _ in parts)
         tokens = np.zeros((len(parts), T), np.int64)  # [B, T]
         real = np.zeros((len(parts), T), bool)  # [B, T]
@@ -281,8 +273,8 @@ class OnlineData:
     def select(self, records: list[int]) -> tuple[Dataset, list[int]]:
         """These records as a Dataset (their features and top-k from one forward of the target), and their
         indices in it."""
-        tb = self._teacher(records, self.topk)
         parts = [self.records.record(r) for r in records]
+        tb = self._teacher(parts, self.topk)
         data = Dataset(tokens=np.concatenate([t for t, _ in parts]), feats=tb.rows.feats[tb.real].cpu().numpy(),
                        starts=np.cumsum([0] + [len(t) for t, _ in parts]).astype(np.int64),
                        n_prompt=np.array([int(np.argmax(m)) for _, m in parts], np.int32), manifest=None,
@@ -296,7 +288,7 @@ class OnlineData:
         before): a forward per batch, nothing copied back but the counts.  # [n_vocab] int64"""
         counts = torch.zeros(n_vocab, dtype=torch.int64, device=self.target.device)
         for group in make_batches(self, list(range(self.n_records)), batch_tokens, None):
-            tb = self._teacher(group, 1)
+            tb = self._teacher([self.records.record(r) for r in group], 1)
             counts += torch.bincount(tb.rows.topk_ids[:, :-1, 0][tb.answer[:, 1:]], minlength=n_vocab)
         return counts.cpu().numpy()
 
