@@ -30,13 +30,17 @@ the better heads per CPU-hour: the model card's regimes). That is the route on a
   1. Here: `python scripts/train_smollm2.py --v2 --stage prepare` (runs/smollm2-v2/sharegpt/, ~18 MB, tokenized
      and checked against the benchmarks), the gguf wheel (pure Python; the image has pyyaml, numpy, torch) and
      the target GGUF (SmolLM2 Q4_1, 94 MiB) split in three ignored folders of <= 40 MiB (`split -b 40M`).
-  2. Three calls in a row (its idle release is 30 s), each carrying one part; the last also carries the gguf
-     wheel and runs/smollm2-v2/sharegpt, joins the parts (`cat`, then `sha256sum -c`), installs the wheel and
-     this package (`pip install --no-index --no-deps --no-build-isolation --target /tmp/site WHEEL .`), runs
+  2. Calls in a row (its idle release is 30 s), each carrying one part (and, with --self, one carrying the answers
+     of an earlier machine, self.npz), each copying it to /tmp/parts; the last also carries the gguf wheel and
+     runs/smollm2-v2/sharegpt, joins the parts (`cat`, then `sha256sum -c`), installs the wheel and this package
+     (`pip install --no-index --no-deps --no-build-isolation --target /tmp/site WHEEL .`), runs
      `PYTHONPATH=/tmp/site python scripts/train_smollm2.py --v2 --online [--self] --target SMOLLM2.gguf
      --budget-minutes N` (N: the minutes left; training takes what the answers and the vocab pass leave of them, less
-     1.5 for the head file) and copies the head file to $OUT. With --self the answers may take a call of their
-     own (exit 75 with the answers kept): rerun the command while the machine is warm.
+     1.5 for the head file) and copies the head file, self.npz and the vocab to $OUT. With --self the answers may
+     take a call of their own (exit 75 with the answers kept): rerun the command while the machine is warm, or carry
+     self.npz to the next one. Measured on an H100 (bench/NOTES head-v2-h100): the vocab pass over 4,000 recorded
+     conversations 96 s (none with --self: its answers are the target's choices), training 27,900 positions/s,
+     answers 7,000 tokens/s at half today's batch (all 14,486 first turns: ~7.5 minutes at that rate).
 
 It builds upstream's tools first where they are missing (scripts/build_upstream.py: llama-quantize
 makes the Q4_0 data model; the benchmark runs upstream beside ours). The run lands in runs/smollm2/
@@ -94,6 +98,12 @@ TORCH_THREADS = 2
 
 def log(msg: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
+
+
+def gpu_peak() -> str:
+    """The GPU memory torch has held at most so far, for a lent call's log (sizes the answer batches)."""
+    import torch
+    return f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if torch.cuda.is_available() else ""
 
 
 def on_event(stage: str, p) -> None:
@@ -316,7 +326,7 @@ TOPK = 8  # soft labels: the target's top-8 next tokens
 ONLINE_VOCAB_RECORDS = 4000  # --online: conversations whose target choices pick the draft vocab (~4M tokens)
 ONLINE_WRITE_MINUTES = 1.5  # --online: the budget left after training, for the last evaluation and the head file
 ONLINE_MIN_TRAIN_MINUTES = 3.0  # --online: less of a call left than this for training, and the call ends (exit 75)
-ANSWER_ROWS = 512  # --self: prompts answered at once at most (the token budget binds first on chat prompts)
+ANSWER_ROWS = 1024  # --self: prompts answered at once at most (the token budget binds first on chat prompts)
 
 
 @dataclass
@@ -335,9 +345,11 @@ class V2Size:
     answer_tokens_gpu: int
 
 
+# answer_tokens_gpu: at 65,536 columns an H100 answered ~240 prompts a batch at ~26 ms a step, far from its memory or
+# compute bounds: twice the columns (~6 GB of fp32 cache) to answer about twice as fast (unmeasured; NOTES head-v2-h100)
 V2_FULL = V2Size(conversations=20000, max_tokens=2048, max_new=256, draft_vocab=8192, epochs=2.0, max_steps=None,
                  unroll=UNROLL, lr=1e-3, batch_tokens_cpu=BATCH_TOKENS, batch_tokens_gpu=16384,
-                 answer_tokens_cpu=BATCH_TOKENS, answer_tokens_gpu=65536)
+                 answer_tokens_cpu=BATCH_TOKENS, answer_tokens_gpu=131072)
 V2_SMOKE = V2Size(conversations=12, max_tokens=256, max_new=16, draft_vocab=DRAFT_VOCAB, epochs=1.0, max_steps=6,
                   unroll=UNROLL, lr=1e-3, batch_tokens_cpu=BATCH_TOKENS, batch_tokens_gpu=BATCH_TOKENS,
                   answer_tokens_cpu=BATCH_TOKENS, answer_tokens_gpu=BATCH_TOKENS)
@@ -446,13 +458,13 @@ def v2(args) -> int:
                     teacher, prompts, out / "self.npz", size.max_new, batch_rows=ANSWER_ROWS,
                     batch_tokens=size.answer_tokens_gpu if gpu else size.answer_tokens_cpu,
                     max_seconds=max(1.0, t_end - time.monotonic() - 60),
-                    progress=lambda n, total, seconds: log(f"answers {n}/{total} in {seconds:.0f} s"))
+                    progress=lambda n, total, seconds: log(f"answers {n}/{total} in {seconds:.0f} s{gpu_peak()}"))
                 log(f"self-distillation: {records.n_records}/{len(prompts)} answers, "
                     f"{int(records.mask.sum())} answer tokens")
                 if not done:
                     log("answers not finished: rerun to continue")
                     return MORE
-            data = OnlineData.of(teacher, records, size.max_tokens, TOPK)
+            data = OnlineData.of(teacher, records, size.max_tokens, TOPK, own_answers=args.self_distill)
             made = OnlineSource("self" if args.self_distill else "sharegpt", str(teacher.device), data.n_records,
                                 int(data.starts[-1]))
             log(f"online teacher forcing on {made.device}: {made.records} records ({made.regime}), {made.tokens} "
@@ -466,8 +478,10 @@ def v2(args) -> int:
             data = load_dataset(out / "data")
         tgt = read_target(target)
         n_vocab = args.draft_vocab or size.draft_vocab
-        # online, every record counted costs a forward of the target: the vocab is counted on the first ones
-        vocab = cached_draft_vocab(data.head(ONLINE_VOCAB_RECORDS) if args.online else data, tgt.n_vocab, n_vocab,
+        # online, every record counted costs a forward of the target (the vocab is counted on the first ones), but for
+        # its own answers, which are its choices
+        counted = data.head(ONLINE_VOCAB_RECORDS) if args.online and not args.self_distill else data
+        vocab = cached_draft_vocab(counted, tgt.n_vocab, n_vocab,
                                    out / f"vocab{'-self' if args.self_distill else ''}-{n_vocab}.npz")
         log(f"draft vocab {vocab.size}: covers {vocab.coverage:.1%} of the target's choices")
         head_cfg = HeadConfig.for_target(tgt, vocab.size, N_FF, eagle31=args.eagle31)

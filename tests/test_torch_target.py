@@ -160,6 +160,10 @@ def test_self_distilled_answers_first_turns_resumably(tmp_path, tiny_target):
         t, m = first.record(i)
         assert np.array_equal(t[:len(p)], p) and not m[:len(p)].any() and m[len(p):].all() and len(t) == len(p) + 6
         assert np.array_equal(t[len(p):], target.generate([p], 6)[0])
+    own = OnlineData.of(target, first, 64, 4, own_answers=True)  # its answers are its choices: counted, no forward
+    counts = own.label_counts(49152)
+    assert np.array_equal(counts, OnlineData.of(target, first, 64, 4).label_counts(49152))
+    assert counts.sum() == first.mask.sum() and own.head(2).own_answers
     two, _ = self_distilled(target, prompts, tmp_path / "two.npz", 6, batch_rows=2, batch_tokens=64)
     assert np.array_equal(two.tokens, first.tokens)  # two prompts a batch, left-padded: the same answers
     with np.load(path) as z:  # a call that ended after its first batch: the shortest prompt's answer

@@ -239,12 +239,14 @@ class OnlineData:
     target: TorchTarget
     records: TokenRecords  # tokens and answer masks, each record cut and kept as `of` does
     topk: int
+    own_answers: bool = False  # the answers are the target's own greedy ones (self_distilled): its choices
 
     @classmethod
-    def of(cls, target: TorchTarget, records: TokenRecords, max_tokens: int, topk: int) -> "OnlineData":
+    def of(cls, target: TorchTarget, records: TokenRecords, max_tokens: int, topk: int,
+           own_answers: bool = False) -> "OnlineData":
         """What data.teacher_forced_data keeps of the records (TokenRecords.teachable)."""
         kept = [r for r in (records.teachable(i, max_tokens) for i in range(records.n_records)) if r is not None]
-        return cls(target, TokenRecords.join([t for t, _ in kept], [m for _, m in kept]), topk)
+        return cls(target, TokenRecords.join([t for t, _ in kept], [m for _, m in kept]), topk, own_answers)
 
     @property
     def n_records(self) -> int:
@@ -256,7 +258,7 @@ class OnlineData:
 
     def head(self, n: int) -> "OnlineData":
         """The first n records, on the same target."""
-        return OnlineData(self.target, self.records.head(n), self.topk)
+        return OnlineData(self.target, self.records.head(n), self.topk, self.own_answers)
 
     def _teacher(self, parts: list[tuple[np.ndarray, np.ndarray]], k: int) -> TeacherBatch:
         """One forward of the target over records (their tokens and answer masks), right-padded."""
@@ -285,7 +287,10 @@ class OnlineData:
 
     def label_counts(self, n_vocab: int, batch_tokens: int = 16384) -> np.ndarray:
         """How often each target token is the target's choice at an answer position (its top-1 after the token
-        before): a forward per batch, nothing copied back but the counts.  # [n_vocab] int64"""
+        before): a forward per batch, nothing copied back but the counts; the answer tokens themselves where they are
+        the target's own greedy answers (no forward).  # [n_vocab] int64"""
+        if self.own_answers:
+            return np.bincount(self.records.tokens[self.records.mask], minlength=n_vocab).astype(np.int64)
         counts = torch.zeros(n_vocab, dtype=torch.int64, device=self.target.device)
         for group in make_batches(self, list(range(self.n_records)), batch_tokens, None):
             tb = self._teacher([self.records.record(r) for r in group], 1)
