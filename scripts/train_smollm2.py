@@ -184,12 +184,13 @@ def prose_stage(stage1: Path) -> Path:
     return gguf.out
 
 
-def stage3(head: Path, data_minutes: float, train_minutes: float) -> Path:
-    """Fine-tune a head GGUF (the shipped one: its float checkpoint is not kept) on fresh self-distilled data:
+def stage3(head: Path, data_minutes: float, train_minutes: float, tag: str | None = None) -> Path:
+    """Fine-tune a head GGUF (the shipped one, or --init-from's: no float checkpoint needed) on fresh self-distilled data:
     the target answers ShareGPT's first user turns (real requests; train split, benchmarks excluded) for half
     of `data_minutes`, then our balanced prompts past the ones stage 1 answered for the other half. The head's
     own draft vocab and shape, weights dequantized from the GGUF, a fresh optimizer at the fine-tune's LR.
-    Resumable (rerun the same command); the head lands in runs/smollm2-stage3/head.gguf."""
+    Resumable (rerun the same command); the head lands in runs/smollm2-stage3/head.gguf (head-TAG.gguf, trained in
+    train-TAG/, under --tag: the data are shared)."""
     import torch
     from build_upstream import requantized
 
@@ -226,10 +227,11 @@ def stage3(head: Path, data_minutes: float, train_minutes: float) -> Path:
     tcfg = TrainConfig(n_unroll=UNROLL, epochs=2.0, batch_tokens=BATCH_TOKENS, lr=FT_LR, n_threads=TORCH_THREADS,
                        max_minutes=train_minutes, ckpt_every=25, bf16=True, init_from=str(head))
     embed = torch.from_numpy(read_token_embeddings(tgt))  # [n_vocab, n_embd]
-    tuned, res = train_head(data, start.vocab, start.config, embed, STAGE3_RUN / "train", tcfg, resume=True,
+    suffix = f"-{tag}" if tag else ""
+    tuned, res = train_head(data, start.vocab, start.config, embed, STAGE3_RUN / f"train{suffix}", tcfg, resume=True,
                             progress=lambda r: on_event("train", r))
-    ckpt = export_checkpoint(tuned, start.vocab, LAYERS, tgt.n_layer, STAGE3_RUN / "checkpoint")
-    gguf = convert_to_gguf(ckpt, tgt, STAGE3_RUN / "head.gguf", LAYERS, outtype="q8_0", fc_type="q4_0",
+    ckpt = export_checkpoint(tuned, start.vocab, LAYERS, tgt.n_layer, STAGE3_RUN / f"checkpoint{suffix}")
+    gguf = convert_to_gguf(ckpt, tgt, STAGE3_RUN / f"head{suffix}.gguf", LAYERS, outtype="q8_0", fc_type="q4_0",
                            name=f"{target.stem}-eagle3")
     log(f"stage 3: {res.steps} steps in {res.seconds:.0f} s; gguf {gguf.out} {gguf.file_bytes} bytes")
     return gguf.out
@@ -552,11 +554,19 @@ def main() -> int | None:
     ab.add_argument("--lr", type=float, help="peak learning rate (default 1e-3)")
     ab.add_argument("--hard-labels", action="store_true", help="the target's greedy token, not its top-8")
     ab.add_argument("--eagle31", action="store_true", help="an EAGLE 3.1 head (fc_norm + norm_output)")
-    s3 = ap.add_argument_group("stage 3: fine-tune the shipped head on fresh self-distilled data")
+    s3 = ap.add_argument_group("stage 3: fine-tune the shipped head (or another) on fresh self-distilled data")
+    s3.add_argument("--init-from", help="stage 3: the head GGUF to fine-tune (default: the shipped one; name the run "
+                    "with --tag)")
     s3.add_argument("--stage3", action="store_true", help="make the data, fine-tune, write runs/smollm2-stage3/head.gguf")
     s3.add_argument("--data-minutes", type=float, default=55.0, help="stage 3: data making (half ShareGPT, half ours)")
     args = ap.parse_args()
     v2_online = args.online and (args.v2 or args.smoke)
+    if args.init_from and not args.stage3:
+        print("error: --init-from names the head stage 3 fine-tunes: add --stage3", file=sys.stderr)
+        return 2
+    if args.init_from and not Path(args.init_from).is_file():
+        print(f"error: --init-from {args.init_from}: no such file (a head GGUF)", file=sys.stderr)
+        return 2
     for flag, given in (("--online", args.online), ("--self", args.self_distill)):
         if given and not (args.v2 or args.smoke):
             print(f"error: {flag} trains head v2: add --v2 (or --smoke)", file=sys.stderr)
@@ -578,7 +588,12 @@ def main() -> int | None:
     shipped = ROOT / "eagle3_gguf" / "heads" / "smollm2-135m-instruct-eagle3.gguf"
     if args.stage3:
         minutes = STAGE3_TRAIN_MINUTES if args.train_minutes is None else args.train_minutes
-        stage3(shipped, args.data_minutes, minutes)
+        from eagle3_gguf.errors import Eagle3Error
+        try:
+            stage3(Path(args.init_from) if args.init_from else shipped, args.data_minutes, minutes, args.tag)
+        except Eagle3Error as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         return
     if args.measure_vocab:
         measure_vocab()
