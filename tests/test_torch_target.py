@@ -89,6 +89,22 @@ def test_torch_target_gives_llama_cpps_rows_on_a_tiny_target(tmp_path, tiny_targ
     assert torch.allclose(b.soft_p.sum(-1)[b.labels >= 0], torch.ones(()), atol=1e-5)
 
 
+def test_torch_target_scales_rope_as_llama_3s_factors(tmp_path, smollm2_path):
+    """A Llama 3 GGUF's rope_freqs.weight divides each pair's angle in llama.cpp's graph: the torch target's rows
+    follow it (without the factors they part: min cosine 0.82, 58% of greedy tokens the same)."""
+    factors = np.array([1, 1, 2, 4, 8, 16, 32, 64], np.float32)  # [head_dim / 2]
+    target = write_tiny_target(tmp_path / "llama3.gguf", tokenizer_from=smollm2_path,
+                               extra=lambda w: w.add_tensor(keys.T_ROPE_FREQS, factors))
+    records = _records([80, 50], prompt=10)
+    disk, online = _both(target, records, [1, 3, 5], tmp_path)
+    batch, _ = online.select([0, 1])
+    cos, same, gap, logp = _agreement(disk, batch)
+    assert cos > 0.999 and same > 0.9 and gap < 0.5 and logp < 0.5, (cos, same, gap, logp)
+    online.target.inv_freq *= torch.from_numpy(factors)  # the factors left out
+    unscaled, _ = online.select([0, 1])
+    assert _agreement(disk, unscaled)[0] < 0.99, _agreement(disk, unscaled)
+
+
 @pytest.mark.slow
 def test_torch_target_gives_llama_cpps_rows_on_smollm2(tmp_path, smollm2_path):
     """SmolLM2 Q4_1, as the shipped head reads it (layers 2, 15, 27), on real text (this package's sources):
@@ -213,8 +229,11 @@ def test_torch_target_refuses_what_it_does_not_compute(tmp_path, tiny_target, ti
     bias = np.zeros(64, np.float32)
     assert re.search(r"no place for blk\.0\.attn_q\.bias \(6 such tensors\): " + elsewhere, _refused(
         tmp_path, "bias", lambda w: [w.add_tensor(f"blk.{i}.attn_q.bias", bias) for i in range(6)]))
-    assert re.search(r"no place for rope_freqs\.weight", _refused(
-        tmp_path, "freqs", lambda w: w.add_tensor(keys.T_ROPE_FREQS, np.ones(8, np.float32))))
+    rotates = r"rotates all 16 dimensions of a head, one factor per pair: " + elsewhere
+    assert re.search(rotates, _refused(tmp_path, "freqs", lambda w: w.add_tensor(keys.T_ROPE_FREQS,
+                                                                                  np.ones(5, np.float32))))
+    assert re.search(rotates, _refused(tmp_path, "nrot", lambda w: w.add_uint32(
+        keys.arch_key(keys.KEY_ROPE_DIMENSION_COUNT, "llama"), 8)))
     for key, value in ((keys.KEY_ROPE_SCALING_FACTOR, 2.0), (keys.KEY_ROPE_SCALE_LINEAR, 4.0),
                        (keys.KEY_ROPE_SCALING_ATTN_FACTOR, 0.5)):
         message = _refused(tmp_path, "scaled", lambda w: w.add_float32(keys.arch_key(key, "llama"), value))

@@ -2,9 +2,9 @@
 head trains on a GPU machine without llama.cpp and without data on disk.
 
 `TorchTarget` runs a llama-architecture GGUF (SmolLM2 and the other `llama` targets) as llama.cpp's graph does
-(RMSNorm, RoPE on adjacent pairs as the GGUF's q/k rows are stored, grouped-query attention, SwiGLU) in float32 and
-returns, for every position of a batch of records, the three layer inputs EAGLE-3 reads and the target's top-k next
-tokens. Against llama.cpp's CPU forward of the same SmolLM2 Q4_1 file the features agree to a cosine above 0.998
+(RMSNorm, RoPE on adjacent pairs as the GGUF's q/k rows are stored, with Llama 3's frequency factors where the GGUF
+has them, grouped-query attention, SwiGLU) in float32 and returns, for every position of a batch of records, the
+three layer inputs EAGLE-3 reads and the target's top-k next tokens. Against llama.cpp's CPU forward of the same SmolLM2 Q4_1 file the features agree to a cosine above 0.998
 and the greedy tokens on ~99% of positions (llama.cpp rounds activations to 8 bits for its dot products):
 tests/test_torch_target.py.
 
@@ -58,11 +58,12 @@ class TeacherRows:
     topk_logp: torch.Tensor  # [B, T, k] float32: their log-probabilities over the full vocab
 
 
-# the tensors of a plain llama GGUF: anything else (biases, experts, fused qkv, RoPE factors) is refused
+# the tensors of a plain llama GGUF (and Llama 3's RoPE frequency factors): anything else (biases, experts, fused
+# qkv) is refused
 _BLOCK = {"attn_norm": keys.T_ATTN_NORM, "wq": keys.T_ATTN_Q, "wk": keys.T_ATTN_K, "wv": keys.T_ATTN_V,
           "wo": keys.T_ATTN_OUT, "ffn_norm": keys.T_FFN_NORM, "gate": keys.T_FFN_GATE, "up": keys.T_FFN_UP,
           "down": keys.T_FFN_DOWN}
-_GLOBAL = (keys.T_TOKEN_EMBD, keys.T_OUTPUT_NORM, keys.T_OUTPUT)
+_GLOBAL = (keys.T_TOKEN_EMBD, keys.T_OUTPUT_NORM, keys.T_OUTPUT, keys.T_ROPE_FREQS)
 ELSEWHERE = "make this target's data with llama.cpp (data.teacher_forced_data)"
 
 
@@ -104,6 +105,8 @@ class TorchTarget:
                               [i for i, t in enumerate(texts) if t in keys.EOG_TOKEN_TEXTS])
         half = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device) / self.head_dim
         self.inv_freq = (float(info.rope_theta) ** -half).float()  # [head_dim / 2]
+        if g.tensor(keys.T_ROPE_FREQS) is not None:  # Llama 3's RoPE scaling: each pair's angle divided, as ggml's
+            self.inv_freq = self.inv_freq / w(keys.T_ROPE_FREQS)  # [head_dim / 2]
 
     @classmethod
     def from_gguf(cls, path: str | Path, layers: list[int], device: torch.device) -> "TorchTarget":
@@ -128,6 +131,11 @@ class TorchTarget:
         head_dim = info.n_embd // info.n_head
         if any(g.get(k, head_dim) != head_dim for k in (keys.KEY_KEY_LENGTH, keys.KEY_VALUE_LENGTH)):
             raise Eagle3Error(f"{name}: the torch target needs heads of n_embd / n_head = {head_dim}: {ELSEWHERE}")
+        freqs = g.tensor(keys.T_ROPE_FREQS)
+        if g.get(keys.KEY_ROPE_DIMENSION_COUNT, head_dim) != head_dim or (
+                freqs is not None and int(np.prod(freqs.shape)) != head_dim // 2):
+            raise Eagle3Error(f"{name}: the torch target rotates all {head_dim} dimensions of a head, one factor per "
+                              f"pair: {ELSEWHERE}")
         if len(layers) != keys.N_TARGET_LAYERS or not all(0 <= lid < info.n_layer for lid in layers):
             raise Eagle3Error(f"{name}: the torch target extracts 3 layer inputs in 0..{info.n_layer - 1}, "
                               f"not {list(layers)}: pick the head's layers of this target")
