@@ -6,6 +6,7 @@ training on soft labels."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from importlib import metadata
@@ -18,7 +19,7 @@ from eagle3_gguf.extract import TargetFeatures
 from eagle3_gguf.native import Batch, Context, Model
 from eagle3_gguf.tokens import Message, apply_chat_template, chat_tokens, token_bytes, tokenize
 from eagle3_gguf.train import sharegpt
-from eagle3_gguf.train.data import DataConfig, TokenRecords, load_dataset, teacher_forced_data, top_k
+from eagle3_gguf.train.data import DataConfig, load_dataset, teacher_forced_data, top_k
 from eagle3_gguf.train.sharegpt import (BenchmarkFilter, Conversation, FilterConfig, ReadStats, Turn, clean,
                                         first_prompts, iter_json_array, load_prepared, prepare, render, split_of)
 
@@ -377,6 +378,24 @@ def test_run_training_on_sharegpt_end_to_end(tmp_path, tiny_target):
     assert json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())["n_prompts_done"] == 9
     with pytest.raises(Eagle3Error, match="--data-source tweets: one of self, sharegpt"):
         run_training(tiny_target, tmp_path / "other", PipelineConfig(**{**base, "data_source": "tweets"}))
+    online = tmp_path / "online"  # the target's forward in torch, batch by batch: no data/, the same vocab
+    res = run_training(tiny_target, online, PipelineConfig(n_prompts=6, train=tcfg, online=True, **base))
+    assert res.train.steps == 4 and res.gguf.is_file() and not (online / "data").exists()
+    assert res.n_tokens == manifest["n_tokens"] and res.n_answer_tokens == manifest["n_answer_tokens"]
+    ids, disk_ids = np.load(online / "vocab.npz")["ids"], np.load(tmp_path / "run" / "vocab.npz")["ids"]
+    assert len(ids) == 256 and len(np.intersect1d(ids, disk_ids)) >= 0.9 * 256  # near-ties part the rest
+    assert res.coverage == json.loads((online / "coverage.json").read_text(), object_hook=lambda d: {
+        int(k): v for k, v in d.items()})
+    res = run_training(tiny_target, online, PipelineConfig(n_prompts=6, train=TrainConfig(
+        n_unroll=2, max_steps=6, batch_tokens=256, held_out=0.2, n_threads=2), online=True, resume=True, **base))
+    assert res.train.steps == 6 and res.coverage  # resumed: the vocab and its curve read back
+    for extra, message in (({"data_source": "self"}, "--online teacher-forces ShareGPT conversations: add "
+                            "--data-source sharegpt"),
+                           ({"max_data_gb": 1.0}, "--max-data-gb: --online keeps no data on disk; leave one of them "
+                            "out")):
+        with pytest.raises(Eagle3Error, match=re.escape(message)):
+            run_training(tiny_target, tmp_path / "refused", PipelineConfig(**{**base, **extra}, online=True))
+        assert not (tmp_path / "refused").exists()
 
 
 def test_train_cli_refuses_a_non_positive_disk_budget(tmp_path, tiny_target):

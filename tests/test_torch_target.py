@@ -220,7 +220,7 @@ def test_torch_target_refuses_what_it_does_not_compute(tmp_path, tiny_target, ti
     """One line each, before any weight is read: what llama.cpp would apply and this forward would not."""
     with pytest.raises(Eagle3Error, match="this is an EAGLE-3 head, not a target model"):
         TorchTarget.from_gguf(tiny_head, [1, 3, 5], CPU)
-    elsewhere = r"make this target's data with llama\.cpp \(data\.teacher_forced_data\)$"
+    elsewhere = r"leave out --online: llama\.cpp makes this target's data$"
     qwen3 = write_arch_target(tmp_path / "qwen3.gguf", "qwen3")
     with pytest.raises(Eagle3Error, match=r"runs llama-architecture GGUFs, not 'qwen3': " + elsewhere):
         TorchTarget.from_gguf(qwen3, [0, 1, 2], CPU)

@@ -97,3 +97,20 @@ def test_train_prompt_format_is_checked_against_the_target(tmp_path, tiny_target
     r = run("train", "-m", str(tiny_target), "-o", str(out), "--prompt-format", "raw", "--data-source", "sharegpt")
     assert (r.returncode, r.stderr.strip().splitlines()) == (2, [
         "error: --data-source sharegpt renders conversations with the target's chat template: use --data-source self"])
+
+
+def test_train_online_refuses_what_the_torch_target_does_not_run(tmp_path, tiny_target):
+    """--online: ShareGPT only, no disk budget, and a target the torch forward computes as llama.cpp does; each
+    refused in one line before anything is written."""
+    pytest.importorskip("torch")
+    qwen2 = write_tiny_target(tmp_path / "qwen2.gguf", TinyDims(), tokenizer_from=tiny_target, arch="qwen2")
+    out = tmp_path / "o"
+    for model, args, line in (
+            (tiny_target, [], "error: --online teacher-forces ShareGPT conversations: add --data-source sharegpt"),
+            (tiny_target, ["--data-source", "sharegpt", "--max-data-gb", "2"],
+             "error: --max-data-gb: --online keeps no data on disk; leave one of them out"),
+            (qwen2, ["--data-source", "sharegpt"], "error: qwen2.gguf: the torch target runs llama-architecture "
+             "GGUFs, not 'qwen2': leave out --online: llama.cpp makes this target's data")):
+        r = run("train", "-m", str(model), "-o", str(out), "--online", *args)
+        assert (r.returncode, r.stderr.strip().splitlines()) == (2, [line])
+        assert not out.exists()

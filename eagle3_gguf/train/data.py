@@ -488,10 +488,10 @@ class Dataset:
         m = np.flatnonzero(self.mask[a + 1:b]) + 1
         return m, self.topk_ids[a + m - 1, 0].astype(np.int64)
 
-    def label_counts(self, n_vocab: int) -> np.ndarray:
-        """How often each target token is a training label.  # [n_vocab] int64"""
+    def label_counts(self, n_vocab: int, records: list[int] | None = None) -> np.ndarray:
+        """How often each target token is a training label (in these records; default all).  # [n_vocab] int64"""
         counts = np.zeros(n_vocab, dtype=np.int64)
-        for r in range(self.n_records):
+        for r in range(self.n_records) if records is None else records:
             np.add.at(counts, self.label_positions(r)[1], 1)
         return counts
 

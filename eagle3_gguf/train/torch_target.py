@@ -64,7 +64,7 @@ _BLOCK = {"attn_norm": keys.T_ATTN_NORM, "wq": keys.T_ATTN_Q, "wk": keys.T_ATTN_
           "wo": keys.T_ATTN_OUT, "ffn_norm": keys.T_FFN_NORM, "gate": keys.T_FFN_GATE, "up": keys.T_FFN_UP,
           "down": keys.T_FFN_DOWN}
 _GLOBAL = (keys.T_TOKEN_EMBD, keys.T_OUTPUT_NORM, keys.T_OUTPUT, keys.T_ROPE_FREQS)
-ELSEWHERE = "make this target's data with llama.cpp (data.teacher_forced_data)"
+ELSEWHERE = "leave out --online: llama.cpp makes this target's data"
 
 
 @dataclass
@@ -293,14 +293,16 @@ class OnlineData:
                        topk_logp=tb.rows.topk_logp[tb.real].cpu().numpy())
         return data, list(range(len(parts)))
 
-    def label_counts(self, n_vocab: int, batch_tokens: int = 16384) -> np.ndarray:
+    def label_counts(self, n_vocab: int, records: list[int] | None = None, batch_tokens: int = 16384) -> np.ndarray:
         """How often each target token is the target's choice at an answer position (its top-1 after the token
-        before): a forward per batch, nothing copied back but the counts; the answer tokens themselves where they are
-        the target's own greedy answers (no forward).  # [n_vocab] int64"""
+        before), in these records (default all): a forward per batch, nothing copied back but the counts; the answer
+        tokens themselves where they are the target's own greedy answers (no forward).  # [n_vocab] int64"""
+        records = list(range(self.n_records)) if records is None else records
         if self.own_answers:
-            return np.bincount(self.records.tokens[self.records.mask], minlength=n_vocab).astype(np.int64)
+            answers = [t[m] for t, m in (self.records.record(r) for r in records)]
+            return np.bincount(np.concatenate([np.zeros(0, np.int32)] + answers), minlength=n_vocab).astype(np.int64)
         counts = torch.zeros(n_vocab, dtype=torch.int64, device=self.target.device)
-        for group in make_batches(self, list(range(self.n_records)), batch_tokens, None):
+        for group in make_batches(self, records, batch_tokens, None):
             tb = self._teacher([self.records.record(r) for r in group], 1)
             counts += torch.bincount(tb.rows.topk_ids[:, :-1, 0][tb.answer[:, 1:]], minlength=n_vocab)
         return counts.cpu().numpy()

@@ -81,12 +81,30 @@ def cached_draft_vocab(data: Dataset | OnlineData, n_vocab: int, size: int, path
     return vocab
 
 
-def heldout_coverage(data: Dataset, n_vocab: int, sizes: list[int], every: int = 10) -> dict[int, float]:
-    """Coverage measured honestly: vocabularies built from all records but every `every`-th, measured
-    on the answers of those left-out records (what an unseen prompt's answer looks like)."""
-    fit = np.zeros(n_vocab, dtype=np.int64)
-    test = np.zeros(n_vocab, dtype=np.int64)
-    for r in range(data.n_records):
-        np.add.at(test if r % every == 0 else fit, data.label_positions(r)[1], 1)
-    total = max(int(test.sum()), 1)
-    return {n: float(test[build_draft_vocab(fit, n).ids].sum()) / total for n in sizes}
+@dataclass
+class HeldOutCounts:
+    """The labels of all records but every `every`-th (fit) and of those left out (test)."""
+
+    fit: np.ndarray  # [n_vocab] int64
+    test: np.ndarray  # [n_vocab] int64
+
+    @classmethod
+    def of(cls, data: Dataset | OnlineData, n_vocab: int, every: int = 10) -> "HeldOutCounts":
+        left_out = set(range(0, data.n_records, every))
+        return cls(data.label_counts(n_vocab, [r for r in range(data.n_records) if r not in left_out]),
+                   data.label_counts(n_vocab, sorted(left_out)))
+
+    @property
+    def all(self) -> np.ndarray:
+        return self.fit + self.test
+
+    def coverage(self, sizes: list[int]) -> dict[int, float]:
+        """Coverage measured honestly: vocabularies built from the fit records, measured on the answers of the
+        left-out ones (what an unseen prompt's answer looks like)."""
+        total = max(int(self.test.sum()), 1)
+        return {n: float(self.test[build_draft_vocab(self.fit, n).ids].sum()) / total for n in sizes}
+
+
+def heldout_coverage(data: Dataset | OnlineData, n_vocab: int, sizes: list[int], every: int = 10) -> dict[int, float]:
+    """HeldOutCounts.coverage over `data`."""
+    return HeldOutCounts.of(data, n_vocab, every).coverage(sizes)
