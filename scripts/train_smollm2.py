@@ -348,7 +348,8 @@ class V2Size:
 
 
 # answer_tokens_gpu: at 65,536 columns an H100 answered ~240 prompts a batch at ~26 ms a step, far from its memory or
-# compute bounds: twice the columns (~6 GB of fp32 cache) to answer about twice as fast (unmeasured; NOTES head-v2-h100)
+# compute bounds: twice the columns (~6 GB of fp32 cache, ~7-15 GB more in a long prompts' prefill) to answer about
+# twice as fast (unmeasured; the log's peak says; NOTES head-v2-h100)
 V2_FULL = V2Size(conversations=20000, max_tokens=2048, max_new=256, draft_vocab=8192, epochs=2.0, max_steps=None,
                  unroll=UNROLL, lr=1e-3, batch_tokens_cpu=BATCH_TOKENS, batch_tokens_gpu=16384,
                  answer_tokens_cpu=BATCH_TOKENS, answer_tokens_gpu=131072)
@@ -555,8 +556,8 @@ def main() -> int | None:
     ab.add_argument("--hard-labels", action="store_true", help="the target's greedy token, not its top-8")
     ab.add_argument("--eagle31", action="store_true", help="an EAGLE 3.1 head (fc_norm + norm_output)")
     s3 = ap.add_argument_group("stage 3: fine-tune the shipped head (or another) on fresh self-distilled data")
-    s3.add_argument("--init-from", help="stage 3: the head GGUF to fine-tune (default: the shipped one; name the run "
-                    "with --tag)")
+    s3.add_argument("--init-from", help="stage 3: the head GGUF to fine-tune (default: the shipped one), with --tag "
+                    "naming the run")
     s3.add_argument("--stage3", action="store_true", help="make the data, fine-tune, write runs/smollm2-stage3/head.gguf")
     s3.add_argument("--data-minutes", type=float, default=55.0, help="stage 3: data making (half ShareGPT, half ours)")
     args = ap.parse_args()
@@ -566,6 +567,10 @@ def main() -> int | None:
         return 2
     if args.init_from and not Path(args.init_from).is_file():
         print(f"error: --init-from {args.init_from}: no such file (a head GGUF)", file=sys.stderr)
+        return 2
+    if args.init_from and not args.tag:  # untagged, it would resume (or overwrite) the shipped head's fine-tune
+        print("error: --init-from: name this fine-tune with --tag (its own train-TAG/ and head-TAG.gguf)",
+              file=sys.stderr)
         return 2
     for flag, given in (("--online", args.online), ("--self", args.self_distill)):
         if given and not (args.v2 or args.smoke):
@@ -589,6 +594,9 @@ def main() -> int | None:
     if args.stage3:
         minutes = STAGE3_TRAIN_MINUTES if args.train_minutes is None else args.train_minutes
         from eagle3_gguf.errors import Eagle3Error
+        if args.init_from and Path(args.init_from).resolve() == (STAGE3_RUN / f"head-{args.tag}.gguf").resolve():
+            print(f"error: --init-from {args.init_from} is this run's own output: pass another --tag", file=sys.stderr)
+            return 2
         try:
             stage3(Path(args.init_from) if args.init_from else shipped, args.data_minutes, minutes, args.tag)
         except Eagle3Error as e:

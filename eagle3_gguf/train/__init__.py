@@ -126,8 +126,9 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
             raise Eagle3Error("--online teacher-forces ShareGPT conversations: add --data-source sharegpt")
         if cfg.max_data_gb is not None:
             raise Eagle3Error("--max-data-gb: --online keeps no data on disk; leave one of them out")
-        teacher = TorchTarget.from_gguf(data_target, layers, pick_device(tcfg.device))
     chat = prompt_chat(cfg, tgt)
+    if cfg.online:  # refused in one line before a weight is read; then its weights load
+        teacher = TorchTarget.from_gguf(data_target, layers, pick_device(tcfg.device))
     out.mkdir(parents=True, exist_ok=True)  # every check above passed
     dcfg = DataConfig(layers=layers, n_seq=cfg.n_seq, max_new=cfg.max_new, n_threads=cfg.n_threads,
                       max_bytes=None if cfg.max_data_gb is None else int(cfg.max_data_gb * 1e9),
@@ -155,8 +156,11 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
         vocab = DraftVocab.load(vocab_path, tgt.n_vocab)
         if vocab.size != cfg.draft_vocab:
             raise Eagle3Error(f"{vocab_path}: this run's draft vocab has {vocab.size} tokens, not {cfg.draft_vocab}")
-        coverage = ({int(n): c for n, c in json.loads(curve_path.read_text()).items()} if curve_path.is_file()
-                    else HeldOutCounts.of(data, tgt.n_vocab).coverage(sizes))
+        if curve_path.is_file():
+            coverage = {int(n): c for n, c in json.loads(curve_path.read_text()).items()}
+        else:  # a run from before the curve was kept
+            coverage = HeldOutCounts.of(data, tgt.n_vocab).coverage(sizes)
+            curve_path.write_text(json.dumps(coverage))
     else:
         counts = HeldOutCounts.of(data, tgt.n_vocab)
         coverage = counts.coverage(sizes)

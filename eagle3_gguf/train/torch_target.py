@@ -247,7 +247,8 @@ class OnlineData:
     target: TorchTarget
     records: TokenRecords  # tokens and answer masks, each record cut and kept as `of` does
     topk: int
-    own_answers: bool = False  # the answers are the target's own greedy ones (self_distilled): its choices
+    own_answers: bool = False  # the answers are the target's own greedy ones (self_distilled): its choices (a GPU's
+    #                            forward may part near-ties; only the draft vocab's counts read them)
 
     @classmethod
     def of(cls, target: TorchTarget, records: TokenRecords, max_tokens: int, topk: int,
