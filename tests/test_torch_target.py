@@ -195,6 +195,12 @@ def test_self_distilled_answers_first_turns_resumably(tmp_path, tiny_target):
     swapped = [prompts[0], prompts[1][::-1].copy(), prompts[2]]  # the same lengths, another prompt
     with pytest.raises(Eagle3Error, match="self.npz: answers to other prompts: delete it"):
         self_distilled(target, swapped, path, 6, 2, 64)
+    other = TorchTarget.from_gguf(write_tiny_target(tmp_path / "other.gguf", seed=7, tokenizer_from=tiny_target),
+                                  [1, 3, 5], CPU)
+    with pytest.raises(Eagle3Error, match=re.escape(
+            f"self.npz: answers of another target (tiny-target.gguf, {tiny_target.stat().st_size} bytes, not "
+            f"other.gguf, {(tmp_path / 'other.gguf').stat().st_size} bytes): delete it, or use another --out")):
+        self_distilled(other, prompts, path, 6, 2, 64)
 
 
 @pytest.mark.slow

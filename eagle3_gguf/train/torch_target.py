@@ -85,6 +85,7 @@ class TorchTarget:
 
     def __init__(self, info: TargetInfo, g: GGUFFile, layers: list[int], device: torch.device):
         self.info, self.layers, self.device = info, list(layers), device
+        self.identity = f"{g.path.name}, {g.file_size} bytes"  # which GGUF answered (self_distilled's check)
         self.n_head, self.n_head_kv = int(info.n_head), int(info.n_head_kv)
         self.head_dim = info.n_embd // self.n_head
         self.eps = float(info.rms_eps)
@@ -336,8 +337,12 @@ def self_distilled(target: TorchTarget, prompts: list[np.ndarray], path: Path, m
         with np.load(path) as z:
             kept = TokenRecords(z["tokens"], z["starts"], z["mask"])
             kept_order, kept_new = list(z["order"]), int(z["max_new"])
+            kept_by = str(z["target"]) if "target" in z else target.identity  # files from before the check
         if kept_new != max_new or kept_order != order[:len(kept_order)]:
             raise Eagle3Error(f"{path}: answers to other prompts or of another length: delete it, or use another --out")
+        if kept_by != target.identity:
+            raise Eagle3Error(f"{path}: answers of another target ({kept_by}, not {target.identity}): delete it, or "
+                              "use another --out")
         for i in range(kept.n_records):
             t, m = kept.record(i)
             if not np.array_equal(t[:len(prompts[order[i]])], prompts[order[i]]):
@@ -358,7 +363,7 @@ def self_distilled(target: TorchTarget, prompts: list[np.ndarray], path: Path, m
         records = TokenRecords.join(tokens, masks)
         tmp = path.with_suffix(".tmp.npz")
         np.savez(tmp, tokens=records.tokens, starts=records.starts, mask=records.mask,
-                 order=np.asarray(order[:len(tokens)], np.int64), max_new=max_new)
+                 order=np.asarray(order[:len(tokens)], np.int64), max_new=max_new, target=target.identity)
         tmp.replace(path)
         if progress is not None:
             progress(len(tokens), len(order), time.perf_counter() - t0)
