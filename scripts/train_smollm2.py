@@ -25,8 +25,9 @@ train on the same data under another --tag: `--v2 --tag u7 --unroll 7`, `--v2 --
 same forward on the GGUF's weights dequantized; its features match llama.cpp's to cos > 0.998): no data/ on disk,
 no llama.cpp at all once the conversations are prepared; with `--self` the target first answers the conversations'
 first turns and our prompts itself (greedy, in torch, resumable: self.npz, self-ours.npz) and trains on its own
-answers (the regime that trained the better heads per CPU-hour: the model card's regimes). That is the route on a lent GPU machine (device tool:
-10-minute calls carrying at most 64 MiB with the ~21 MiB tree, nothing fetched there, runs/ kept while warm):
+answers (the regime that trained the better heads per CPU-hour: the model card's regimes). That is the route on a
+lent GPU machine (device tool: 10-minute calls carrying at most 64 MiB with the ~21 MiB tree, nothing fetched
+there, runs/ kept while warm):
   1. Here: `python scripts/train_smollm2.py --v2 --stage prepare` (runs/smollm2-v2/sharegpt/, ~18 MB, tokenized
      and checked against the benchmarks; and ours.npz, 0.8 MB: our first 5,103 prompts, which --self answers after
      the first turns for the code they lack), the gguf wheel (pure Python; the image has pyyaml, numpy, torch) and
@@ -278,13 +279,13 @@ def measure_vocab(sizes=(4096, 8192, 16384), reps: int = 5) -> dict:
     from eagle3_gguf.train.data import load_dataset
     from eagle3_gguf.train.export import convert_to_gguf, export_safeai, read_target
     from eagle3_gguf.train.model import Eagle3Head, HeadConfig
-    from eagle3_gguf.train.vocab import DraftVocab, heldout_coverage
+    from eagle3_gguf.train.vocab import DraftVocab, HeldOutCounts
 
     target = smollm2_path()
     tgt = read_target(target)
     out = {}
     if (RUN / "data" / "manifest.json").is_file():
-        out["coverage"] = heldout_coverage(load_dataset(RUN / "data"), tgt.n_vocab, list(sizes))
+        out["coverage"] = HeldOutCounts.of(load_dataset(RUN / "data"), tgt.n_vocab).coverage(list(sizes))
     work = RUN / "vocab_probe"
     for n in sizes:
         head = Eagle3Head(HeadConfig.for_target(tgt, n, N_FF), torch.zeros(tgt.n_vocab, tgt.n_embd))
@@ -606,6 +607,9 @@ def main() -> int | None:
         print("error: --init-from: name this fine-tune with --tag (its own train-TAG/ and head-TAG.gguf)",
               file=sys.stderr)
         return 2
+    if args.init_from and Path(args.init_from).resolve() == (STAGE3_RUN / f"head-{args.tag}.gguf").resolve():
+        print(f"error: --init-from {args.init_from} is this run's own output: pass another --tag", file=sys.stderr)
+        return 2
     for flag, given in (("--online", args.online), ("--self", args.self_distill)):
         if given and not (args.v2 or args.smoke):
             print(f"error: {flag} trains head v2: add --v2 (or --smoke)", file=sys.stderr)
@@ -628,9 +632,7 @@ def main() -> int | None:
     if args.stage3:
         minutes = STAGE3_TRAIN_MINUTES if args.train_minutes is None else args.train_minutes
         from eagle3_gguf.errors import Eagle3Error
-        if args.init_from and Path(args.init_from).resolve() == (STAGE3_RUN / f"head-{args.tag}.gguf").resolve():
-            print(f"error: --init-from {args.init_from} is this run's own output: pass another --tag", file=sys.stderr)
-            return 2
+
         try:
             stage3(Path(args.init_from) if args.init_from else shipped, args.data_minutes, minutes, args.tag)
         except Eagle3Error as e:

@@ -119,6 +119,7 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
         raise Eagle3Error(f"--prompt-mix {cfg.prompt_mix}: one of {', '.join(MIXES)}")
     if cfg.data_source not in DATA_SOURCES:
         raise Eagle3Error(f"--data-source {cfg.data_source}: one of {', '.join(DATA_SOURCES)}")
+    chat = prompt_chat(cfg, tgt)
     tcfg = cfg.train or TrainConfig()
     teacher = None
     if cfg.online:
@@ -126,9 +127,7 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
             raise Eagle3Error("--online teacher-forces ShareGPT conversations: add --data-source sharegpt")
         if cfg.max_data_gb is not None:
             raise Eagle3Error("--max-data-gb: --online keeps no data on disk; leave one of them out")
-    chat = prompt_chat(cfg, tgt)
-    if cfg.online:  # refused in one line before a weight is read; then its weights load
-        teacher = TorchTarget.from_gguf(data_target, layers, pick_device(tcfg.device))
+        teacher = TorchTarget.from_gguf(data_target, layers, pick_device(tcfg.device))  # refused before a weight loads
     out.mkdir(parents=True, exist_ok=True)  # every check above passed
     dcfg = DataConfig(layers=layers, n_seq=cfg.n_seq, max_new=cfg.max_new, n_threads=cfg.n_threads,
                       max_bytes=None if cfg.max_data_gb is None else int(cfg.max_data_gb * 1e9),
@@ -214,7 +213,6 @@ def sharegpt_records(data_target: str | Path, out: Path, cfg: PipelineConfig, em
                        limit=cfg.n_prompts)
     emit("prepare", prep.stats)
     return prep.train.head(cfg.n_prompts)
-
 
 
 def sharegpt_json(cfg: PipelineConfig) -> Path:

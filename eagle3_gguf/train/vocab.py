@@ -90,9 +90,8 @@ class HeldOutCounts:
 
     @classmethod
     def of(cls, data: Dataset | OnlineData, n_vocab: int, every: int = 10) -> "HeldOutCounts":
-        left_out = set(range(0, data.n_records, every))
-        return cls(data.label_counts(n_vocab, [r for r in range(data.n_records) if r not in left_out]),
-                   data.label_counts(n_vocab, sorted(left_out)))
+        return cls(data.label_counts(n_vocab, [r for r in range(data.n_records) if r % every]),
+                   data.label_counts(n_vocab, list(range(0, data.n_records, every))))
 
     @property
     def all(self) -> np.ndarray:
@@ -104,7 +103,3 @@ class HeldOutCounts:
         total = max(int(self.test.sum()), 1)
         return {n: float(self.test[build_draft_vocab(self.fit, n).ids].sum()) / total for n in sizes}
 
-
-def heldout_coverage(data: Dataset | OnlineData, n_vocab: int, sizes: list[int], every: int = 10) -> dict[int, float]:
-    """HeldOutCounts.coverage over `data`."""
-    return HeldOutCounts.of(data, n_vocab, every).coverage(sizes)
