@@ -23,24 +23,27 @@ train on the same data under another --tag: `--v2 --tag u7 --unroll 7`, `--v2 --
 
 `--online` teacher-forces each batch through the target in torch as the head trains (train/torch_target.py: the
 same forward on the GGUF's weights dequantized; its features match llama.cpp's to cos > 0.998): no data/ on disk,
-no llama.cpp at all once the conversations are prepared; with `--self` the target first answers the conversations'
-first turns and our prompts itself (greedy, in torch, resumable: self.npz, self-ours.npz) and trains on its own
-answers (the regime that trained the better heads per CPU-hour: the model card's regimes). That is the route on a
-lent GPU machine (device tool: 10-minute calls carrying at most 64 MiB with the ~21 MiB tree, nothing fetched
-there, runs/ kept while warm):
+no llama.cpp at all once the conversations are prepared; with `--self` the target first answers our prompts and the
+conversations' first turns itself (greedy, in torch, resumable: self-ours.npz, self.npz; train/answers.py) and trains
+on its own answers (the regime that trained the better heads per CPU-hour: the model card's regimes); with
+`--answer-minutes M` it answers for M minutes at most and trains on what is answered. `--stage answers` has
+llama.cpp answer the same prompts into the same files on this machine (resumable, within --budget-minutes), so that
+a GPU's minutes train. That is the route on a lent GPU machine (device tool: 10-minute calls carrying at most 64 MiB
+with the ~21 MiB tree, nothing fetched there, runs/ kept while warm):
   1. Here: `python scripts/train_smollm2.py --v2 --stage prepare` (runs/smollm2-v2/sharegpt/, ~18 MB, tokenized
-     and checked against the benchmarks; and ours.npz, 0.8 MB: our first 5,103 prompts, which --self answers after
-     the first turns for the code they lack), the gguf wheel (pure Python; the image has pyyaml, numpy, torch) and
-     the target GGUF (SmolLM2 Q4_1, 94 MiB) split in three ignored folders of <= 40 MiB (`split -b 40M`).
-  2. Calls in a row (its idle release is 30 s), each carrying one part (and, with --self, one carrying the answers
-     of an earlier machine, self*.npz), each copying it to /tmp/parts; the last also carries the gguf wheel,
-     runs/smollm2-v2/sharegpt and ours.npz, joins the parts (`cat`, then `sha256sum -c`), installs the wheel and
-     this package (`pip install --no-index --no-deps --no-build-isolation --target /tmp/site WHEEL .`), runs
-     `PYTHONPATH=/tmp/site python scripts/train_smollm2.py --v2 --online [--self] --target SMOLLM2.gguf
-     --budget-minutes N` (N: the minutes left; training takes what the answers and the vocab pass leave of them, less
-     1.5 for the head file) and copies the head file, self*.npz and the vocab to $OUT. With --self the answers may
-     take a call of their own (exit 75 with the answers kept): rerun the command while the machine is warm, or carry
-     self.npz to the next one. Measured on an H100 (bench/NOTES head-v2-h100): the vocab pass over 4,000 recorded
+     and checked against the benchmarks; and ours.npz, 0.8 MB: our first 5,103 prompts, which --self answers first
+     for the code ShareGPT's first turns lack), then `--v2 --stage answers --budget-minutes N` as long as the CPU
+     can, the gguf wheel (pure Python; the image has pyyaml, numpy, torch) and the target GGUF (SmolLM2 Q4_1, 94 MiB)
+     split in three ignored folders of <= 40 MiB (`split -b 40M`).
+  2. Calls in a row (its idle release is 30 s), each carrying one part (and one carrying the answers made before,
+     self*.npz), each copying it to /tmp/parts; the last also carries the gguf wheel, runs/smollm2-v2/sharegpt and
+     ours.npz, joins the parts (`cat`, then `sha256sum -c`), installs the wheel and this package (`pip install
+     --no-index --no-deps --no-build-isolation --target /tmp/site WHEEL .`), runs `PYTHONPATH=/tmp/site python
+     scripts/train_smollm2.py --v2 --online [--self [--answer-minutes M]] --target SMOLLM2.gguf --budget-minutes N`
+     (N: the minutes left; training takes what the answers and the vocab pass leave of them, less 1.5 for the head
+     file) and copies the head file, self*.npz and the vocab to $OUT. Without --answer-minutes the answers may take
+     a call of their own (exit 75 with the answers kept): rerun the command while the machine is warm, or carry
+     self*.npz to the next one. Measured on an H100 (bench/NOTES head-v2-h100): the vocab pass over 4,000 recorded
      conversations 96 s (none with --self: its answers are the target's choices), training 27,900 positions/s,
      answers 7,000 tokens/s at half today's batch (all 14,486 first turns: ~7.5 minutes at that rate).
 
@@ -429,6 +432,15 @@ def ours_prompts(out: Path, size: V2Size, data_model: Path) -> list:
     return prompts
 
 
+def self_prompt_sets(out: Path, size: V2Size, train_set, data_model: Path) -> list[tuple[str, list]]:
+    """--self's prompt sets, each with its answers file, in the order they are answered: ours first (the code stubs
+    and coding tasks ShareGPT's first turns are short of), then ShareGPT's first turns."""
+    from eagle3_gguf.train.answers import first_turns
+
+    return [("self-ours.npz", ours_prompts(out, size, data_model)),
+            ("self.npz", first_turns(train_set, size.max_tokens - size.max_new))]
+
+
 def v2_data(out: Path, size: V2Size, train_set, data_model: Path, gpu: bool, max_data_gb: float | None,
             t_end: float) -> Manifest | None:
     """The teacher-forced data on disk through llama.cpp (resumable): its manifest once every conversation is
@@ -463,7 +475,8 @@ def v2(args) -> int:
     from eagle3_gguf.train.export import convert_to_gguf, export_checkpoint, read_target, read_token_embeddings
     from eagle3_gguf.train.loop import CKPT, TrainConfig, pick_device, train_head
     from eagle3_gguf.train.model import HeadConfig
-    from eagle3_gguf.train.torch_target import OnlineData, TorchTarget, first_turns, self_distilled
+    from eagle3_gguf.train.answers import llama_answers, self_distilled
+    from eagle3_gguf.train.torch_target import OnlineData, TorchTarget
     from eagle3_gguf.train.vocab import cached_draft_vocab
 
     t_end = time.monotonic() + args.budget_minutes * 60
@@ -475,32 +488,53 @@ def v2(args) -> int:
         data_model = Path(args.data_model) if args.data_model else target
         if args.self_distill and not args.online:
             raise Eagle3Error("--self: the target answers in torch; add --online")
+        if args.answer_minutes is not None and not args.self_distill:
+            raise Eagle3Error("--answer-minutes: how long --self answers; add --self")
+        if args.online and args.stage == "answers":
+            raise Eagle3Error("--stage answers: llama.cpp answers, not the torch target; leave out --online")
         if args.online and (args.stage == "data" or args.max_data_gb is not None):
             raise Eagle3Error(f"{'--stage data' if args.stage == 'data' else '--max-data-gb'}: --online keeps no "
                               "data on disk; leave out one of them")
         prep = v2_prepare(out, size, args.sharegpt_json, data_model, args.smoke)
         if args.stage == "prepare":
-            ours_prompts(out, size, data_model)  # --self's second set, tokenized while llama.cpp is at hand
+            ours_prompts(out, size, data_model)  # --self's first set, tokenized while llama.cpp is at hand
             return 0
         train_set = prep.train.head(size.conversations)
+        suffix = (f"-{args.tag}" if args.tag else "") + ("-self" if args.self_distill else "")
+        if args.stage == "answers":  # llama.cpp answers here what --self answers on a GPU machine
+            for name, prompts in self_prompt_sets(out, size, train_set, data_model):
+                part, done = llama_answers(data_model, prompts, out / name, size.max_new, n_seq=N_SEQ,
+                                           n_threads=THREADS, max_seconds=max(1.0, t_end - time.monotonic()),
+                                           progress=lambda n, total, s: log(f"answers {n}/{total} in {s:.0f} s"))
+                log(f"answers ({name}, llama.cpp): {part.n_records}/{len(prompts)}, {int(part.mask.sum())} tokens")
+                if not done:
+                    return MORE
+            return 0
         if args.online:
             teacher = TorchTarget.from_gguf(data_model, LAYERS, pick_device())
             records = train_set
-            if args.self_distill:  # the target's own answers to the conversations' first turns, and to ours
+            if args.self_distill:  # the target's own answers
+                # once training has begun, its data stay as they were; --answer-minutes: train on what is answered
+                started = (out / f"train{suffix}" / CKPT).is_file()
+                answer_end = t_end - 60 if args.answer_minutes is None else min(
+                    t_end - 60, time.monotonic() + 60 * args.answer_minutes)
                 answered = []
-                for name, prompts in (("self.npz", first_turns(train_set, size.max_tokens - size.max_new)),
-                                      ("self-ours.npz", ours_prompts(out, size, data_model))):
+                for name, prompts in self_prompt_sets(out, size, train_set, data_model):
+                    left = answer_end - time.monotonic()  # a call without --answer-minutes answers one batch at least
                     part, done = self_distilled(
                         teacher, prompts, out / name, size.max_new, batch_rows=ANSWER_ROWS,
                         batch_tokens=size.answer_tokens_gpu if gpu else size.answer_tokens_cpu,
-                        max_seconds=max(1.0, t_end - time.monotonic() - 60),
+                        max_seconds=0.0 if started else max(0.0 if args.answer_minutes is not None else 1.0, left),
                         progress=lambda n, total, s: log(f"answers {n}/{total} in {s:.0f} s{gpu_peak()}"))
                     log(f"self-distillation ({name}): {part.n_records}/{len(prompts)} answers, "
                         f"{int(part.mask.sum())} answer tokens")
-                    if not done:
+                    if not done and not started and args.answer_minutes is None:
                         log("answers not finished: rerun to continue")
                         return MORE
                     answered += [part.record(i) for i in range(part.n_records)]
+                if not answered:
+                    raise Eagle3Error(f"--self: no answers in {out} yet: give --answer-minutes more, or make them with "
+                                      "--stage answers where llama.cpp is")
                 records = TokenRecords.join([t for t, _ in answered], [m for _, m in answered])
             data = OnlineData.of(teacher, records, size.max_tokens, TOPK, own_answers=args.self_distill)
             made = OnlineSource("self" if args.self_distill else "sharegpt", str(teacher.device), data.n_records,
@@ -523,7 +557,6 @@ def v2(args) -> int:
                                    out / f"vocab{'-self' if args.self_distill else ''}-{n_vocab}.npz")
         log(f"draft vocab {vocab.size}: covers {vocab.coverage:.1%} of the target's choices")
         head_cfg = HeadConfig.for_target(tgt, vocab.size, N_FF, eagle31=args.eagle31)
-        suffix = (f"-{args.tag}" if args.tag else "") + ("-self" if args.self_distill else "")
         train_minutes = args.train_minutes
         if train_minutes is None and args.online:  # a lent machine's call: the schedule ends with its budget
             left = (t_end - time.monotonic()) / 60 - ONLINE_WRITE_MINUTES
@@ -567,8 +600,9 @@ def main() -> int | None:
     ap.add_argument("--measure-only", action="store_true", help="only the card's measurements of the shipped head")
     ap.add_argument("--v2", action="store_true", help="head v2: ShareGPT teacher-forced, one resumable step")
     ap.add_argument("--smoke", action="store_true", help="head v2 at toy size (implies --v2)")
-    ap.add_argument("--stage", choices=["prepare", "data", "all"], default="all",
-                    help="v2: stop after this stage (prepare: the ShareGPT token sets, to carry to a GPU machine)")
+    ap.add_argument("--stage", choices=["prepare", "answers", "data", "all"], default="all",
+                    help="v2: stop after this stage (prepare: the ShareGPT token sets, to carry to a GPU machine; "
+                    "answers: llama.cpp answers here what --self answers, resumably, to carry likewise)")
     ap.add_argument("--budget-minutes", type=float, default=9.0, help="v2: wall time of this call")
     ap.add_argument("--out", help="v2: run folder (default runs/smollm2-v2, or runs/smollm2-v2-smoke)")
     ap.add_argument("--max-data-gb", type=float, help="v2: disk budget of the data shards (default 40 on a GPU "
@@ -577,7 +611,10 @@ def main() -> int | None:
     ap.add_argument("--online", action="store_true", help="v2: teacher-force each batch through the target in torch "
                     "as the head trains (train/torch_target.py): no data on disk, no llama.cpp (a GPU machine)")
     ap.add_argument("--self", dest="self_distill", action="store_true", help="v2 --online: train on the target's "
-                    "own greedy answers to the conversations' first turns (self-distillation), not their recorded ones")
+                    "own greedy answers to our prompts and the conversations' first turns (self-distillation), not "
+                    "their recorded answers")
+    ap.add_argument("--answer-minutes", type=float, help="v2 --self: answer for at most this long, then train on "
+                    "what is answered (default: every prompt first, over as many calls as it takes)")
     ap.add_argument("--train-minutes", type=float, help="training wall time in all: the schedule decays by then, "
                     "then the head is written (v2 default: 2 epochs' steps, over as many calls as they take; with "
                     f"--online, what --budget-minutes leaves; stage 3 default: {STAGE3_TRAIN_MINUTES:.0f})")
@@ -610,7 +647,8 @@ def main() -> int | None:
     if args.init_from and Path(args.init_from).resolve() == (STAGE3_RUN / f"head-{args.tag}.gguf").resolve():
         print(f"error: --init-from {args.init_from} is this run's own output: pass another --tag", file=sys.stderr)
         return 2
-    for flag, given in (("--online", args.online), ("--self", args.self_distill)):
+    for flag, given in (("--online", args.online), ("--self", args.self_distill), ("--stage", args.stage != "all"),
+                        ("--answer-minutes", args.answer_minutes is not None)):
         if given and not (args.v2 or args.smoke):
             print(f"error: {flag} trains head v2: add --v2 (or --smoke)", file=sys.stderr)
             return 2

@@ -22,7 +22,8 @@ from eagle3_gguf import keys  # noqa: E402
 from eagle3_gguf.errors import Eagle3Error  # noqa: E402
 from eagle3_gguf.train.data import DataConfig, TokenRecords, load_dataset, teacher_forced_data  # noqa: E402
 from eagle3_gguf.train.loop import collate  # noqa: E402
-from eagle3_gguf.train.torch_target import OnlineData, TorchTarget, first_turns, self_distilled  # noqa: E402
+from eagle3_gguf.train.answers import first_turns, gguf_identity, self_distilled  # noqa: E402
+from eagle3_gguf.train.torch_target import OnlineData, TorchTarget  # noqa: E402
 
 CPU = torch.device("cpu")
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_smollm2.py"
@@ -198,9 +199,13 @@ def test_self_distilled_answers_first_turns_resumably(tmp_path, tiny_target):
     other = TorchTarget.from_gguf(write_tiny_target(tmp_path / "other.gguf", seed=7, tokenizer_from=tiny_target),
                                   [1, 3, 5], CPU)
     with pytest.raises(Eagle3Error, match=re.escape(
-            f"self.npz: answers of another target (tiny-target.gguf, {tiny_target.stat().st_size} bytes, not "
-            f"other.gguf, {(tmp_path / 'other.gguf').stat().st_size} bytes): delete it, or use another --out")):
+            f"self.npz: answers of another target ({gguf_identity(tiny_target)}, not "
+            f"{gguf_identity(tmp_path / 'other.gguf')}): delete it, or use another --out")):
         self_distilled(other, prompts, path, 6, 2, 64)
+    renamed = tmp_path / "renamed.gguf"  # the same file under another name (a GPU machine's copy): the same target
+    renamed.write_bytes(Path(tiny_target).read_bytes())
+    again, finished = self_distilled(TorchTarget.from_gguf(renamed, [1, 3, 5], CPU), prompts, path, 6, 2, 64)
+    assert finished and np.array_equal(again.tokens, first.tokens)
 
 
 @pytest.mark.slow
@@ -289,14 +294,33 @@ def test_online_v2_trains_without_llama_cpp(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'elsewhere' / 'sharegpt'}: no prepared conversations, and preparing them needs "
         "llama-cpp-python: run --stage prepare where it is installed and bring that folder"]
-    r = subprocess.run(online + ["--self"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    summary = json.loads((tmp_path / "run" / "v2_summary-self.json").read_text())
-    assert summary["data"]["regime"] == "self" and summary["data"]["records"] == 12 + 4  # first turns, then ours
-    assert summary["train"]["steps"] == 6 and Path(summary["gguf"]).name == "smollm2-135m-instruct-eagle3-v2-self.gguf"
+    r = subprocess.run([sys.executable, str(SCRIPT), *run, "--stage", "answers"], capture_output=True, text=True,
+                       timeout=300)  # llama.cpp answers here what --self answers, into the same files
+    assert r.returncode == 0 and "answers (self-ours.npz, llama.cpp): 4/4" in r.stdout, r.stderr[-2000:]
     answers, ours = np.load(tmp_path / "run" / "self.npz"), np.load(tmp_path / "run" / "self-ours.npz")
     assert len(answers["starts"]) == 13 and 0 < answers["mask"].sum() <= 12 * 16
     assert len(ours["starts"]) == 5 and 0 < ours["mask"].sum() <= 4 * 16
+    r = subprocess.run(online + ["--self"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not re.search(r"answers \d+/\d+ in", r.stdout)  # every prompt answered already: none in torch
+    summary = json.loads((tmp_path / "run" / "v2_summary-self.json").read_text())
+    assert summary["data"]["regime"] == "self" and summary["data"]["records"] == 4 + 12  # ours, then first turns
+    assert summary["train"]["steps"] == 6 and Path(summary["gguf"]).name == "smollm2-135m-instruct-eagle3-v2-self.gguf"
+    n = int(answers["starts"][1])  # self.npz cut to its first answer: --answer-minutes 0 trains on what is there
+    np.savez(tmp_path / "run" / "self.npz", tokens=answers["tokens"][:n], starts=answers["starts"][:2],
+             mask=answers["mask"][:n], order=answers["order"][:1], max_new=16, target=answers["target"])
+    for extra in (["--answer-minutes", "0"], []):  # the second: training has begun, so its data stay as they were
+        r = subprocess.run(online + ["--self", "--tag", "am", *extra], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert json.loads((tmp_path / "run" / "v2_summary-am-self.json").read_text())["data"]["records"] == 4 + 1
+        assert len(np.load(tmp_path / "run" / "self.npz")["starts"]) == 2
+    for name in ("self.npz", "self-ours.npz"):
+        (tmp_path / "run" / name).rename(tmp_path / name)
+    r = subprocess.run(online + ["--self", "--tag", "none", "--answer-minutes", "0"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: --self: no answers in {tmp_path / 'run'} yet: give --answer-minutes more, or make them with --stage "
+        "answers where llama.cpp is"]
     (tmp_path / "run" / "ours.npz").unlink()  # a machine without llama.cpp cannot tokenize our prompts itself
     r = subprocess.run(online + ["--self"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
@@ -310,6 +334,13 @@ def test_online_v2_trains_without_llama_cpp(tmp_path):
         r = subprocess.run(online + extra, capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and r.stderr.strip().splitlines() == [
             f"error: {flag}: --online keeps no data on disk; leave out one of them"]
+    for extra, error in ((["--answer-minutes", "1"], "--answer-minutes: how long --self answers; add --self"),
+                         (["--stage", "answers"], "--stage answers: llama.cpp answers, not the torch target; leave "
+                                                  "out --online")):
+        r = subprocess.run(online + extra, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"error: {error}"]
+    r = subprocess.run([sys.executable, str(SCRIPT), "--stage", "answers"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip() == "error: --stage trains head v2: add --v2 (or --smoke)"
     r = subprocess.run([sys.executable, "-c", blocked, str(SCRIPT), "--measure-only"], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [

@@ -11,16 +11,14 @@ rounds activations to 8 bits for its dot products): tests/test_torch_target.py.
 `OnlineData` is the teacher-forced data set computed as training reads it: the records' tokens and answer masks
 (sharegpt.prepare's), their features and soft labels from the TorchTarget, batch by batch (`select`). The training
 loop reads it as it reads a `data.Dataset` on disk. Self-distillation needs answers first: `TorchTarget.generate`
-answers a batch of prompts greedily (KV cache; each answer equals the full forward's argmax at every step), and
-`self_distilled` answers the conversations' first turns (`first_turns`) batch by batch, resumably.
+answers a batch of prompts greedily (KV cache; each answer equals the full forward's argmax at every step), for
+answers.self_distilled.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -29,6 +27,7 @@ import torch.nn.functional as F
 from .. import keys
 from ..errors import Eagle3Error
 from ..gguf_file import GGUFFile, TargetInfo, read_gguf
+from .answers import gguf_identity
 from .data import Dataset, TokenRecords
 from .export import tensor_f32
 from .loop import make_batches
@@ -85,7 +84,7 @@ class TorchTarget:
 
     def __init__(self, info: TargetInfo, g: GGUFFile, layers: list[int], device: torch.device):
         self.info, self.layers, self.device = info, list(layers), device
-        self.identity = f"{g.path.name}, {g.file_size} bytes"  # which GGUF answered (self_distilled's check)
+        self.identity = gguf_identity(g.path)  # which GGUF answered (answers.self_distilled's check)
         self.n_head, self.n_head_kv = int(info.n_head), int(info.n_head_kv)
         self.head_dim = info.n_embd // self.n_head
         self.eps = float(info.rms_eps)
@@ -308,67 +307,3 @@ class OnlineData:
             tb = self._teacher([self.records.record(r) for r in group], 1)
             counts += torch.bincount(tb.rows.topk_ids[:, :-1, 0][tb.answer[:, 1:]], minlength=n_vocab)
         return counts.cpu().numpy()
-
-
-def first_turns(records: TokenRecords, max_len: int) -> list[np.ndarray]:
-    """Each conversation's opening as the target is asked it (its tokens before the first answer token: the
-    chat template's first user turn and assistant header), where it is at most max_len tokens."""
-    out = []
-    for i in range(records.n_records):
-        t, m = records.record(i)
-        n = int(np.argmax(m)) if m.any() else 0
-        if 0 < n <= max_len:
-            out.append(t[:n])
-    return out
-
-
-def self_distilled(target: TorchTarget, prompts: list[np.ndarray], path: Path, max_new: int, batch_rows: int,
-                   batch_tokens: int, max_seconds: float | None = None,
-                   progress: Callable[[int, int, float], None] | None = None) -> tuple[TokenRecords, bool]:
-    """The target's greedy answers to the prompts (shortest first, at most batch_rows a batch and batch_tokens
-    of prompt and answer columns), kept in `path` after every batch (a rerun goes on after the answers there,
-    checked to answer these prompts): the records in the prompts' order (prompt + answer, the answer masked) and
-    whether every prompt has its answer. `progress(answered, prompts, seconds)` after every batch."""
-    t0 = time.perf_counter()
-    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
-    tokens: list[np.ndarray] = []
-    masks: list[np.ndarray] = []
-    if path.is_file():
-        with np.load(path) as z:
-            kept = TokenRecords(z["tokens"], z["starts"], z["mask"])
-            kept_order, kept_new = list(z["order"]), int(z["max_new"])
-            kept_by = str(z["target"]) if "target" in z else target.identity  # files from before the check
-        if kept_new != max_new or kept_order != order[:len(kept_order)]:
-            raise Eagle3Error(f"{path}: answers to other prompts or of another length: delete it, or use another --out")
-        if kept_by != target.identity:
-            raise Eagle3Error(f"{path}: answers of another target ({kept_by}, not {target.identity}): delete it, or "
-                              "use another --out")
-        for i in range(kept.n_records):
-            t, m = kept.record(i)
-            if not np.array_equal(t[:len(prompts[order[i]])], prompts[order[i]]):
-                raise Eagle3Error(f"{path}: answers to other prompts: delete it, or use another --out")
-            tokens.append(t)
-            masks.append(m)
-    while len(tokens) < len(order):
-        if max_seconds is not None and time.perf_counter() - t0 >= max_seconds:
-            break
-        a = b = len(tokens)
-        while b < len(order) and b - a < batch_rows and (b - a + 1) * (len(prompts[order[b]]) + max_new) <= max(
-                batch_tokens, len(prompts[order[a]]) + max_new):  # a batch holds one prompt at least
-            b += 1
-        batch = [prompts[i] for i in order[a:b]]
-        for p, answer in zip(batch, target.generate(batch, max_new)):
-            tokens.append(np.concatenate([p, answer]).astype(np.int32))
-            masks.append(np.arange(len(p) + len(answer)) >= len(p))
-        records = TokenRecords.join(tokens, masks)
-        tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, tokens=records.tokens, starts=records.starts, mask=records.mask,
-                 order=np.asarray(order[:len(tokens)], np.int64), max_new=max_new, target=target.identity)
-        tmp.replace(path)
-        if progress is not None:
-            progress(len(tokens), len(order), time.perf_counter() - t0)
-    finished = len(tokens) == len(order)
-    if finished:  # back to the prompts' order: the first records are not the shortest prompts' answers
-        at = np.argsort(order)
-        tokens, masks = [tokens[i] for i in at], [masks[i] for i in at]
-    return TokenRecords.join(tokens, masks), finished
