@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -32,6 +33,15 @@ if TYPE_CHECKING:
 
 SAVE_EVERY_S = 60.0  # llama_answers: seconds between saves of the answered prefix (and at the end)
 Progress = Callable[[int, int, float], None]  # (prompts answered, prompts, seconds)
+
+
+@dataclass
+class _InFlight:
+    """One answer being made in a KV stream of llama_answers."""
+
+    k: int  # the prompt's position in the answer order
+    answer: list[int] = field(default_factory=list)
+    fed: int = 0  # tokens of prompt + answer in the stream
 
 
 def gguf_identity(path: str | Path) -> str:
@@ -163,43 +173,42 @@ def llama_answers(model_path: str | Path, prompts: list[np.ndarray], path: Path,
                   kv_unified=False)  # a row attends over its own sequence only (data.generate_data's measure)
     batch = Batch(n_batch)
     answers: dict[int, np.ndarray] = {}  # by position in `order`, past the saved prefix
-    slots: list[list[int] | None] = [None] * n_seq  # per sequence: [position in order, answer tokens...]
-    fed = [0] * n_seq  # per sequence: tokens of prompt + answer in its KV stream
+    slots: list[_InFlight | None] = [None] * n_seq  # by sequence id
     nxt, n_loaded, saved_at = len(done), len(done), time.perf_counter()
     try:
         while True:
             over = max_seconds is not None and time.perf_counter() - t0 >= max_seconds
             for s in range(n_seq):
                 if slots[s] is None and nxt < len(order) and not over:
-                    slots[s], fed[s] = [nxt], 0
+                    slots[s] = _InFlight(nxt)
                     nxt += 1
             live = [s for s in range(n_seq) if slots[s] is not None]
             if not live or over:
                 break
             # a new prompt's prefill alone; the running answers one row each, in sequence order (per-sequence KV
             # streams keep a batch's rows in that order only)
-            new = [s for s in live if fed[s] == 0]
-            for group in [[s] for s in new] + [[s for s in live if fed[s] > 0]]:
+            new = [s for s in live if slots[s].fed == 0]
+            for group in [[s] for s in new] + [[s for s in live if slots[s].fed > 0]]:
                 if not group:
                     continue
                 rows_tok, rows_pos, rows_seq, rows_out = [], [], [], []
                 for s in group:
-                    feed = prompts[order[slots[s][0]]] if fed[s] == 0 else slots[s][-1:]  # prompt, or last token
+                    a = slots[s]
+                    feed = prompts[order[a.k]] if a.fed == 0 else a.answer[-1:]  # the prompt, or the last token
                     rows_tok += list(feed)
-                    rows_pos += range(fed[s], fed[s] + len(feed))
+                    rows_pos += range(a.fed, a.fed + len(feed))
                     rows_seq += [s] * len(feed)
                     rows_out += [False] * (len(feed) - 1) + [True]
-                    fed[s] += len(feed)
+                    a.fed += len(feed)
                 batch.set_rows(np.asarray(rows_tok, np.int32), np.asarray(rows_pos, np.int32),
                                np.asarray(rows_seq, np.int32), np.asarray(rows_out))
                 ctx.decode(batch)
                 for row in np.flatnonzero(rows_out):
                     s = rows_seq[row]
-                    choice = int(np.argmax(ctx.logits_ith(int(row))))
-                    slots[s].append(choice)
-                    if is_eog(model, choice) or len(slots[s]) - 1 >= max_new:
-                        k = slots[s][0]
-                        answers[k] = np.concatenate([prompts[order[k]], slots[s][1:]]).astype(np.int32)
+                    a = slots[s]
+                    a.answer.append(int(np.argmax(ctx.logits_ith(int(row)))))
+                    if is_eog(model, a.answer[-1]) or len(a.answer) >= max_new:
+                        answers[a.k] = np.concatenate([prompts[order[a.k]], a.answer]).astype(np.int32)
                         ctx.seq_rm(s, 0, -1)
                         slots[s] = None
             while len(done) in answers:
