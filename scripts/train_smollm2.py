@@ -95,6 +95,7 @@ FT_LR = 3e-4
 FT_MINUTES = 25.0
 STAGE3_RUN = ROOT / "runs" / "smollm2-stage3"  # stage 3: the shipped head fine-tuned on fresh data (--stage3)
 STAGE3_TRAIN_MINUTES = 30.0
+STAGE3_DATA_MINUTES = 55.0
 N_SEQ = 64  # sequences in flight during data generation
 THREADS = 2  # llama.cpp threads
 TORCH_THREADS = 2
@@ -631,11 +632,15 @@ def main() -> int | None:
     s3.add_argument("--init-from", help="stage 3: the head GGUF to fine-tune (default: the shipped one), with --tag "
                     "naming the run")
     s3.add_argument("--stage3", action="store_true", help="make the data, fine-tune, write runs/smollm2-stage3/head.gguf")
-    s3.add_argument("--data-minutes", type=float, default=55.0, help="stage 3: data making (half ShareGPT, half ours)")
+    s3.add_argument("--data-minutes", type=float, help="stage 3: data making, half ShareGPT, half ours (default "
+                    f"{STAGE3_DATA_MINUTES:.0f})")
     args = ap.parse_args()
     v2_online = args.online and (args.v2 or args.smoke)
     if args.init_from and not args.stage3:
         print("error: --init-from names the head stage 3 fine-tunes: add --stage3", file=sys.stderr)
+        return 2
+    if args.data_minutes is not None and not args.stage3:  # --v2 makes its data within --budget-minutes
+        print("error: --data-minutes: how long stage 3 makes data: add --stage3", file=sys.stderr)
         return 2
     if args.init_from and not Path(args.init_from).is_file():
         print(f"error: --init-from {args.init_from}: no such file (a head GGUF)", file=sys.stderr)
@@ -672,7 +677,8 @@ def main() -> int | None:
         from eagle3_gguf.errors import Eagle3Error
 
         try:
-            stage3(Path(args.init_from) if args.init_from else shipped, args.data_minutes, minutes, args.tag)
+            stage3(Path(args.init_from) if args.init_from else shipped,
+                   STAGE3_DATA_MINUTES if args.data_minutes is None else args.data_minutes, minutes, args.tag)
         except Eagle3Error as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

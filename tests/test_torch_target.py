@@ -341,6 +341,8 @@ def test_online_v2_trains_without_llama_cpp(tmp_path):
         assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"error: {error}"]
     r = subprocess.run([sys.executable, str(SCRIPT), "--stage", "answers"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip() == "error: --stage trains head v2: add --v2 (or --smoke)"
+    r = subprocess.run(online + ["--data-minutes", "5"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip() == "error: --data-minutes: how long stage 3 makes data: add --stage3"
     r = subprocess.run([sys.executable, "-c", blocked, str(SCRIPT), "--measure-only"], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
