@@ -264,7 +264,8 @@ def test_torch_target_refuses_what_it_does_not_compute(tmp_path, tiny_target, ti
 def test_online_v2_trains_without_llama_cpp(tmp_path):
     """scripts/train_smollm2.py --smoke: prepared where llama.cpp is, then --online where `import llama_cpp`
     fails (a GPU machine with torch alone): the head trains batch by batch and converts to one GGUF; without
-    the prepared folder it says what to do in one line."""
+    the prepared folder it says what to do in one line. --self trains on the answers `--stage answers` made with
+    llama.cpp, on what is answered with --answer-minutes, and on the same answers once its training has begun."""
     src = tmp_path / "sharegpt.json"
     _write_truncated(src, _conversations(16, seed=2))
     run = ["--smoke", "--out", str(tmp_path / "run")]
