@@ -515,8 +515,12 @@ def v2(args) -> int:
             teacher = TorchTarget.from_gguf(data_model, LAYERS, pick_device())
             records = train_set
             if args.self_distill:  # the target's own answers
-                # once training has begun, its data stay as they were; --answer-minutes: train on what is answered
-                started = (out / f"train{suffix}" / CKPT).is_file()
+                # --answer-minutes: train on what is answered by then. A run's answers are pinned once it gets past
+                # answering (its vocab and held-out split come from them): the files may grow since (--stage answers,
+                # another --tag's run), its later calls take the same prefixes
+                pin_path = out / f"train{suffix}" / "answers.json"
+                pinned = json.loads(pin_path.read_text()) if pin_path.is_file() else None
+                started = pinned is not None
                 answer_end = t_end - 60 if args.answer_minutes is None else min(
                     t_end - 60, time.monotonic() + 60 * args.answer_minutes)
                 answered = []
@@ -532,10 +536,19 @@ def v2(args) -> int:
                     if not done and not started and args.answer_minutes is None:
                         log("answers not finished: rerun to continue")
                         return MORE
-                    answered += [part.record(i) for i in range(part.n_records)]
-                if not answered:
+                    if started:
+                        if part.n_records < pinned.get(name, 0):
+                            raise Eagle3Error(f"{out / name}: {part.n_records} answers, fewer than the {pinned[name]} "
+                                              f"train{suffix}/ began with: bring that file back, or use another --tag")
+                        part = part.head(pinned.get(name, 0))
+                    answered.append((name, part))
+                if not any(part.n_records for _, part in answered):
                     raise Eagle3Error(f"--self: no answers in {out} yet: give --answer-minutes more, or make them with "
                                       "--stage answers where llama.cpp is")
+                if not started:
+                    pin_path.parent.mkdir(parents=True, exist_ok=True)
+                    pin_path.write_text(json.dumps({name: part.n_records for name, part in answered}))
+                answered = [part.record(i) for _, part in answered for i in range(part.n_records)]
                 records = TokenRecords.join([t for t, _ in answered], [m for _, m in answered])
             data = OnlineData.of(teacher, records, size.max_tokens, TOPK, own_answers=args.self_distill)
             made = OnlineSource("self" if args.self_distill else "sharegpt", str(teacher.device), data.n_records,
@@ -554,8 +567,9 @@ def v2(args) -> int:
         # online, every record counted costs a forward of the target (the vocab is counted on the first ones), but for
         # its own answers, which are its choices
         counted = data.head(ONLINE_VOCAB_RECORDS) if args.online and not args.self_distill else data
+        # --self: its own vocab per run (its answers are pinned per run); else one for the shared data
         vocab = cached_draft_vocab(counted, tgt.n_vocab, n_vocab,
-                                   out / f"vocab{'-self' if args.self_distill else ''}-{n_vocab}.npz")
+                                   out / f"vocab{suffix if args.self_distill else ''}-{n_vocab}.npz")
         log(f"draft vocab {vocab.size}: covers {vocab.coverage:.1%} of the target's choices")
         head_cfg = HeadConfig.for_target(tgt, vocab.size, N_FF, eagle31=args.eagle31)
         train_minutes = args.train_minutes

@@ -22,7 +22,7 @@ from eagle3_gguf import keys  # noqa: E402
 from eagle3_gguf.errors import Eagle3Error  # noqa: E402
 from eagle3_gguf.train.data import DataConfig, TokenRecords, load_dataset, teacher_forced_data  # noqa: E402
 from eagle3_gguf.train.loop import collate  # noqa: E402
-from eagle3_gguf.train.answers import first_turns, gguf_identity, self_distilled  # noqa: E402
+from eagle3_gguf.train.answers import answer_order, first_turns, gguf_identity, self_distilled  # noqa: E402
 from eagle3_gguf.train.torch_target import OnlineData, TorchTarget  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -159,7 +159,7 @@ def test_generate_answers_greedily_with_its_cache(tmp_path, tiny_target):
 def test_self_distilled_answers_first_turns_resumably(tmp_path, tiny_target):
     """first_turns takes each conversation's tokens before its first answer; self_distilled answers them
     shortest first (the same answers whatever the batches, one prompt a batch at least), keeps every batch on
-    disk, goes on after the answers there, refuses answers to other prompts, and returns the prompts' order."""
+    disk, goes on after the answers there, refuses answers to other prompts, and returns them in that order."""
     records = _records([30, 20, 40, 25], prompt=0)
     for r, start in enumerate((10, 14, 6, 8)):  # where each conversation's first answer starts
         records.mask[records.starts[r]:records.starts[r] + start] = False
@@ -173,8 +173,10 @@ def test_self_distilled_answers_first_turns_resumably(tmp_path, tiny_target):
     first, finished = self_distilled(target, prompts, path, 6, batch_rows=2, batch_tokens=1,  # one prompt a batch
                                      progress=lambda n, total, _s: seen.append((n, total)))
     assert finished and first.n_records == 3 and path.is_file() and seen == [(1, 3), (2, 3), (3, 3)]
-    for i, p in enumerate(prompts):
-        t, m = first.record(i)
+    order = answer_order(prompts)
+    assert order == [1, 2, 0]
+    for j, p in enumerate(prompts[i] for i in order):
+        t, m = first.record(j)
         assert np.array_equal(t[:len(p)], p) and not m[:len(p)].any() and m[len(p):].all() and len(t) == len(p) + 6
         assert np.array_equal(t[len(p):], target.generate([p], 6)[0])
     own = OnlineData.of(target, first, 64, 4, own_answers=True)  # its answers are its choices: counted, no forward

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -76,10 +77,15 @@ def _load(path: Path, prompts: list[np.ndarray], order: list[int], max_new: int,
     these prompts' order, with this cap, by this target; none when there is no file."""
     if not path.is_file():
         return []
-    with np.load(path) as z:
-        kept = TokenRecords(z["tokens"], z["starts"], z["mask"])
-        kept_order, kept_new = list(z["order"]), int(z["max_new"])
-        kept_by = str(z["target"]) if "target" in z else identity  # files from before the check
+    try:
+        with np.load(path) as z:
+            kept = TokenRecords(z["tokens"], z["starts"], z["mask"])
+            kept_order, kept_new = list(z["order"]), int(z["max_new"])
+            kept_by = str(z["target"]) if "target" in z else identity  # files from before the check
+        if len(kept_order) != kept.n_records or kept.starts[-1] != len(kept.tokens):
+            raise ValueError(f"{kept.n_records} records, {len(kept_order)} in its order")
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
+        raise Eagle3Error(f"{path}: not an answers file ({e}): delete it, or use another --out") from None
     if kept_new != max_new or kept_order != order[:len(kept_order)]:
         raise Eagle3Error(f"{path}: answers to other prompts or of another length: delete it, or use another --out")
     if kept_by != identity:
@@ -111,13 +117,9 @@ def _records(done: list[np.ndarray], prompts: list[np.ndarray], order: list[int]
 
 
 def _result(done: list[np.ndarray], prompts: list[np.ndarray], order: list[int]) -> tuple[TokenRecords, bool]:
-    """What an answerer returns: the records, in the prompts' order once every prompt is answered (else in answer
-    order), and whether every prompt is."""
-    finished = len(done) == len(order)
-    if finished:  # back to the prompts' order: the first records are not the shortest prompts' answers
-        at = np.argsort(order)
-        done, order = [done[i] for i in at], [order[i] for i in at]
-    return _records(done, prompts, order), finished
+    """What an answerer returns: the records in answer order (record j answers prompts[order[j]]: a prefix that
+    more answers only extend, so a training run can pin the first n), and whether every prompt is answered."""
+    return _records(done, prompts, order), len(done) == len(order)
 
 
 def self_distilled(target: TorchTarget, prompts: list[np.ndarray], path: Path, max_new: int, batch_rows: int,
@@ -125,8 +127,8 @@ def self_distilled(target: TorchTarget, prompts: list[np.ndarray], path: Path, m
                    progress: Progress | None = None) -> tuple[TokenRecords, bool]:
     """The torch target's greedy answers to the prompts (shortest first, at most batch_rows a batch and
     batch_tokens of prompt and answer columns), kept in `path` after every batch (a rerun goes on after the
-    answers there): the records and whether every prompt has its answer (`_result`). `progress` after every
-    batch."""
+    answers there): the records in answer order and whether every prompt has its answer (`_result`). `progress`
+    after every batch."""
     t0 = time.perf_counter()
     order = answer_order(prompts)
     done = _load(path, prompts, order, max_new, target.identity)
@@ -154,8 +156,8 @@ def llama_answers(model_path: str | Path, prompts: list[np.ndarray], path: Path,
     answered prefix kept in `path` every SAVE_EVERY_S and at the end (a rerun, here or with `self_distilled`,
     goes on after it; answers in flight when max_seconds passes are dropped). Returns as self_distilled does;
     `progress` after every save."""
+    from .. import tokens
     from ..native import Batch, Context, Model
-    from ..tokens import is_eog
 
     t0 = time.perf_counter()
     identity = gguf_identity(model_path)
@@ -172,6 +174,7 @@ def llama_answers(model_path: str | Path, prompts: list[np.ndarray], path: Path,
     ctx = Context(model, n_ctx=n_seq * per_seq, n_batch=n_batch, n_threads=n_threads, n_seq_max=n_seq,
                   kv_unified=False)  # a row attends over its own sequence only (data.generate_data's measure)
     batch = Batch(n_batch)
+    is_eog = tokens.eog_check(model)
     answers: dict[int, np.ndarray] = {}  # by position in `order`, past the saved prefix
     slots: list[_InFlight | None] = [None] * n_seq  # by sequence id
     nxt, n_loaded, saved_at = len(done), len(done), time.perf_counter()
@@ -207,7 +210,7 @@ def llama_answers(model_path: str | Path, prompts: list[np.ndarray], path: Path,
                     s = rows_seq[row]
                     a = slots[s]
                     a.answer.append(int(np.argmax(ctx.logits_ith(int(row)))))
-                    if is_eog(model, a.answer[-1]) or len(a.answer) >= max_new:
+                    if is_eog(a.answer[-1]) or len(a.answer) >= max_new:
                         answers[a.k] = np.concatenate([prompts[order[a.k]], a.answer]).astype(np.int32)
                         ctx.seq_rm(s, 0, -1)
                         slots[s] = None
