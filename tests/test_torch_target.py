@@ -312,11 +312,16 @@ def test_online_v2_trains_without_llama_cpp(tmp_path):
     n = int(answers["starts"][1])  # self.npz cut to its first answer: --answer-minutes 0 trains on what is there
     np.savez(tmp_path / "run" / "self.npz", tokens=answers["tokens"][:n], starts=answers["starts"][:2],
              mask=answers["mask"][:n], order=answers["order"][:1], max_new=16, target=answers["target"])
-    for extra in (["--answer-minutes", "0"], []):  # the second: training has begun, so its data stay as they were
-        r = subprocess.run(online + ["--self", "--tag", "am", *extra], capture_output=True, text=True, timeout=300)
+    for extra in (["--answer-minutes", "0"], [], None):  # then the run's answers are pinned: it answers no more,
+        if extra is None:  # and a file grown since (another machine's answers) changes nothing for it
+            np.savez(tmp_path / "run" / "self.npz", **{k: answers[k] for k in answers.files})
+        r = subprocess.run(online + ["--self", "--tag", "am", *(extra or [])], capture_output=True, text=True,
+                           timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         assert json.loads((tmp_path / "run" / "v2_summary-am-self.json").read_text())["data"]["records"] == 4 + 1
-        assert len(np.load(tmp_path / "run" / "self.npz")["starts"]) == 2
+        assert len(np.load(tmp_path / "run" / "self.npz")["starts"]) == (13 if extra is None else 2)
+    assert json.loads((tmp_path / "run" / "train-am-self" / "answers.json").read_text()) == {
+        "self-ours.npz": 4, "self.npz": 1}
     for name in ("self.npz", "self-ours.npz"):
         (tmp_path / "run" / name).rename(tmp_path / name)
     r = subprocess.run(online + ["--self", "--tag", "none", "--answer-minutes", "0"], capture_output=True, text=True,
