@@ -300,7 +300,9 @@ def test_online_v2_trains_without_llama_cpp(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPT), *run, "--stage", "answers"], capture_output=True, text=True,
                        timeout=300)  # llama.cpp answers here what --self answers, into the same files
     assert r.returncode == 0 and "answers (self-ours.npz, llama.cpp): 4/4" in r.stdout, r.stderr[-2000:]
-    answers, ours = np.load(tmp_path / "run" / "self.npz"), np.load(tmp_path / "run" / "self-ours.npz")
+    with np.load(tmp_path / "run" / "self.npz") as z:  # in memory: the file is rewritten below
+        answers = dict(z)
+    ours = np.load(tmp_path / "run" / "self-ours.npz")
     assert len(answers["starts"]) == 13 and 0 < answers["mask"].sum() <= 12 * 16
     assert len(ours["starts"]) == 5 and 0 < ours["mask"].sum() <= 4 * 16
     r = subprocess.run(online + ["--self"], capture_output=True, text=True, timeout=300)
@@ -314,7 +316,7 @@ def test_online_v2_trains_without_llama_cpp(tmp_path):
              mask=answers["mask"][:n], order=answers["order"][:1], max_new=16, target=answers["target"])
     for extra in (["--answer-minutes", "0"], [], None):  # then the run's answers are pinned: it answers no more,
         if extra is None:  # and a file grown since (another machine's answers) changes nothing for it
-            np.savez(tmp_path / "run" / "self.npz", **{k: answers[k] for k in answers.files})
+            np.savez(tmp_path / "run" / "self.npz", **answers)
         r = subprocess.run(online + ["--self", "--tag", "am", *(extra or [])], capture_output=True, text=True,
                            timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
