@@ -18,6 +18,7 @@ answers.self_distilled.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -84,7 +85,7 @@ class TorchTarget:
 
     def __init__(self, info: TargetInfo, g: GGUFFile, layers: list[int], device: torch.device):
         self.info, self.layers, self.device = info, list(layers), device
-        self.identity = gguf_identity(g.path)  # which GGUF answered (answers.self_distilled's check)
+        self.path = g.path
         self.n_head, self.n_head_kv = int(info.n_head), int(info.n_head_kv)
         self.head_dim = info.n_embd // self.n_head
         self.eps = float(info.rms_eps)
@@ -140,6 +141,11 @@ class TorchTarget:
             raise Eagle3Error(f"{name}: the torch target extracts 3 layer inputs in 0..{info.n_layer - 1}, "
                               f"not {list(layers)}: pick the head's layers of this target")
         return cls(info, g, layers, device)
+
+    @cached_property
+    def identity(self) -> str:
+        """Which GGUF answers (answers.self_distilled's check): hashed when first asked, not at every load."""
+        return gguf_identity(self.path)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
