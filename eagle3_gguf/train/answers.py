@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import time
 import zipfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -29,21 +28,13 @@ import numpy as np
 from ..errors import Eagle3Error
 from ..gguf_file import TargetInfo, read_gguf
 from .data import TokenRecords
+from .streams import Stream, decode, round_groups
 
 if TYPE_CHECKING:
     from .torch_target import TorchTarget
 
-SAVE_EVERY_S = 60.0  # llama_answers: seconds between saves of the answered prefix (and at the end)
+SAVE_EVERY_S = 60.0  # llama_answers: seconds between saves of the answered prefix where it grew
 Progress = Callable[[int, int, float], None]  # (prompts answered, prompts, seconds)
-
-
-@dataclass
-class _InFlight:
-    """One answer being made in a KV stream of llama_answers."""
-
-    k: int  # the prompt's position in the answer order
-    answer: list[int] = field(default_factory=list)
-    fed: int = 0  # tokens of prompt + answer in the stream
 
 
 def gguf_identity(path: str | Path) -> str:
@@ -154,9 +145,9 @@ def llama_answers(model_path: str | Path, prompts: list[np.ndarray], path: Path,
                   progress: Progress | None = None) -> tuple[TokenRecords, bool]:
     """llama.cpp's greedy answers to the prompts, each up to max_new tokens and ending with the first
     end-of-generation token (kept), as the torch target's: up to n_seq in flight, taken shortest first, the
-    answered prefix kept in `path` every SAVE_EVERY_S and at the end (a rerun, here or with `self_distilled`,
-    goes on after it; answers in flight when max_seconds passes are dropped). Returns as self_distilled does;
-    `progress` after every save."""
+    answered prefix kept in `path` every SAVE_EVERY_S where it grew, and at the end (a rerun, here or with
+    `self_distilled`, goes on after it; answers in flight when max_seconds passes are dropped). Returns as
+    self_distilled does; `progress` every SAVE_EVERY_S and at the end."""
     from .. import tokens
     from ..native import Batch, Context, Model
 
@@ -173,59 +164,40 @@ def llama_answers(model_path: str | Path, prompts: list[np.ndarray], path: Path,
     info = TargetInfo.from_gguf(read_gguf(model_path))
     model = Model(model_path, repack=info.repack_exact)  # repacked only where a row is computed alike in any batch
     ctx = Context(model, n_ctx=n_seq * per_seq, n_batch=n_batch, n_threads=n_threads, n_seq_max=n_seq,
-                  kv_unified=False)  # a row attends over its own sequence only (data.generate_data's measure)
+                  kv_unified=False)  # one KV stream per sequence (streams.py)
     batch = Batch(n_batch)
     is_eog = tokens.eog_check(model)
     answers: dict[int, np.ndarray] = {}  # by position in `order`, past the saved prefix
-    slots: list[_InFlight | None] = [None] * n_seq  # by sequence id
-    nxt, n_loaded, saved_at = len(done), len(done), time.perf_counter()
+    streams = [Stream(s) for s in range(n_seq)]  # a stream's key: its prompt's position in `order`
+    nxt, n_saved, saved_at = len(done), len(done), time.perf_counter()
     try:
-        while True:
-            over = max_seconds is not None and time.perf_counter() - t0 >= max_seconds
-            for s in range(n_seq):
-                if slots[s] is None and nxt < len(order) and not over:
-                    slots[s] = _InFlight(nxt)
+        while not (max_seconds is not None and time.perf_counter() - t0 >= max_seconds):
+            for s in streams:
+                if not s.busy and nxt < len(order):
+                    s.start(nxt, prompts[order[nxt]])
                     nxt += 1
-            live = [s for s in range(n_seq) if slots[s] is not None]
-            if not live or over:
+            groups = round_groups(streams)
+            if not groups:
                 break
-            # a new prompt's prefill alone; the running answers one row each, in sequence order (per-sequence KV
-            # streams keep a batch's rows in that order only)
-            new = [s for s in live if slots[s].fed == 0]
-            for group in [[s] for s in new] + [[s for s in live if slots[s].fed > 0]]:
-                if not group:
-                    continue
-                rows_tok, rows_pos, rows_seq, rows_out = [], [], [], []
+            for group in groups:
+                decode(ctx, batch, group)
                 for s in group:
-                    a = slots[s]
-                    feed = prompts[order[a.k]] if a.fed == 0 else a.answer[-1:]  # the prompt, or the last token
-                    rows_tok += list(feed)
-                    rows_pos += range(a.fed, a.fed + len(feed))
-                    rows_seq += [s] * len(feed)
-                    rows_out += [False] * (len(feed) - 1) + [True]
-                    a.fed += len(feed)
-                batch.set_rows(np.asarray(rows_tok, np.int32), np.asarray(rows_pos, np.int32),
-                               np.asarray(rows_seq, np.int32), np.asarray(rows_out))
-                ctx.decode(batch)
-                for row in np.flatnonzero(rows_out):
-                    s = rows_seq[row]
-                    a = slots[s]
-                    a.answer.append(int(np.argmax(ctx.logits_ith(int(row)))))
-                    if is_eog(a.answer[-1]) or len(a.answer) >= max_new:
-                        answers[a.k] = np.concatenate([prompts[order[a.k]], a.answer]).astype(np.int32)
-                        ctx.seq_rm(s, 0, -1)
-                        slots[s] = None
+                    if is_eog(s.tokens[-1]) or s.n_answer >= max_new:
+                        answers[s.key] = np.asarray(s.tokens, np.int32)
+                        s.stop(ctx)
             while len(done) in answers:
                 done.append(answers.pop(len(done)))
             if time.perf_counter() - saved_at >= SAVE_EVERY_S:
-                _save(path, done, prompts, order, max_new, identity)
+                if len(done) > n_saved:  # the prefix grew
+                    _save(path, done, prompts, order, max_new, identity)
+                    n_saved = len(done)
                 saved_at = time.perf_counter()
                 if progress is not None:
                     progress(len(done), len(order), saved_at - t0)
     finally:
         for owner in (batch, ctx, model):
             owner.close()
-    if len(done) > n_loaded:
+    if len(done) > n_saved:
         _save(path, done, prompts, order, max_new, identity)
     if progress is not None:
         progress(len(done), len(order), time.perf_counter() - t0)

@@ -6,8 +6,8 @@ inference (same `TargetFeatures` code path), in one of two regimes:
   prefilled in batches of rows; besides the features, the target's own next-token distribution at
   every position is kept as top-k soft labels. No sequential generation.
 
-Several sequences are in flight at once through one target context (n_seq_max = S, unified KV cache):
-each step decodes one batch holding the new prompts' prefill rows and one row per running answer.
+Self-distillation answers n_seq prompts at once through one target context, each in its own KV stream
+(streams.py): a new prompt's prefill is decoded alone, the running answers one row each, together.
 Finished sequences are written to shards of `shard_NNNNN.npz`:
 
     tokens   [n_tok] int32        prompt + answer tokens of the shard's records, concatenated
@@ -40,6 +40,7 @@ import numpy as np
 from ..errors import Eagle3Error
 from ..gguf_file import TargetInfo, read_gguf
 from .prompts import Prompt
+from .streams import Stream, decode, round_groups
 
 # llama.cpp is imported where data is made, not where it is read: a machine with torch and no llama-cpp-python
 # trains on torch_target's data
@@ -149,13 +150,12 @@ class Progress:
 
 
 @dataclass
-class _Slot:
-    seq: int
-    index: int = -1  # prompt index; -1 when idle
-    tokens: list[int] = field(default_factory=list)
-    feats: list[np.ndarray] = field(default_factory=list)
-    n_prompt: int = 0
-    n_fed: int = 0  # tokens already decoded
+class _Slot(Stream):
+    feats: list[np.ndarray] = field(default_factory=list)  # [rows, 3 * n_embd_tgt] per decode of this answer
+
+    def start(self, key: int, prompt: list[int]) -> None:
+        super().start(key, prompt)
+        self.feats = []
 
 
 @dataclass
@@ -225,37 +225,19 @@ def stored(feats: np.ndarray) -> np.ndarray:
     return feats.astype(np.float16 if fits else np.float32)
 
 
-def _step(model: Model, ctx: Context, extract: TargetFeatures, batch: Batch, group: list[_Slot],
-          writer: _ShardWriter, config: DataConfig, n_ctx_seq: int) -> tuple[int, int]:
-    """Decode every slot's tokens not yet decoded (output on each slot's last row), keep their features,
-    append the target's greedy choice; finished records go to the writer. Returns (rows, new tokens)."""
-    from ..tokens import is_eog
-
-    rows_tok, rows_pos, rows_seq, rows_out, spans = [], [], [], [], []
-    for slot in group:
-        new = slot.tokens[slot.n_fed:]
-        start = len(rows_tok)
-        rows_tok += new
-        rows_pos += range(slot.n_fed, slot.n_fed + len(new))
-        rows_seq += [slot.seq] * len(new)
-        rows_out += [False] * (len(new) - 1) + [True]
-        spans.append((slot, start, len(new)))
-    batch.set_rows(np.asarray(rows_tok, np.int32), np.asarray(rows_pos, np.int32), np.asarray(rows_seq, np.int32),
-                   np.asarray(rows_out))
-    ctx.decode(batch)
-    feats = extract.gather(len(rows_tok))  # [n_rows, 3 * n_embd_tgt]
-    for slot, start, n in spans:
-        slot.feats.append(stored(feats[start:start + n]))
-        slot.n_fed += n
-        choice = int(np.argmax(ctx.logits_ith(start + n - 1)))  # row index in the batch
-        slot.tokens.append(choice)
-        n_answer = len(slot.tokens) - slot.n_prompt
-        if is_eog(model, choice) or n_answer >= config.max_new or len(slot.tokens) >= n_ctx_seq - 1:
+def _step(ctx: Context, extract: TargetFeatures, batch: Batch, group: list[_Slot], writer: _ShardWriter,
+          config: DataConfig, n_ctx_seq: int, is_eog: Callable[[int], bool]) -> tuple[int, int]:
+    """Decode the group (streams.decode), keep its rows' features; finished records go to the writer. Returns
+    (rows, new tokens)."""
+    starts = decode(ctx, batch, group)
+    feats = extract.gather(starts[-1])  # [n_rows, 3 * n_embd_tgt]
+    for slot, a, b in zip(group, starts, starts[1:]):
+        slot.feats.append(stored(feats[a:b]))
+        if is_eog(slot.tokens[-1]) or slot.n_answer >= config.max_new or len(slot.tokens) >= n_ctx_seq - 1:
             f = np.concatenate(slot.feats + [np.zeros((1, feats.shape[1]), np.float16)])
-            writer.add(slot.index, slot.tokens, f, slot.n_prompt)  # f: [n_tok, 3 * n_embd_tgt]
-            ctx.seq_rm(slot.seq, 0, -1)
-            slot.index = -1
-    return len(rows_tok), len(spans)
+            writer.add(slot.key, slot.tokens, f, slot.n_prompt)  # f: [n_tok, 3 * n_embd_tgt]
+            slot.stop(ctx)
+    return starts[-1], len(group)
 
 
 def _open_manifest(out: Path, target_path: str | Path, model: Model, config: DataConfig, prompts_source: str,
@@ -304,7 +286,7 @@ def generate_data(target_path: str | Path, prompts: list[Prompt], out: str | Pat
     `n_prompts_done` counts a prefix of `prompts` whose answers are all on disk."""
     from ..extract import TargetFeatures
     from ..native import Batch, Context
-    from ..tokens import chat_tokens, tokenize
+    from ..tokens import chat_tokens, eog_check, tokenize
 
     out = Path(out)
     S = config.n_seq
@@ -313,12 +295,12 @@ def generate_data(target_path: str | Path, prompts: list[Prompt], out: str | Pat
     model, capture = _open_target(target_path, config, n_batch)  # before anything is written
     manifest = _open_manifest(out, target_path, model, config, prompts_source, "self")
     ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=config.n_threads, n_seq_max=S,
-                  kv_unified=False,  # a row attends over its own sequence only: 2.5x the tok/s of one cache
-                  capture=capture)
+                  kv_unified=False, capture=capture)  # one KV stream per sequence (streams.py)
     extract = TargetFeatures(ctx, config.layers)
     batch = Batch(n_batch)
     writer = _ShardWriter(out, manifest)
     slots = [_Slot(s) for s in range(S)]
+    is_eog = eog_check(model)
     next_index = manifest.n_prompts_done
     skip = set(manifest.done_after)
     t0 = time.perf_counter()
@@ -327,35 +309,30 @@ def generate_data(target_path: str | Path, prompts: list[Prompt], out: str | Pat
     try:
         while not stop:
             for slot in slots:  # refill idle slots
-                while slot.index < 0 and next_index < len(prompts):
+                while not slot.busy and next_index < len(prompts):
                     if next_index in skip:
                         next_index += 1
                         continue
                     text = prompts[next_index].text
                     toks = chat_tokens(model, text) if config.chat else tokenize(model, text)
                     if len(toks) <= config.max_prompt:
-                        slot.index, slot.tokens, slot.feats, slot.n_prompt, slot.n_fed = next_index, toks, [], \
-                            len(toks), 0
+                        slot.start(next_index, toks)
                     else:
                         writer.done.add(next_index)
                     next_index += 1
-            active = [s for s in slots if s.index >= 0]
-            if not active:
+            groups = round_groups(slots)
+            if not groups:
                 break
-            # A new prompt's prefill is decoded on its own; the running answers (one row each, in sequence
-            # order) together. Per-sequence KV streams keep rows in batch order only this way (see Context).
-            running = [s for s in active if len(s.tokens) - s.n_fed == 1]
-            groups = [[s] for s in active if len(s.tokens) - s.n_fed > 1] + ([running] if running else [])
             for group in groups:
-                n_rows, n_new = _step(model, ctx, extract, batch, group, writer, config, n_ctx // S)
+                n_rows, n_new = _step(ctx, extract, batch, group, writer, config, n_ctx // S, is_eog)
                 run_tokens += n_rows
                 run_answer += n_new
             stop = writer.over_budget(config, t0)
             if writer.n_tok >= config.shard_tokens or stop:
-                pending = [s.index for s in slots if s.index >= 0]  # unfinished ones are redone on resume
+                pending = [s.key for s in slots if s.busy]  # unfinished ones are redone on resume
                 writer.flush(min(pending) if pending else next_index)
             if progress is not None:
-                progress(Progress(next_index - sum(s.index >= 0 for s in slots), len(prompts), run_tokens,
+                progress(Progress(next_index - sum(s.busy for s in slots), len(prompts), run_tokens,
                                   run_answer, time.perf_counter() - t0))
             if stop:
                 break
