@@ -58,8 +58,9 @@ from . import rpc
 from .config import DraftConfig
 from .decode import spec_sampling_label
 from .errors import Eagle3Error
+from .gguf_file import HeadInfo, TargetInfo
 from .native import CACHE_TYPES, Context, Model, batch_invariant_cache
-from .pair import Pair, PairConfig, load_pair
+from .pair import Pair, PairConfig, load_pair, read_pair
 from .session import Eagle3Session
 from .spec_sampling import RejectionSampler, Transform
 from .speculator import Cycle, RunHooks, Speculator
@@ -140,13 +141,6 @@ def _check_chains(config: DraftConfig) -> None:
                           "tree needs several): set draft_topk to 1; `eagle3-gguf generate --draft-topk` drafts trees")
 
 
-def _check_target(model_path: str) -> None:
-    """A target whose hidden states only eagle3-gguf's own contexts capture is refused here."""
-    from .gguf_file import TargetInfo, read_gguf
-
-    TargetInfo.from_gguf(read_gguf(model_path)).require_hook()
-
-
 class Eagle3Llama(Llama):
     """`llama_cpp.Llama(model_path=..., **kwargs)` plus an EAGLE-3 head (`draft_model_path`)."""
 
@@ -172,12 +166,13 @@ class Eagle3Llama(Llama):
         kwargs.setdefault("flash_attn", True)  # see EXACTNESS
         kwargs.setdefault("type_v", CACHE_TYPES["bf16"])
         self._e3_rpc = (rpc_servers, rpc_backend)
-        _check_target(model_path)  # before llama-cpp-python loads it
+        infos = read_pair(model_path, draft_model_path)  # a wrong pair fails in one line before the target loads,
+        infos[0].require_hook()  # as a target whose states only eagle3-gguf's own contexts capture
         if rpc_servers:  # registered before Llama loads the target, so that llama.cpp places it there
             rpc.connect(rpc.parse_servers(rpc_servers), rpc_backend)
         super().__init__(model_path=model_path, **kwargs)
         try:
-            self._eagle3_setup(draft_model_path, config, n_gpu_layers_draft)
+            self._eagle3_setup(draft_model_path, config, n_gpu_layers_draft, infos)
         except BaseException:
             self.close()
             raise
@@ -198,7 +193,8 @@ class Eagle3Llama(Llama):
             scores[:self.scores.shape[0]] = self.scores
             self.scores = scores
 
-    def _eagle3_setup(self, head_path: str | Path, config: DraftConfig, n_gpu_layers_draft: int | None) -> None:
+    def _eagle3_setup(self, head_path: str | Path, config: DraftConfig, n_gpu_layers_draft: int | None,
+                      infos: tuple[TargetInfo, HeadInfo] | None = None) -> None:
         if self.draft_model is not None:
             raise Eagle3Error("this Llama already has a draft_model (prompt lookup); create it without one")
         if self.context_params.embeddings:
@@ -229,7 +225,7 @@ class Eagle3Llama(Llama):
         pair_config = PairConfig(n_ctx=self._n_ctx, n_batch=self.n_batch, n_threads=cp.n_threads,
                                  n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft)
         self._e3_pair: Pair | None = load_pair(self.model_path, head_path, pair_config, target_model=model,
-                                               target_ctx=target)
+                                               target_ctx=target, infos=infos)
         self._e3_spec: Speculator | None = None
         try:
             self._e3_spec = self._e3_pair.speculator()

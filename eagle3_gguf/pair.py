@@ -119,10 +119,12 @@ class Pair:
 
 
 def load_pair(target_path: str | Path, head_path: str | Path, config: PairConfig = PairConfig(),
-              target_model: Model | None = None, target_ctx: Context | None = None) -> Pair:
+              target_model: Model | None = None, target_ctx: Context | None = None,
+              infos: tuple[TargetInfo, HeadInfo] | None = None) -> Pair:
     """Check, then load both models and make the contexts. An existing target model/context
-    (e.g. from llama_cpp.Llama) may be passed in to be shared instead of loaded again."""
-    target_info, head_info = read_pair(target_path, head_path)
+    (e.g. from llama_cpp.Llama) may be passed in to be shared instead of loaded again, and the pair's
+    headers where the caller has read them already (`read_pair`)."""
+    target_info, head_info = infos or read_pair(target_path, head_path)
     type_k, type_v = cache_type(config.cache_type_k), cache_type(config.cache_type_v)
     threads = config.n_threads or default_threads()
     opened: list = []
