@@ -30,22 +30,20 @@ on its own answers (the regime that trained the better heads per CPU-hour: the m
 llama.cpp answer the same prompts into the same files on this machine (resumable, within --budget-minutes), so that
 a GPU's minutes train. That is the route on a lent GPU machine (device tool: 10-minute calls carrying at most 64 MiB
 with the ~21 MiB tree, nothing fetched there, runs/ kept while warm):
-  1. Here: `python scripts/train_smollm2.py --v2 --stage prepare` (runs/smollm2-v2/sharegpt/, ~18 MB, tokenized
-     and checked against the benchmarks; and ours.npz, 0.8 MB: our first 5,103 prompts, which --self answers first
-     for the code ShareGPT's first turns lack), then `--v2 --stage answers --budget-minutes N` as long as the CPU
-     can, the gguf wheel (pure Python; the image has pyyaml, numpy, torch) and the target GGUF (SmolLM2 Q4_1, 94 MiB)
-     split in three ignored folders of <= 40 MiB (`split -b 40M`).
-  2. Calls in a row (its idle release is 30 s), each carrying one part (and one carrying the answers made before,
-     self*.npz), each copying it to /tmp/parts; the last also carries the gguf wheel, runs/smollm2-v2/sharegpt and
-     ours.npz, joins the parts (`cat`, then `sha256sum -c`), installs the wheel and this package (`pip install
-     --no-index --no-deps --no-build-isolation --target /tmp/site WHEEL .`), runs `PYTHONPATH=/tmp/site python
-     scripts/train_smollm2.py --v2 --online [--self [--answer-minutes M]] --target SMOLLM2.gguf --budget-minutes N`
-     (N: the minutes left; training takes what the answers and the vocab pass leave of them, less 1.5 for the head
-     file) and copies the head file, self*.npz and the vocab to $OUT. Without --answer-minutes the answers may take
-     a call of their own (exit 75 with the answers kept): rerun the command while the machine is warm, or carry
-     self*.npz to the next one. Measured on an H100 (bench/NOTES head-v2-h100): the vocab pass over 4,000 recorded
-     conversations 96 s (none with --self: its answers are the target's choices), training 27,900 positions/s,
-     answers 7,000 tokens/s at half today's batch (all 14,486 first turns: ~7.5 minutes at that rate).
+  1. Here: `python scripts/pack_gpu.py` runs `--v2 --stage prepare` where its outputs are missing (runs/smollm2-v2/
+     sharegpt/, ~18 MB, tokenized and checked against the benchmarks; ours.npz, 0.8 MB: our first 5,103 prompts,
+     which --self answers first for the code ShareGPT's first turns lack), splits the target GGUF (SmolLM2 Q4_1,
+     94 MiB) into three ignored carry folders (.gpu/m1..m3) beside the gguf wheel, and prints the calls.
+  2. Those calls in a row (its idle release is 30 s): two copy the first parts to /tmp/parts; the last runs
+     `bash scripts/gpu_train_v2.sh MINUTES --self --answer-minutes M`, which joins and checks the target, installs
+     the wheel and this package into /tmp/site, runs `--v2 --online --target /tmp/smol.gguf --budget-minutes
+     MINUTES` with the options after MINUTES (training takes what the answers leave of the minutes, less 1.5 for
+     the head file) and copies the head file, self*.npz, the vocab and the log to $OUT; exit 75: rerun it while
+     the machine is warm. Answers made here with `--stage answers` live in runs/, which a new checkout lacks: only
+     the session that made them can carry them (`pack_gpu.py --answers`: one more call). Measured on an H100
+     (bench/NOTES head-v2-h100): the vocab pass over 4,000 recorded conversations 96 s (none with --self: its
+     answers are the target's choices), training 27,900 positions/s, answers 7,000 tokens/s at half today's batch
+     (all 14,486 first turns: ~7.5 minutes at that rate).
 
 It builds upstream's tools first where they are missing (scripts/build_upstream.py: llama-quantize
 makes the Q4_0 data model; the benchmark runs upstream beside ours). The run lands in runs/smollm2/

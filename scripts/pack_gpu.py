@@ -1,0 +1,115 @@
+#!/usr/bin/env python
+"""Pack what head v2's lent GPU call needs into ignored carry folders, from a fresh checkout, and print the calls.
+
+    python scripts/pack_gpu.py [--answers] [--minutes 9.5] [--answer-minutes 4]
+
+A device call carries at most 64 MiB with the working tree (~23 MiB: the shipped head is half of it), and nothing
+is fetched there, so the 94 MiB target travels in three parts (`.gpu/m1`, `.gpu/m2`, `.gpu/m3`; 40 MiB each at
+most), the last beside the gguf wheel (pure Python; the machine's image has numpy, torch, safetensors, typer) and
+the target's sha256. `--stage prepare`'s outputs (runs/smollm2-v2/sharegpt, ours.npz) are made here first where
+missing. `--answers` also packs the answers this machine made (`--stage answers`: self-ours.npz, self.npz) for a
+call of their own: they live in runs/, which a new checkout does not have, so only a session that made them can.
+
+The calls it prints: two that copy the first parts to /tmp/parts (the first starts the machine), then
+`bash scripts/gpu_train_v2.sh MINUTES --self --answer-minutes M` (join, check, install, answer, train, export; exit
+75 while work is left: rerun it while the machine is warm). The device's minutes are the budget: `status` first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+PACK = ROOT / ".gpu"
+RUN = ROOT / "runs" / "smollm2-v2"
+PART_BYTES = 40 << 20
+CALL_LIMIT = 64 << 20  # what one call carries, the working tree included
+PARTS = ("m1", "m2", "m3")
+ANSWERS = ("self-ours.npz", "self.npz")
+
+
+def tree_bytes() -> int:
+    """What travels with every call: tracked files and untracked ones git does not ignore."""
+    names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           check=True, capture_output=True).stdout.split(b"\0")
+    return sum((ROOT / n.decode()).stat().st_size for n in names if n and (ROOT / n.decode()).is_file())
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
+
+
+def split_target(target: Path) -> str:
+    """The target in three parts, one per carry folder; its sha256 beside the last part."""
+    digest = hashlib.sha256()
+    with open(target, "rb") as f:
+        for i, name in enumerate(PARTS):
+            (PACK / name).mkdir(parents=True, exist_ok=True)
+            chunk = f.read(PART_BYTES)
+            digest.update(chunk)
+            (PACK / name / f"smol.part{i}").write_bytes(chunk)
+        if f.read(1):
+            raise SystemExit(f"error: {target} is over {len(PARTS) * PART_BYTES} bytes: more parts are needed")
+    (PACK / "m3" / "smol.gguf.sha256").write_text(f"{digest.hexdigest()}  smol.gguf\n")
+    return digest.hexdigest()
+
+
+def gguf_wheel() -> Path:
+    """The installed gguf package's wheel (pure Python), downloaded into .gpu/m3."""
+    version = metadata.version("gguf")
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "-d", str(PACK / "m3"), f"gguf=={version}"], check=True)
+    wheels = sorted((PACK / "m3").glob("gguf-*.whl"))
+    if len(wheels) != 1:
+        raise SystemExit(f"error: expected one gguf wheel in {PACK / 'm3'}, found {len(wheels)}")
+    return wheels[0]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--answers", action="store_true", help="also pack runs/smollm2-v2/self*.npz for a call of their own")
+    ap.add_argument("--minutes", type=float, default=9.5, help="the training call's budget (at most 10)")
+    ap.add_argument("--answer-minutes", type=float, default=4.0, help="how long that call answers before it trains")
+    args = ap.parse_args()
+
+    from eagle3_gguf.assets import smollm2_path
+
+    if not (RUN / "sharegpt").is_dir() or not (RUN / "ours.npz").is_file():
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "train_smollm2.py"), "--v2", "--stage", "prepare"],
+                       check=True)
+    shutil.rmtree(PACK, ignore_errors=True)
+    digest = split_target(smollm2_path())
+    wheel = gguf_wheel()
+    calls = [([".gpu/m1"], "mkdir -p /tmp/parts && cp .gpu/m1/smol.part0 /tmp/parts/"),
+             ([".gpu/m2"], "cp .gpu/m2/smol.part1 /tmp/parts/")]
+    if args.answers:
+        found = [RUN / n for n in ANSWERS if (RUN / n).is_file()]
+        if not found:
+            raise SystemExit(f"error: --answers: no {' or '.join(ANSWERS)} in {RUN}: make them with "
+                             "scripts/train_smollm2.py --v2 --stage answers, or leave out --answers")
+        (PACK / "answers").mkdir()
+        for f in found:
+            shutil.copy2(f, PACK / "answers" / f.name)
+        # runs/ is kept in the machine's copy of the repository while it is warm
+        calls.append(([".gpu/answers"], "mkdir -p runs/smollm2-v2 && cp .gpu/answers/*.npz runs/smollm2-v2/"))
+    calls.append(([".gpu/m3", "runs/smollm2-v2/sharegpt", "runs/smollm2-v2/ours.npz"],
+                  f"bash scripts/gpu_train_v2.sh {args.minutes:g} --self --answer-minutes {args.answer_minutes:g}"))
+    tree = tree_bytes()
+    print(f"target sha256 {digest[:16]}, {wheel.name}; the working tree carries {tree / 2**20:.1f} MiB each call")
+    for i, (carry, command) in enumerate(calls, 1):
+        size = tree + sum(folder_bytes(ROOT / c) for c in carry)
+        if size > CALL_LIMIT:
+            raise SystemExit(f"error: call {i} would carry {size / 2**20:.1f} MiB, over 64 MiB: carry less")
+        print(f"call {i} ({size / 2**20:.1f} MiB): carry {carry}\n    {command}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
