@@ -27,12 +27,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from eagle3_gguf.assets import smollm2_path  # noqa: E402
+from eagle3_gguf.errors import Eagle3Error  # noqa: E402
+
 PACK = ROOT / ".gpu"
 RUN = ROOT / "runs" / "smollm2-v2"
 PART_BYTES = 37 << 20  # the three calls about even: ~58-59 MiB each with today's tree
 CALL_LIMIT = 64 << 20  # what one call carries, the working tree included
 PARTS = ("m1", "m2", "m3")
 ANSWERS = ("self-ours.npz", "self.npz")
+
+
+class PackError(Exception):
+    """A one-line reason the pack cannot be made (exit 2)."""
 
 
 def tree_bytes() -> int:
@@ -56,7 +63,7 @@ def split_target(target: Path) -> str:
             digest.update(chunk)
             (PACK / name / f"smol.part{i}").write_bytes(chunk)
         if f.read(1):
-            raise SystemExit(f"error: {target} is over {len(PARTS) * PART_BYTES} bytes: more parts are needed")
+            raise PackError(f"{target} is over {len(PARTS) * PART_BYTES} bytes: more parts are needed")
     (PACK / "m3" / "smol.gguf.sha256").write_text(f"{digest.hexdigest()}  smol.gguf\n")
     return digest.hexdigest()
 
@@ -64,36 +71,30 @@ def split_target(target: Path) -> str:
 def gguf_wheel() -> Path:
     """The installed gguf package's wheel (pure Python), downloaded into .gpu/m3."""
     version = metadata.version("gguf")
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                    "-d", str(PACK / "m3"), f"gguf=={version}"], check=True)
+    got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                          "-d", str(PACK / "m3"), f"gguf=={version}"])
     wheels = sorted((PACK / "m3").glob("gguf-*.whl"))
-    if len(wheels) != 1:
-        raise SystemExit(f"error: expected one gguf wheel in {PACK / 'm3'}, found {len(wheels)}")
+    if got.returncode or len(wheels) != 1:
+        raise PackError(f"pip could not download gguf=={version}'s wheel into {PACK / 'm3'}: check the package index")
     return wheels[0]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--answers", action="store_true", help="also pack runs/smollm2-v2/self*.npz for a call of their own")
-    ap.add_argument("--minutes", type=float, default=9.5, help="the training call's budget (at most 10)")
-    ap.add_argument("--answer-minutes", type=float, default=4.0, help="how long that call answers before it trains")
-    args = ap.parse_args()
-
-    from eagle3_gguf.assets import smollm2_path
-
+def pack(args: argparse.Namespace) -> None:
+    """Make the carry folders and print the calls."""
+    found = [RUN / n for n in ANSWERS if (RUN / n).is_file()]
+    if args.answers and not found:
+        raise PackError(f"--answers: no {' or '.join(ANSWERS)} in {RUN}: make them with "
+                        "scripts/train_smollm2.py --v2 --stage answers, or leave out --answers")
     if not (RUN / "sharegpt").is_dir() or not (RUN / "ours.npz").is_file():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "train_smollm2.py"), "--v2", "--stage", "prepare"],
-                       check=True)
+        prepare = [sys.executable, str(ROOT / "scripts" / "train_smollm2.py"), "--v2", "--stage", "prepare"]
+        if subprocess.run(prepare).returncode:
+            raise PackError("preparing the conversations failed (above): fix that, then pack again")
     shutil.rmtree(PACK, ignore_errors=True)
     digest = split_target(smollm2_path())
     wheel = gguf_wheel()
     calls = [([".gpu/m1"], "mkdir -p /tmp/parts && cp .gpu/m1/smol.part0 /tmp/parts/"),
              ([".gpu/m2"], "cp .gpu/m2/smol.part1 /tmp/parts/")]
     if args.answers:
-        found = [RUN / n for n in ANSWERS if (RUN / n).is_file()]
-        if not found:
-            raise SystemExit(f"error: --answers: no {' or '.join(ANSWERS)} in {RUN}: make them with "
-                             "scripts/train_smollm2.py --v2 --stage answers, or leave out --answers")
         (PACK / "answers").mkdir()
         for f in found:
             shutil.copy2(f, PACK / "answers" / f.name)
@@ -106,10 +107,26 @@ def main() -> int:
     for i, (carry, command) in enumerate(calls, 1):
         size = tree + sum(folder_bytes(ROOT / c) for c in carry)
         if size > CALL_LIMIT:
-            raise SystemExit(f"error: call {i} would carry {size / 2**20:.1f} MiB, over 64 MiB: carry less")
+            raise PackError(f"call {i} would carry {size / 2**20:.1f} MiB, over 64 MiB: carry less")
         print(f"call {i} ({size / 2**20:.1f} MiB): carry {carry}\n    {command}")
-    return 0
 
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--answers", action="store_true", help="also pack runs/smollm2-v2/self*.npz for a call of their own")
+    ap.add_argument("--minutes", type=float, default=9.5, help="the training call's budget (at most 10)")
+    ap.add_argument("--answer-minutes", type=float, default=4.0, help="how long that call answers before it trains")
+    args = ap.parse_args()
+    if not 0 < args.answer_minutes < args.minutes <= 10:
+        print("error: --answer-minutes must be under --minutes, and --minutes at most 10 (one device call)",
+              file=sys.stderr)
+        return 2
+    try:
+        pack(args)
+    except (PackError, Eagle3Error) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())
