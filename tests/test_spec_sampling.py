@@ -503,7 +503,9 @@ def test_smollm2_trees_under_rejection_sampling_are_target_only_sampling(smollm2
         exact = exact_prefixes(pair.target, prompt, Sampler(**sampling).transform, 3, eog=pair.target_model)
         with Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
             draws = decode_many(s, d, prompt, 400, "rejection", sampling, draft_topk=2, draft_nodes=4)
-    assert draws.tree_cycles > 200 and draws.accepted > 0.1 * draws.drafted  # (a last cycle may be a chain)
+    # a tree in a quarter of the draws at least (a last cycle may be a chain; a head that drafts better needs fewer
+    # cycles for the 4 tokens: the head shipped before stage 3 took 200-odd tree cycles here, stage 3's 192)
+    assert draws.tree_cycles > 100 and draws.accepted > 0.1 * draws.drafted
     assert chi_square_cells(draws.counts, exact) > 0.01
 
 
