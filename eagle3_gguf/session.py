@@ -309,6 +309,12 @@ class Eagle3Session:
     def _drop_rows(self) -> None:
         self.aside.clear()
 
+    @property
+    def can_seed(self) -> bool:
+        """Whether a draft has a row to start from: one processed, or rows set aside (catch_up encodes them).
+        Not after a reset or a cut until a kept row, where every row since was skipped."""
+        return self.pending_pos >= 0 or len(self.aside) > 0
+
     def catch_up(self) -> None:
         """Encode the rows set aside and queue their decoder pairs (token[p+1], g[p]); the last row's g
         waits for the next token as the deferred pair."""

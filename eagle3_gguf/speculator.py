@@ -298,6 +298,10 @@ class Speculator:
                 st.t_lookup += time.perf_counter() - t
             if found is None:
                 k = policy.plan(k_cap)
+        # every row skipped since a reset or a cut (a new prompt sharing a prefix) leaves the head nothing to seed a
+        # draft from: the cycle is plain, and its row is kept for the next
+        seedless = session is not None and found is None and not session.can_seed
+        k = 0 if seedless else k
         if k == 0 and found is None and rejection is None and not redo:
             # A plain cycle, the common one: it runs right after the target's graph has pushed everything
             # out of the caches, so it touches as little as it can (each step here costs microseconds).
@@ -312,7 +316,7 @@ class Speculator:
             if session is not None:
                 st.accept_hist[0] += 1  # st.record_cycle(0, 0)
                 t = time.perf_counter()
-                if policy.keep_rows:
+                if policy.keep_rows or seedless:
                     session.keep(rows, pos)
                 else:
                     session.skip(rows, pos)
@@ -375,7 +379,7 @@ class Speculator:
             if draft is not None and found is None:  # the head ran: its speculative entries go
                 session.accept(n_acc)
             feats = None if feat_rows is None else session.features(feat_rows[-1] + 1, rows=np.asarray(feat_rows))
-            if policy.keep_rows:
+            if policy.keep_rows or seedless:
                 session.keep(kept, pos, feats)
             else:
                 session.skip(kept, pos)

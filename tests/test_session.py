@@ -252,3 +252,27 @@ def test_a_plain_cycles_row_is_set_aside_bit_for_bit(tiny_pair):
         with pytest.raises(Eagle3Error, match=f"layer {missing[0]} input was not extracted"):
             target.copy_row(0, [missing[0]], row.ctypes.data)
         target.clear()
+
+
+def test_a_draft_with_nothing_to_seed_from_is_a_plain_cycle_that_keeps_its_row(tiny_pair):
+    """Where every row since a reset was skipped (a new prompt sharing a prefix, then plain cycles the head did
+    not read), the head has nothing to start a draft from: the cycle the policy wanted to draft in runs plain and
+    keeps its row, and the next one drafts. Over RPC this raised 'draft() before process()' mid-benchmark."""
+    from eagle3_gguf.policy import FixedPolicy
+    from eagle3_gguf.speculator import Speculator
+    from eagle3_gguf.stats import SpecStats
+
+    target = tiny_pair.target
+    prompt = tokenize(tiny_pair.target_model, PROMPTS[0])
+    with Eagle3Session(target, tiny_pair.head) as s, Speculator(target, s, owns_session=False) as spec:
+        spec.clear_target()
+        s.reset()
+        spec.prefill(prompt, 0, feed_head=False)  # the head reads none of it
+        assert s.pending_pos < 0 and not len(s.aside)
+        pick = lambda _rows, _pos, i: int(target.logits_ith(i).argmax())  # noqa: E731
+        st, policy = SpecStats(draft_max=2), FixedPolicy(2)
+        first = spec.cycle(policy, pick(None, 0, len(prompt) - 1), len(prompt), 4, pick, st)
+        assert len(first.rows) == 1 and first.n_acc == 0 and st.n_drafted == 0
+        assert s.can_seed and len(s.aside) == 1
+        spec.cycle(policy, first.out[-1], len(prompt) + 1, 4, pick, st)
+        assert st.n_drafted == 2
