@@ -212,28 +212,25 @@ def stage3(head: Path, data_minutes: float, train_minutes: float, tag: str | Non
 
     target = Path(smollm2_path())
     t_end = time.monotonic() + 60 * data_minutes
-    sets = {"sharegpt": (lambda: first_prompts(sharegpt_path(), FilterConfig(max_tokens=2048), contamination_texts(),
-                                               limit=STAGE3_SHAREGPT_PROMPTS), "sharegpt first user turns, train split"),
-            "balanced": (lambda: build_prompts(N_PROMPTS, 0, "balanced")[:STAGE3_BALANCED_PROMPTS],
-                         source("balanced", 0))}
+    n_share, n_ours = STAGE3_SHAREGPT_PROMPTS, STAGE3_BALANCED_PROMPTS
+    sets = {"sharegpt": (n_share, lambda: first_prompts(sharegpt_path(), FilterConfig(max_tokens=2048),
+                                                        contamination_texts(), limit=n_share),
+                         "sharegpt first user turns, train split"),
+            "balanced": (n_ours, lambda: build_prompts(N_PROMPTS, 0, "balanced")[:n_ours], source("balanced", 0))}
     folders = {name: STAGE3_RUN / name for name in sets}
-    for name, (prompts_of, prompts_source) in sets.items():
+    for name, (count, prompts_of, prompts_source) in sets.items():
         out = folders[name]
         done = Manifest.load(out)
-        if done is None or done.n_prompts_done < (STAGE3_SHAREGPT_PROMPTS if name == "sharegpt" else
-                                                   STAGE3_BALANCED_PROMPTS):
-            left = t_end - time.monotonic()
-            if left <= 5:
-                log("stage 3 data not finished: rerun to continue")
-                return None
+        left = t_end - time.monotonic()
+        if (done is None or done.n_prompts_done < count) and left > 5:
             cfg = DataConfig(layers=LAYERS, n_seq=N_SEQ, max_new=256, n_threads=THREADS, max_seconds=left)
             generate_data(target, prompts_of(), out, cfg, prompts_source=prompts_source)
             done = Manifest.load(out)
-        log(f"stage 3 data {name}: {done.n_prompts_done} prompts, {done.n_answer_tokens} answer tokens, "
-            f"{done.seconds:.0f} s")
-        if done.n_prompts_done < (STAGE3_SHAREGPT_PROMPTS if name == "sharegpt" else STAGE3_BALANCED_PROMPTS):
+        if done is None or done.n_prompts_done < count:
             log("stage 3 data not finished: rerun to continue")
             return None
+        log(f"stage 3 data {name}: {done.n_prompts_done} prompts, {done.n_answer_tokens} answer tokens, "
+            f"{done.seconds:.0f} s")
     data = load_dataset(list(folders.values()))
     tgt = read_target(target)
     start = read_head_gguf(head)
@@ -653,8 +650,8 @@ def main() -> int | None:
     s3 = ap.add_argument_group("stage 3: fine-tune the shipped head (or another) on fresh self-distilled data")
     s3.add_argument("--init-from", help="stage 3: the head GGUF to fine-tune (default: stage 2's), with --tag "
                     "naming the run")
-    s3.add_argument("--stage3", action="store_true", help="make the data, fine-tune stage 2's head (runs/smollm2-prose) or "
-                    "--init-from's, write runs/smollm2-stage3/head.gguf")
+    s3.add_argument("--stage3", action="store_true", help="make the data, fine-tune stage 2's head "
+                    "(runs/smollm2-prose) or --init-from's, write runs/smollm2-stage3/head.gguf")
     s3.add_argument("--data-minutes", type=float, help="stage 3: data making, half ShareGPT, half ours (default "
                     f"{STAGE3_DATA_MINUTES:.0f})")
     args = ap.parse_args()
@@ -703,8 +700,8 @@ def main() -> int | None:
             stage2 = PROSE_RUN / "head.gguf"
             if not args.init_from and not stage2.is_file():
                 raise Eagle3Error(f"no stage 2 head at {stage2}: run the whole pipeline first, or fine-tune another "
-                                  "head with --init-from HEAD.gguf --tag NAME (the head shipped before stage 3 is stage "
-                                  f"2's: git show {STAGE2_COMMIT}:eagle3_gguf/heads/{shipped.name})")
+                                  "head with --init-from HEAD.gguf --tag NAME (the head shipped before stage 3 is "
+                                  f"stage 2's: git show {STAGE2_COMMIT}:eagle3_gguf/heads/{shipped.name})")
             made = stage3(Path(args.init_from) if args.init_from else stage2,
                           STAGE3_DATA_MINUTES if args.data_minutes is None else args.data_minutes, minutes, args.tag)
         except Eagle3Error as e:
