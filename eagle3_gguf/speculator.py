@@ -286,7 +286,7 @@ class Speculator:
         otherwise drafts are kept while `pick(rows, pos, i)` equals them. An end-of-generation token ends
         the cycle as its own token."""
         session = self.session if policy is not None else None
-        found, k = None, 0
+        found, k, seedless = None, 0, False
         redo = self._redo
         if session is not None:
             k_cap = min(k_cap, self.k_limit - len(redo))  # the rows to redo come first in the batch
@@ -298,10 +298,10 @@ class Speculator:
                 st.t_lookup += time.perf_counter() - t
             if found is None:
                 k = policy.plan(k_cap)
-        # every row skipped since a reset or a cut (a new prompt sharing a prefix) leaves the head nothing to seed a
-        # draft from: the cycle is plain, and its row is kept for the next
-        seedless = session is not None and found is None and not session.can_seed
-        k = 0 if seedless else k
+                # every row skipped since a reset or a cut (a new prompt sharing a prefix) leaves the head nothing to
+                # seed a draft from: the cycle is plain, and its row is kept for the next
+                if k and not session.can_seed:
+                    k, seedless = 0, True
         if k == 0 and found is None and rejection is None and not redo:
             # A plain cycle, the common one: it runs right after the target's graph has pushed everything
             # out of the caches, so it touches as little as it can (each step here costs microseconds).
