@@ -478,7 +478,8 @@ def v2(args) -> int:
     from eagle3_gguf.assets import smollm2_path
     from eagle3_gguf.errors import Eagle3Error
     from eagle3_gguf.train.data import TokenRecords, load_dataset
-    from eagle3_gguf.train.export import convert_to_gguf, export_checkpoint, read_target, read_token_embeddings
+    from eagle3_gguf.train.export import convert_to_gguf, export_checkpoint, read_head_gguf, read_target, \
+        read_token_embeddings
     from eagle3_gguf.train.loop import CKPT, TrainConfig, pick_device, train_head
     from eagle3_gguf.train.model import HeadConfig
     from eagle3_gguf.train.answers import llama_answers, self_distilled
@@ -568,15 +569,20 @@ def v2(args) -> int:
                 return 0
             data = load_dataset(out / "data")
         tgt = read_target(target)
-        n_vocab = args.draft_vocab or size.draft_vocab
-        # online, every record counted costs a forward of the target (the vocab is counted on the first ones), but for
-        # its own answers, which are its choices
-        counted = data.head(ONLINE_VOCAB_RECORDS) if args.online and not args.self_distill else data
-        # --self: its own vocab per run (its answers are pinned per run); else one for the shared data
-        vocab = cached_draft_vocab(counted, tgt.n_vocab, n_vocab,
-                                   out / f"vocab{suffix if args.self_distill else ''}-{n_vocab}.npz")
-        log(f"draft vocab {vocab.size}: covers {vocab.coverage:.1%} of the target's choices")
-        head_cfg = HeadConfig.for_target(tgt, vocab.size, N_FF, eagle31=args.eagle31)
+        if args.init_from:  # a fine-tune: that head's vocab and shape, weights dequantized from its GGUF
+            start = read_head_gguf(Path(args.init_from))
+            vocab, head_cfg = start.vocab, start.config
+            log(f"fine-tune {args.init_from}: its draft vocab {vocab.size}")
+        else:
+            n_vocab = args.draft_vocab or size.draft_vocab
+            # online, every record counted costs a forward of the target (the vocab is counted on the first ones),
+            # but for its own answers, which are its choices
+            counted = data.head(ONLINE_VOCAB_RECORDS) if args.online and not args.self_distill else data
+            # --self: its own vocab per run (its answers are pinned per run); else one for the shared data
+            vocab = cached_draft_vocab(counted, tgt.n_vocab, n_vocab,
+                                       out / f"vocab{suffix if args.self_distill else ''}-{n_vocab}.npz")
+            log(f"draft vocab {vocab.size}: covers {vocab.coverage:.1%} of the target's choices")
+            head_cfg = HeadConfig.for_target(tgt, vocab.size, N_FF, eagle31=args.eagle31)
         train_minutes = args.train_minutes
         if train_minutes is None and args.online:  # a lent machine's call: the schedule ends with its budget
             left = (t_end - time.monotonic()) / 60 - ONLINE_WRITE_MINUTES
@@ -587,10 +593,11 @@ def v2(args) -> int:
             trained = torch.load(ckpt, weights_only=False)["seconds"] / 60 if ckpt.is_file() else 0.0
             train_minutes = trained + left  # the schedule counts the minutes trained before (TrainConfig)
         tcfg = TrainConfig(n_unroll=args.unroll or size.unroll, epochs=size.epochs, max_steps=size.max_steps,
-                           lr=args.lr or size.lr, batch_tokens=size.batch_tokens_gpu if gpu else size.batch_tokens_cpu,
+                           lr=args.lr or (FT_LR if args.init_from else size.lr),
+                           batch_tokens=size.batch_tokens_gpu if gpu else size.batch_tokens_cpu,
                            n_threads=None if gpu else TORCH_THREADS, bf16=True, ckpt_every=25,
                            soft_labels=not args.hard_labels, pause_after_s=max(1.0, t_end - time.monotonic() - 60),
-                           max_minutes=train_minutes)
+                           max_minutes=train_minutes, init_from=args.init_from)
         embed = torch.from_numpy(read_token_embeddings(tgt))  # [n_vocab, n_embd]
         head, res = train_head(data, vocab, head_cfg, embed, out / f"train{suffix}", tcfg, resume=True,
                                progress=lambda r: on_event("train", r))
@@ -648,16 +655,20 @@ def main() -> int | None:
     ab.add_argument("--hard-labels", action="store_true", help="the target's greedy token, not its top-8")
     ab.add_argument("--eagle31", action="store_true", help="an EAGLE 3.1 head (fc_norm + norm_output)")
     s3 = ap.add_argument_group("stage 3: fine-tune the shipped head (or another) on fresh self-distilled data")
-    s3.add_argument("--init-from", help="stage 3: the head GGUF to fine-tune (default: stage 2's), with --tag "
-                    "naming the run")
+    s3.add_argument("--init-from", help="stage 3 or v2: the head GGUF to fine-tune (stage 3's default: stage 2's), "
+                    "with --tag naming the run")
     s3.add_argument("--stage3", action="store_true", help="make the data, fine-tune stage 2's head "
                     "(runs/smollm2-prose) or --init-from's, write runs/smollm2-stage3/head.gguf")
     s3.add_argument("--data-minutes", type=float, help="stage 3: data making, half ShareGPT, half ours (default "
                     f"{STAGE3_DATA_MINUTES:.0f})")
     args = ap.parse_args()
     v2_online = args.online and (args.v2 or args.smoke)
-    if args.init_from and not args.stage3:
-        print("error: --init-from names the head stage 3 fine-tunes: add --stage3", file=sys.stderr)
+    if args.init_from and not (args.stage3 or args.v2 or args.smoke):
+        print("error: --init-from names the head to fine-tune: add --stage3 or --v2", file=sys.stderr)
+        return 2
+    if args.init_from and (args.draft_vocab or args.eagle31):  # the head's own vocab and shape are kept
+        print("error: --init-from keeps that head's draft vocab and shape: leave out --draft-vocab and --eagle31",
+              file=sys.stderr)
         return 2
     if args.data_minutes is not None and not args.stage3:  # --v2 makes its data within --budget-minutes
         print("error: --data-minutes: how long stage 3 makes data: add --stage3", file=sys.stderr)
