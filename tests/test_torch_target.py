@@ -19,14 +19,17 @@ from model_factory import write_tiny_target  # noqa: E402
 from test_sharegpt import _conversations, _write_truncated  # noqa: E402
 
 from eagle3_gguf import keys  # noqa: E402
+from eagle3_gguf.assets import default_head_path  # noqa: E402
 from eagle3_gguf.errors import Eagle3Error  # noqa: E402
 from eagle3_gguf.train.data import DataConfig, TokenRecords, load_dataset, teacher_forced_data  # noqa: E402
+from eagle3_gguf.train.export import read_head_gguf  # noqa: E402
 from eagle3_gguf.train.loop import collate  # noqa: E402
 from eagle3_gguf.train.answers import answer_order, first_turns, gguf_identity, self_distilled  # noqa: E402
 from eagle3_gguf.train.torch_target import OnlineData, TorchTarget  # noqa: E402
 
 CPU = torch.device("cpu")
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_smollm2.py"
+HEAD = default_head_path()
 
 
 def _records(lengths: list[int], prompt: int, seed: int = 0, n_vocab: int = 49152) -> TokenRecords:
@@ -324,6 +327,18 @@ def test_online_v2_trains_without_llama_cpp(tmp_path):
         assert len(np.load(tmp_path / "run" / "self.npz")["starts"]) == (13 if extra is None else 2)
     assert json.loads((tmp_path / "run" / "train-am-self" / "answers.json").read_text()) == {
         "self-ours.npz": 4, "self.npz": 1}
+    shipped = read_head_gguf(HEAD)  # --init-from: a fine-tune of a head GGUF keeps its vocab, starts at its weights
+    r = subprocess.run(online + ["--self", "--tag", "ft", "--init-from", str(HEAD)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and f"fine-tune {HEAD}: its draft vocab 8192" in r.stdout, r.stderr[-2000:]
+    tuned = read_head_gguf(tmp_path / "run" / "smollm2-135m-instruct-eagle3-v2-ft-self.gguf")
+    assert np.array_equal(tuned.vocab.ids, shipped.vocab.ids) and tuned.config == shipped.config
+    a, b = (h.state["fc.weight"].ravel() for h in (shipped, tuned))
+    assert np.corrcoef(a, b)[0, 1] > 0.99  # 6 steps at LR 3e-4 from the shipped weights (a fresh head: ~0)
+    r = subprocess.run(online + ["--self", "--tag", "ft", "--init-from", str(HEAD), "--draft-vocab", "4096"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip() == ("error: --init-from keeps that head's draft vocab and shape: "
+                                                      "leave out --draft-vocab and --eagle31")
     for name in ("self.npz", "self-ours.npz"):
         (tmp_path / "run" / name).rename(tmp_path / name)
     r = subprocess.run(online + ["--self", "--tag", "none", "--answer-minutes", "0"], capture_output=True, text=True,
