@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Pack what head v2's lent GPU call needs into ignored carry folders, from a fresh checkout, and print the calls.
 
-    python scripts/pack_gpu.py [--answers] [--minutes 9.5] [--answer-minutes 4]
+    python scripts/pack_gpu.py [--answers] [--minutes 9.3] [--answer-minutes 5] [--init-from HEAD.gguf | --from-scratch]
 
 A device call carries at most 64 MiB with the working tree (~21 MiB: the shipped head is half of it), and nothing
 is fetched there, so the 94 MiB target travels in three parts (`.gpu/m1`, `.gpu/m2`, `.gpu/m3`; 37 MiB each at
@@ -11,8 +11,10 @@ missing. `--answers` also packs the answers this machine made (`--stage answers`
 call of their own: they live in runs/, which a new checkout does not have, so only a session that made them can.
 
 The calls it prints: two that copy the first parts to /tmp/parts (the first starts the machine), then
-`bash scripts/gpu_train_v2.sh MINUTES --self --answer-minutes M` (join, check, install, answer, train, export; exit
-75 while work is left: rerun it while the machine is warm). The device's minutes are the budget: `status` first.
+`bash scripts/gpu_train_v2.sh MINUTES --self --answer-minutes M --init-from HEAD --tag ft` (join, check, install,
+answer, fine-tune the shipped head or HEAD, export; exit 75 while work is left: rerun it while the machine is warm).
+Fine-tuning the shipped head beat training one from scratch (bench/NOTES head-v2-ft-h200); `--from-scratch` trains a
+fresh one. The device's minutes are the budget: `status` first.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from eagle3_gguf.assets import smollm2_path  # noqa: E402
+from eagle3_gguf.assets import default_head_path, smollm2_path  # noqa: E402
 from eagle3_gguf.errors import Eagle3Error  # noqa: E402
 
 PACK = ROOT / ".gpu"
@@ -79,6 +81,19 @@ def gguf_wheel() -> Path:
     return wheels[0]
 
 
+def travelling_head(head: Path) -> str:
+    """HEAD's path in the repository, which the call's working tree brings (not ignored by git)."""
+    path = head.resolve()
+    if not path.is_file():
+        raise PackError(f"--init-from {head}: no such file (a head GGUF)")
+    if not path.is_relative_to(ROOT):
+        raise PackError(f"--init-from {head}: outside this repository, so no call brings it: copy it in")
+    rel = path.relative_to(ROOT).as_posix()
+    if subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", rel]).returncode == 0:
+        raise PackError(f"--init-from {head}: git ignores it, so no call brings it: copy it outside runs/")
+    return rel
+
+
 def pack(args: argparse.Namespace) -> None:
     """Make the carry folders and print the calls."""
     found = [RUN / n for n in ANSWERS if (RUN / n).is_file()]
@@ -89,6 +104,8 @@ def pack(args: argparse.Namespace) -> None:
         prepare = [sys.executable, str(ROOT / "scripts" / "train_smollm2.py"), "--v2", "--stage", "prepare"]
         if subprocess.run(prepare).returncode:
             raise PackError("preparing the conversations failed (above): fix that, then pack again")
+    init_from = None if args.from_scratch else travelling_head(Path(args.init_from) if args.init_from else
+                                                                default_head_path())
     shutil.rmtree(PACK, ignore_errors=True)
     digest = split_target(smollm2_path())
     wheel = gguf_wheel()
@@ -101,7 +118,8 @@ def pack(args: argparse.Namespace) -> None:
         # runs/ is kept in the machine's copy of the repository while it is warm
         calls.append(([".gpu/answers"], "mkdir -p runs/smollm2-v2 && cp .gpu/answers/*.npz runs/smollm2-v2/"))
     calls.append(([".gpu/m3", "runs/smollm2-v2/sharegpt", "runs/smollm2-v2/ours.npz"],
-                  f"bash scripts/gpu_train_v2.sh {args.minutes:g} --self --answer-minutes {args.answer_minutes:g}"))
+                  f"bash scripts/gpu_train_v2.sh {args.minutes:g} --self --answer-minutes {args.answer_minutes:g}"
+                  + ("" if args.from_scratch else f" --init-from {init_from} --tag ft")))
     tree = tree_bytes()
     print(f"target sha256 {digest[:16]}, {wheel.name}; the working tree carries {tree / 2**20:.1f} MiB each call")
     for i, (carry, command) in enumerate(calls, 1):
@@ -113,12 +131,18 @@ def pack(args: argparse.Namespace) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--answers", action="store_true", help="also pack runs/smollm2-v2/self*.npz for a call of their own")
-    ap.add_argument("--minutes", type=float, default=9.5, help="the training call's budget (at most 10)")
-    ap.add_argument("--answer-minutes", type=float, default=4.0, help="how long that call answers before it trains")
+    ap.add_argument("--answers", action="store_true",
+                    help="also pack runs/smollm2-v2/self*.npz for a call of their own")
+    ap.add_argument("--minutes", type=float, default=9.3, help="the training call's budget (at most 9.5: the call "
+                    "installs first, within the device's 10 minutes)")
+    ap.add_argument("--answer-minutes", type=float, default=5.0, help="how long that call answers before it trains")
+    start = ap.add_mutually_exclusive_group()
+    start.add_argument("--init-from", help="the head GGUF the call fine-tunes, inside this repository (default: the "
+                       "shipped head)")
+    start.add_argument("--from-scratch", action="store_true", help="train a fresh head instead")
     args = ap.parse_args()
-    if not 0 < args.answer_minutes < args.minutes <= 10:
-        print("error: --answer-minutes must be under --minutes, and --minutes at most 10 (one device call)",
+    if not 0 < args.answer_minutes < args.minutes <= 9.5:
+        print("error: --answer-minutes must be under --minutes, and --minutes at most 9.5 (one device call)",
               file=sys.stderr)
         return 2
     try:
