@@ -66,7 +66,8 @@ def split_target(target: Path) -> str:
             (PACK / name / f"smol.part{i}").write_bytes(chunk)
         if f.read(1):
             raise PackError(f"{target} is over {len(PARTS) * PART_BYTES} bytes: more parts are needed")
-    (PACK / "m3" / "smol.gguf.sha256").write_text(f"{digest.hexdigest()}  smol.gguf\n")
+    # its own file name: the head's general.name is made from it
+    (PACK / "m3" / "target.sha256").write_text(f"{digest.hexdigest()}  {target.name}\n")
     return digest.hexdigest()
 
 

@@ -35,12 +35,14 @@ with the ~21 MiB tree, nothing fetched there, runs/ kept while warm):
      which --self answers first for the code ShareGPT's first turns lack), splits the target GGUF (SmolLM2 Q4_1,
      94 MiB) into three ignored carry folders (.gpu/m1..m3) beside the gguf wheel, and prints the calls.
   2. Those calls in a row (its idle release is 30 s): two copy the first parts to /tmp/parts; the last runs
-     `bash scripts/gpu_train_v2.sh MINUTES --self --answer-minutes M`, which joins and checks the target, installs
-     the wheel and this package into /tmp/site, runs `--v2 --online --target /tmp/smol.gguf --budget-minutes
-     MINUTES` with the options after MINUTES (training takes what the answers leave of the minutes, less 1.5 for
-     the head file) and copies the head file, self*.npz, the vocab and the log to $OUT; exit 75: rerun it while
-     the machine is warm. Answers made here with `--stage answers` live in runs/, which a new checkout lacks: only
-     the session that made them can carry them (`pack_gpu.py --answers`: one more call). Measured on an H100
+     `bash scripts/gpu_train_v2.sh MINUTES --self --answer-minutes M --init-from HEAD --tag ft`, which joins and
+     checks the target, installs the wheel and this package into /tmp/site, runs `--v2 --online --target
+     /tmp/target/NAME --budget-minutes MINUTES` with the options after MINUTES (training takes what the answers leave
+     of the minutes, less 1.5 for the head file) and copies the head file, self*.npz, the vocab and the log to $OUT;
+     exit 75: rerun it while the machine is warm. `--init-from` fine-tunes that head GGUF (its vocab and shape, LR
+     3e-4) rather than a fresh one: on an H200 that beat the shipped head (bench/NOTES head-v2-ft-h200). Answers
+     made here with `--stage answers` live in runs/, which a new checkout lacks: only the session that made them can
+     carry them (`pack_gpu.py --answers`: one more call). Measured on an H100
      (bench/NOTES head-v2-h100): the vocab pass over 4,000 recorded conversations 96 s (none with --self: its
      answers are the target's choices), training 27,900 positions/s, answers 7,000 tokens/s at half today's batch
      (all 14,486 first turns: ~7.5 minutes at that rate).
