@@ -22,7 +22,7 @@ cat /tmp/parts/smol.part0 /tmp/parts/smol.part1 /tmp/parts/smol.part2 > "/tmp/ta
     { echo "error: the joined target differs" >&2; exit 2; }
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target /tmp/site \
     .gpu/m3/*.whl . || exit 2
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee "$out/device.txt"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee "$out/train.log"
 PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 scripts/train_smollm2.py --v2 --online --target "/tmp/target/$name" \
     --budget-minutes "$minutes" "$@" 2>&1 | tee -a "$out/train.log"
 rc=${PIPESTATUS[0]}

@@ -6,14 +6,14 @@
 A device call carries at most 64 MiB with the working tree (~21 MiB: the shipped head is half of it), and nothing
 is fetched there, so the 94 MiB target travels in three parts (`.gpu/m1`, `.gpu/m2`, `.gpu/m3`; 37 MiB each at
 most), the last beside the gguf wheel (pure Python; the machine's image has numpy, torch, safetensors, typer) and
-the target's sha256. `--stage prepare`'s outputs (runs/smollm2-v2/sharegpt, ours.npz) are made here first where
-missing. `--answers` also packs the answers this machine made (`--stage answers`: self-ours.npz, self.npz) for a
+the target's sha256. `--stage prepare`'s outputs (runs/smollm2-v2/sharegpt, ours.npz, prose.npz) are made here
+first where missing. `--answers` also packs the answers this machine made (`--stage answers`: self*.npz) for a
 call of their own: they live in runs/, which a new checkout does not have, so only a session that made them can.
 
 The calls it prints: two that copy the first parts to /tmp/parts (the first starts the machine), then
 `bash scripts/gpu_train_v2.sh MINUTES --self --answer-minutes M --init-from HEAD --tag ft` (join, check, install,
 answer, fine-tune the shipped head or HEAD, export; exit 75 while work is left: rerun it while the machine is warm).
-Fine-tuning the shipped head beat training one from scratch (bench/NOTES head-v2-ft-h200); `--from-scratch` trains a
+Fine-tuning the shipped head made stage 4, the head shipped (bench/NOTES head-v2-ft-h200); `--from-scratch` trains a
 fresh one. The device's minutes are the budget: `status` first.
 """
 
@@ -37,7 +37,8 @@ RUN = ROOT / "runs" / "smollm2-v2"
 PART_BYTES = 37 << 20  # the three calls about even: ~58-59 MiB each with today's tree
 CALL_LIMIT = 64 << 20  # what one call carries, the working tree included
 PARTS = ("m1", "m2", "m3")
-ANSWERS = ("self-ours.npz", "self.npz")
+ANSWERS = ("self-ours.npz", "self.npz", "self-prose.npz")
+PROMPTS = ("ours.npz", "prose.npz")  # our prompt sets, tokenized by --stage prepare
 
 
 class PackError(Exception):
@@ -101,7 +102,7 @@ def pack(args: argparse.Namespace) -> None:
     if args.answers and not found:
         raise PackError(f"--answers: no {' or '.join(ANSWERS)} in {RUN}: make them with "
                         "scripts/train_smollm2.py --v2 --stage answers, or leave out --answers")
-    if not (RUN / "sharegpt").is_dir() or not (RUN / "ours.npz").is_file():
+    if not (RUN / "sharegpt").is_dir() or not all((RUN / f).is_file() for f in PROMPTS):
         prepare = [sys.executable, str(ROOT / "scripts" / "train_smollm2.py"), "--v2", "--stage", "prepare"]
         if subprocess.run(prepare).returncode:
             raise PackError("preparing the conversations failed (above): fix that, then pack again")
@@ -118,7 +119,7 @@ def pack(args: argparse.Namespace) -> None:
             shutil.copy2(f, PACK / "answers" / f.name)
         # runs/ is kept in the machine's copy of the repository while it is warm
         calls.append(([".gpu/answers"], "mkdir -p runs/smollm2-v2 && cp .gpu/answers/*.npz runs/smollm2-v2/"))
-    calls.append(([".gpu/m3", "runs/smollm2-v2/sharegpt", "runs/smollm2-v2/ours.npz"],
+    calls.append(([".gpu/m3", "runs/smollm2-v2/sharegpt", *(f"runs/smollm2-v2/{f}" for f in PROMPTS)],
                   f"bash scripts/gpu_train_v2.sh {args.minutes:g} --self --answer-minutes {args.answer_minutes:g}"
                   + ("" if args.from_scratch else f" --init-from {init_from} --tag ft")))
     tree = tree_bytes()

@@ -23,17 +23,19 @@ train on the same data under another --tag: `--v2 --tag u7 --unroll 7`, `--v2 --
 
 `--online` teacher-forces each batch through the target in torch as the head trains (train/torch_target.py: the
 same forward on the GGUF's weights dequantized; its features match llama.cpp's to cos > 0.998): no data/ on disk,
-no llama.cpp at all once the conversations are prepared; with `--self` the target first answers our prompts and the
-conversations' first turns itself (greedy, in torch, resumable: self-ours.npz, self.npz; train/answers.py) and trains
-on its own answers (the regime that trained the better heads per CPU-hour: the model card's regimes); with
-`--answer-minutes M` it answers for M minutes at most and trains on what is answered. `--stage answers` has
+no llama.cpp at all once the conversations are prepared; with `--self` the target first answers our prompts, the
+conversations' first turns and our prose requests itself (greedy, in torch, resumable: self-ours.npz, self.npz,
+self-prose.npz; train/answers.py) and trains on its own answers (the regime that trained the better heads per
+CPU-hour: the model card's regimes); with `--answer-minutes M` it answers for M minutes at most and trains on what is
+answered. `--stage answers` has
 llama.cpp answer the same prompts into the same files on this machine (resumable, within --budget-minutes), so that
 a GPU's minutes train. That is the route on a lent GPU machine (device tool: 10-minute calls carrying at most 64 MiB
 with the ~21 MiB tree, nothing fetched there, runs/ kept while warm):
   1. Here: `python scripts/pack_gpu.py` runs `--v2 --stage prepare` where its outputs are missing (runs/smollm2-v2/
      sharegpt/, ~18 MB, tokenized and checked against the benchmarks; ours.npz, 0.8 MB: our first 5,103 prompts,
-     which --self answers first for the code ShareGPT's first turns lack), splits the target GGUF (SmolLM2 Q4_1,
-     94 MiB) into three ignored carry folders (.gpu/m1..m3) beside the gguf wheel, and prints the calls.
+     which --self answers first for the code ShareGPT's first turns lack; prose.npz: 12,000 prose requests, answered
+     next), splits the target GGUF (SmolLM2 Q4_1, 94 MiB) into three ignored carry folders (.gpu/m1..m3) beside
+     the gguf wheel, and prints the calls.
   2. Those calls in a row (its idle release is 30 s): two copy the first parts to /tmp/parts; the last runs
      `bash scripts/gpu_train_v2.sh MINUTES --self --answer-minutes M --init-from HEAD --tag ft`, which joins and
      checks the target, installs the wheel and this package into /tmp/site, runs `--v2 --online --target
@@ -342,6 +344,8 @@ ONLINE_VOCAB_RECORDS = 4000  # --online: conversations whose target choices pick
 ONLINE_WRITE_MINUTES = 1.5  # --online: the budget left after training, for the last evaluation and the head file
 ONLINE_MIN_TRAIN_MINUTES = 3.0  # --online: less of a call left than this for training, and the call ends (exit 75)
 ANSWER_ROWS = 1024  # --self: prompts answered at once at most (the token budget binds first on chat prompts)
+# --self's prose set: ~2.4M answer tokens, ~4 minutes of an H200 (stage 4 answered ~11,000 answer tokens/s)
+N_SELF_PROSE = 12000
 
 
 @dataclass
@@ -359,6 +363,7 @@ class V2Size:
     answer_tokens_cpu: int  # --self: prompt and answer columns answered at once
     answer_tokens_gpu: int
     ours: int  # --self: our balanced prompts answered too (stage 1's first ones: its code stubs and coding tasks)
+    prose: int  # --self: our open prose requests answered last (stage 2's generator: MT-bench's kind of request)
 
 
 # answer_tokens_gpu: at 65,536 columns an H100 answered ~240 prompts a batch at ~26 ms a step, far from its memory or
@@ -366,10 +371,10 @@ class V2Size:
 # twice as fast (unmeasured; the log's peak says; NOTES head-v2-h100)
 V2_FULL = V2Size(conversations=20000, max_tokens=2048, max_new=256, draft_vocab=8192, epochs=2.0, max_steps=None,
                  unroll=UNROLL, lr=1e-3, batch_tokens_cpu=BATCH_TOKENS, batch_tokens_gpu=16384,
-                 answer_tokens_cpu=BATCH_TOKENS, answer_tokens_gpu=131072, ours=N_PROMPTS)
+                 answer_tokens_cpu=BATCH_TOKENS, answer_tokens_gpu=131072, ours=N_PROMPTS, prose=N_SELF_PROSE)
 V2_SMOKE = V2Size(conversations=12, max_tokens=256, max_new=16, draft_vocab=DRAFT_VOCAB, epochs=1.0, max_steps=6,
                   unroll=UNROLL, lr=1e-3, batch_tokens_cpu=BATCH_TOKENS, batch_tokens_gpu=BATCH_TOKENS,
-                  answer_tokens_cpu=BATCH_TOKENS, answer_tokens_gpu=BATCH_TOKENS, ours=4)
+                  answer_tokens_cpu=BATCH_TOKENS, answer_tokens_gpu=BATCH_TOKENS, ours=4, prose=2)
 
 
 @dataclass
@@ -413,18 +418,18 @@ def v2_prepare(out: Path, size: V2Size, json_path: str | None, data_model: Path,
     return prep
 
 
-def ours_prompts(out: Path, size: V2Size, data_model: Path) -> list:
-    """--self: the first `size.ours` of our balanced prompts (stage 1's, with the code stubs and coding tasks that
-    ShareGPT's first turns are short of), through the target's chat template, kept in ours.npz (made where
-    llama.cpp is, with --stage prepare; carried to a machine without it).  # list of [n_i] int32"""
+def our_prompts(out: Path, file: str, n: int, seed: int, mix: str, data_model: Path) -> list:
+    """--self: the first n of our prompts (build_prompts(n, seed, mix)) through the target's chat template, kept in
+    out/file (made where llama.cpp is, with --stage prepare; carried to a machine without it).  # list of [n_i]
+    int32"""
     import numpy as np
 
     from eagle3_gguf.errors import Eagle3Error
 
-    path = out / "ours.npz"
+    path = out / file
     if path.is_file():
         with np.load(path) as z:
-            if int(z["n"]) == size.ours:
+            if int(z["n"]) == n:
                 return [z["tokens"][a:b] for a, b in zip(z["starts"][:-1], z["starts"][1:])]
     try:
         from eagle3_gguf.native import Model  # tokenizing needs llama.cpp
@@ -435,17 +440,19 @@ def ours_prompts(out: Path, size: V2Size, data_model: Path) -> list:
     from eagle3_gguf.train.prompts import build_prompts
 
     with Model(data_model) as model:
-        prompts = [np.asarray(chat_tokens(model, p.text), np.int32) for p in build_prompts(size.ours, 0, "balanced")]
-    np.savez(path, tokens=np.concatenate(prompts), starts=np.cumsum([0] + [len(t) for t in prompts]), n=size.ours)
+        prompts = [np.asarray(chat_tokens(model, p.text), np.int32) for p in build_prompts(n, seed, mix)]
+    np.savez(path, tokens=np.concatenate(prompts), starts=np.cumsum([0] + [len(t) for t in prompts]), n=n)
     return prompts
 
 
 def self_prompt_sets(out: Path, size: V2Size, train_set, data_model: Path) -> list[tuple[str, list]]:
-    """--self's prompt sets, each with its answers file, in the order they are answered: ours first (the code stubs
-    and coding tasks ShareGPT's first turns are short of), then ShareGPT's first turns."""
+    """--self's prompt sets, each with its answers file, in the order they are answered: our balanced prompts first
+    (stage 1's, with the code stubs and coding tasks ShareGPT's first turns are short of), then our open prose
+    requests (stage 2's generator, MT-bench's kind: the answers stage 4 did not have), then ShareGPT's first turns."""
     from eagle3_gguf.train.answers import first_turns
 
-    return [("self-ours.npz", ours_prompts(out, size, data_model)),
+    return [("self-ours.npz", our_prompts(out, "ours.npz", size.ours, 0, "balanced", data_model)),
+            ("self-prose.npz", our_prompts(out, "prose.npz", size.prose, PROSE_SEED, "prose", data_model)),
             ("self.npz", first_turns(train_set, size.max_tokens - size.max_new))]
 
 
@@ -506,7 +513,7 @@ def v2(args) -> int:
                               "data on disk; leave out one of them")
         prep = v2_prepare(out, size, args.sharegpt_json, data_model, args.smoke)
         if args.stage == "prepare":
-            ours_prompts(out, size, data_model)  # --self's first set, tokenized while llama.cpp is at hand
+            self_prompt_sets(out, size, prep.train.head(size.conversations), data_model)  # tokenized here
             return 0
         train_set = prep.train.head(size.conversations)
         suffix = (f"-{args.tag}" if args.tag else "") + ("-self" if args.self_distill else "")

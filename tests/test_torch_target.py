@@ -277,6 +277,7 @@ def test_online_v2_trains_without_llama_cpp(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPT), *run, "--stage", "prepare", "--sharegpt-json", str(src)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and (tmp_path / "run" / "ours.npz").is_file(), r.stderr[-2000:]
+    assert len(np.load(tmp_path / "run" / "prose.npz")["starts"]) == 3  # the prose set: 2 prompts
     blocked = ("import runpy, sys; sys.modules['llama_cpp'] = None; sys.argv = sys.argv[1:]; "
                "runpy.run_path(sys.argv[0], run_name='__main__')")
     online = [sys.executable, "-c", blocked, str(SCRIPT), *run, "--online"]
@@ -303,6 +304,7 @@ def test_online_v2_trains_without_llama_cpp(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPT), *run, "--stage", "answers"], capture_output=True, text=True,
                        timeout=300)  # llama.cpp answers here what --self answers, into the same files
     assert r.returncode == 0 and "answers (self-ours.npz, llama.cpp): 4/4" in r.stdout, r.stderr[-2000:]
+    assert "answers (self-prose.npz, llama.cpp): 2/2" in r.stdout
     with np.load(tmp_path / "run" / "self.npz") as z:  # in memory: the file is rewritten below
         answers = dict(z)
     ours = np.load(tmp_path / "run" / "self-ours.npz")
@@ -312,7 +314,7 @@ def test_online_v2_trains_without_llama_cpp(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert not re.search(r"answers \d+/\d+ in", r.stdout)  # every prompt answered already: none in torch
     summary = json.loads((tmp_path / "run" / "v2_summary-self.json").read_text())
-    assert summary["data"]["regime"] == "self" and summary["data"]["records"] == 4 + 12  # ours, then first turns
+    assert summary["data"]["regime"] == "self" and summary["data"]["records"] == 4 + 12 + 2  # ours, turns, prose
     assert summary["train"]["steps"] == 6 and Path(summary["gguf"]).name == "smollm2-135m-instruct-eagle3-v2-self.gguf"
     n = int(answers["starts"][1])  # self.npz cut to its first answer: --answer-minutes 0 trains on what is there
     np.savez(tmp_path / "run" / "self.npz", tokens=answers["tokens"][:n], starts=answers["starts"][:2],
@@ -323,10 +325,10 @@ def test_online_v2_trains_without_llama_cpp(tmp_path):
         r = subprocess.run(online + ["--self", "--tag", "am", *(extra or [])], capture_output=True, text=True,
                            timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
-        assert json.loads((tmp_path / "run" / "v2_summary-am-self.json").read_text())["data"]["records"] == 4 + 1
+        assert json.loads((tmp_path / "run" / "v2_summary-am-self.json").read_text())["data"]["records"] == 4 + 1 + 2
         assert len(np.load(tmp_path / "run" / "self.npz")["starts"]) == (13 if extra is None else 2)
     assert json.loads((tmp_path / "run" / "train-am-self" / "answers.json").read_text()) == {
-        "self-ours.npz": 4, "self.npz": 1}
+        "self-ours.npz": 4, "self.npz": 1, "self-prose.npz": 2}
     shipped = read_head_gguf(HEAD)  # --init-from: a fine-tune of a head GGUF keeps its vocab, starts at its weights
     r = subprocess.run(online + ["--self", "--tag", "ft", "--init-from", str(HEAD)], capture_output=True, text=True,
                        timeout=300)
@@ -339,7 +341,7 @@ def test_online_v2_trains_without_llama_cpp(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip() == ("error: --init-from keeps that head's draft vocab and shape: "
                                                       "leave out --draft-vocab and --eagle31")
-    for name in ("self.npz", "self-ours.npz"):
+    for name in ("self.npz", "self-ours.npz", "self-prose.npz"):
         (tmp_path / "run" / name).rename(tmp_path / name)
     r = subprocess.run(online + ["--self", "--tag", "none", "--answer-minutes", "0"], capture_output=True, text=True,
                        timeout=300)
