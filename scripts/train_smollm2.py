@@ -23,14 +23,13 @@ train on the same data under another --tag: `--v2 --tag u7 --unroll 7`, `--v2 --
 
 `--online` teacher-forces each batch through the target in torch as the head trains (train/torch_target.py: the
 same forward on the GGUF's weights dequantized; its features match llama.cpp's to cos > 0.998): no data/ on disk,
-no llama.cpp at all once the conversations are prepared; with `--self` the target first answers our prompts, the
-conversations' first turns and our prose requests itself (greedy, in torch, resumable: self-ours.npz, self.npz,
-self-prose.npz; train/answers.py) and trains on its own answers (the regime that trained the better heads per
-CPU-hour: the model card's regimes); with `--answer-minutes M` it answers for M minutes at most and trains on what is
-answered. `--stage answers` has
-llama.cpp answer the same prompts into the same files on this machine (resumable, within --budget-minutes), so that
-a GPU's minutes train. That is the route on a lent GPU machine (device tool: 10-minute calls carrying at most 64 MiB
-with the ~21 MiB tree, nothing fetched there, runs/ kept while warm):
+no llama.cpp at all once the conversations are prepared; with `--self` the target first answers our prompts, our
+prose requests and the conversations' first turns itself (greedy, in torch, resumable: self-ours.npz, self-prose.npz,
+self.npz; train/answers.py) and trains on its own answers (the regime that trained the better heads per CPU-hour: the
+model card's regimes); with `--answer-minutes M` it answers for M minutes at most and trains on what is answered.
+`--stage answers` has llama.cpp answer the same prompts into the same files on this machine (resumable, within
+--budget-minutes), so that a GPU's minutes train. That is the route on a lent GPU machine (device tool: 10-minute
+calls carrying at most 64 MiB with the ~21 MiB tree, nothing fetched there, runs/ kept while warm):
   1. Here: `python scripts/pack_gpu.py` runs `--v2 --stage prepare` where its outputs are missing (runs/smollm2-v2/
      sharegpt/, ~18 MB, tokenized and checked against the benchmarks; ours.npz, 0.8 MB: our first 5,103 prompts,
      which --self answers first for the code ShareGPT's first turns lack; prose.npz: 12,000 prose requests, answered
@@ -363,7 +362,7 @@ class V2Size:
     answer_tokens_cpu: int  # --self: prompt and answer columns answered at once
     answer_tokens_gpu: int
     ours: int  # --self: our balanced prompts answered too (stage 1's first ones: its code stubs and coding tasks)
-    prose: int  # --self: our open prose requests answered last (stage 2's generator: MT-bench's kind of request)
+    prose: int  # --self: our open prose requests answered next (stage 2's generator: MT-bench's kind of request)
 
 
 # answer_tokens_gpu: at 65,536 columns an H100 answered ~240 prompts a batch at ~26 ms a step, far from its memory or
