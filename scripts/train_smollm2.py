@@ -511,10 +511,10 @@ def v2(args) -> int:
             raise Eagle3Error(f"{'--stage data' if args.stage == 'data' else '--max-data-gb'}: --online keeps no "
                               "data on disk; leave out one of them")
         prep = v2_prepare(out, size, args.sharegpt_json, data_model, args.smoke)
-        if args.stage == "prepare":
-            self_prompt_sets(out, size, prep.train.head(size.conversations), data_model)  # tokenized here
-            return 0
         train_set = prep.train.head(size.conversations)
+        if args.stage == "prepare":
+            self_prompt_sets(out, size, train_set, data_model)  # our prompt sets tokenized while llama.cpp is here
+            return 0
         suffix = (f"-{args.tag}" if args.tag else "") + ("-self" if args.self_distill else "")
         if args.stage == "answers":  # llama.cpp answers here what --self answers on a GPU machine
             for name, prompts in self_prompt_sets(out, size, train_set, data_model):
@@ -670,8 +670,9 @@ def main() -> int | None:
     s3.add_argument("--data-minutes", type=float, help="stage 3: data making, half ShareGPT, half ours (default "
                     f"{STAGE3_DATA_MINUTES:.0f})")
     args = ap.parse_args()
-    v2_online = args.online and (args.v2 or args.smoke)
-    if args.init_from and not (args.stage3 or args.v2 or args.smoke):
+    v2_run = args.v2 or args.smoke  # --smoke is head v2 at toy size
+    v2_online = args.online and v2_run
+    if args.init_from and not (args.stage3 or v2_run):
         print("error: --init-from names the head to fine-tune: add --stage3 or --v2", file=sys.stderr)
         return 2
     if args.init_from and (args.draft_vocab or args.eagle31):  # the head's own vocab and shape are kept
@@ -693,7 +694,7 @@ def main() -> int | None:
         return 2
     for flag, given in (("--online", args.online), ("--self", args.self_distill), ("--stage", args.stage != "all"),
                         ("--answer-minutes", args.answer_minutes is not None)):
-        if given and not (args.v2 or args.smoke):
+        if given and not v2_run:
             print(f"error: {flag} trains head v2: add --v2 (or --smoke)", file=sys.stderr)
             return 2
     try:
@@ -705,7 +706,7 @@ def main() -> int | None:
             return 2
     else:
         install_log_callback()  # llama.cpp's log goes to the (silent) eagle3_gguf.llama_cpp logger
-    if args.v2 or args.smoke:
+    if v2_run:
         return v2(args)
     from build_upstream import main as build_upstream
 
