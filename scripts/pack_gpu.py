@@ -31,14 +31,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from eagle3_gguf.assets import default_head_path, smollm2_path  # noqa: E402
 from eagle3_gguf.errors import Eagle3Error  # noqa: E402
+sys.path.insert(0, str(ROOT / "scripts"))
+from train_smollm2 import V2_ANSWERS as ANSWERS, V2_PROMPT_SETS as PROMPTS, V2_RUN as RUN  # noqa: E402
 
 PACK = ROOT / ".gpu"
-RUN = ROOT / "runs" / "smollm2-v2"
 PART_BYTES = 37 << 20  # the three calls about even: ~58-59 MiB each with today's tree
 CALL_LIMIT = 64 << 20  # what one call carries, the working tree included
 PARTS = ("m1", "m2", "m3")
-ANSWERS = ("self-ours.npz", "self.npz", "self-prose.npz")
-PROMPTS = ("ours.npz", "prose.npz")  # our prompt sets, tokenized by --stage prepare
 
 
 class PackError(Exception):

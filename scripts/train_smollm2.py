@@ -336,6 +336,8 @@ def measure_vocab(sizes=(4096, 8192, 16384), reps: int = 5) -> dict:
 V2_RUN = ROOT / "runs" / "smollm2-v2"
 V2_SMOKE_RUN = ROOT / "runs" / "smollm2-v2-smoke"
 V2_HEAD = "smollm2-135m-instruct-eagle3-v2.gguf"
+V2_PROMPT_SETS = ("ours.npz", "prose.npz")  # our prompt sets, tokenized by --stage prepare
+V2_ANSWERS = ("self-ours.npz", "self-prose.npz", "self.npz")  # --self's answers, in the order they are made
 MAX_HEAD_BYTES = 12_000_000
 MORE = 75  # exit code: work is left, rerun the same command
 TOPK = 8  # soft labels: the target's top-8 next tokens
@@ -450,9 +452,10 @@ def self_prompt_sets(out: Path, size: V2Size, train_set, data_model: Path) -> li
     requests (stage 2's generator, MT-bench's kind: the answers stage 4 did not have), then ShareGPT's first turns."""
     from eagle3_gguf.train.answers import first_turns
 
-    return [("self-ours.npz", our_prompts(out, "ours.npz", size.ours, 0, "balanced", data_model)),
-            ("self-prose.npz", our_prompts(out, "prose.npz", size.prose, PROSE_SEED, "prose", data_model)),
-            ("self.npz", first_turns(train_set, size.max_tokens - size.max_new))]
+    (ours, prose), (ours_answers, prose_answers, first_answers) = V2_PROMPT_SETS, V2_ANSWERS
+    return [(ours_answers, our_prompts(out, ours, size.ours, 0, "balanced", data_model)),
+            (prose_answers, our_prompts(out, prose, size.prose, PROSE_SEED, "prose", data_model)),
+            (first_answers, first_turns(train_set, size.max_tokens - size.max_new))]
 
 
 def v2_data(out: Path, size: V2Size, train_set, data_model: Path, gpu: bool, max_data_gb: float | None,
