@@ -320,11 +320,12 @@ class Model(_Owner):
     """A llama_model loaded from a GGUF file."""
 
     def __init__(self, path: str | Path, *, n_gpu_layers: int = 0, use_mmap: bool = True, borrowed=None,
-                 devices: list[int] | None = None, repack: bool = True):
+                 devices: list[int] | None = None, repack: bool = True, tensor_split: tuple[float, ...] = ()):
         """borrowed: a llama_model someone else owns (llama_cpp.Llama's) to wrap; close() won't free it.
         devices: the ggml devices its offloaded layers may use (llama_model_params.devices; [] = none),
         None for llama.cpp's default (every GPU, and every RPC server registered). repack: let llama.cpp
-        repack weights for its CPU kernels (llama_model_params.use_extra_bufts, its default; --no-repack)."""
+        repack weights for its CPU kernels (llama_model_params.use_extra_bufts, its default; --no-repack).
+        tensor_split: the offloaded layers' proportions per device, as llama.cpp's --tensor-split (() = its own)."""
         self.path = Path(path)
         self.n_gpu_layers = n_gpu_layers
         self.repack = repack  # as asked: a borrowed model's is its owner's
@@ -340,6 +341,9 @@ class Model(_Owner):
             if devices is not None:
                 listed = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)  # NULL-terminated
                 params.devices = ctypes.addressof(listed)  # a void * field in llama-cpp-python's struct
+            if tensor_split:  # llama.cpp reads one float per device it may use, up to llama_max_devices()
+                split = (ctypes.c_float * C.llama_max_devices())(*tensor_split)
+                params.tensor_split = ctypes.cast(split, ctypes.POINTER(ctypes.c_float))
             ptr = C.llama_model_load_from_file(str(self.path).encode(), params)
             if not ptr:
                 raise Eagle3Error(f"{self.path}: llama.cpp could not load it (run with -v to see why)")

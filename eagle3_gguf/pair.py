@@ -44,6 +44,8 @@ class PairConfig:
     n_seq_max: int = 1  # each context's sequences: a draft tree's (DraftConfig.tree_sequences)
     rpc_servers: tuple[str, ...] = ()  # rpc-server hosts (host:port) for the target's offloaded layers
     rpc_backend: str | None = None  # a libggml-rpc module, where llama-cpp-python has no RPC built in
+    # the target's offloaded layers per device (llama.cpp's --tensor-split), or rpc.HEAD_SPLIT: rpc.head_split's
+    tensor_split: tuple[float, ...] | str = ()
 
 
 def check_pair(target: TargetInfo, head: HeadInfo, d2t: np.ndarray | None = None) -> None:
@@ -118,6 +120,21 @@ class Pair:
         self.close()
 
 
+def _head_split(target: TargetInfo, head: HeadInfo, config: PairConfig, n_remote: int,
+                n_devices: int) -> tuple[float, ...]:
+    """rpc.head_split's layers per rpc-server (none on this machine's GPUs, listed after them)."""
+    if not config.rpc_servers:
+        raise Eagle3Error(f"--tensor-split {rpc.HEAD_SPLIT} places the target's layers on rpc-servers: add --rpc")
+    if n_remote != len(config.rpc_servers):  # devices of one server share its connection, so its reads queue
+        raise Eagle3Error(f"--tensor-split {rpc.HEAD_SPLIT} needs one device per rpc-server ({len(config.rpc_servers)} "
+                          f"servers offer {n_remote}): give proportions")
+    if 0 <= config.n_gpu_layers <= target.n_layer:
+        raise Eagle3Error(f"--tensor-split {rpc.HEAD_SPLIT} needs every layer offloaded: -ngl all "
+                          f"(got -ngl {config.n_gpu_layers})")
+    counts = rpc.head_split(target.n_layer, head.target_layers, len(config.rpc_servers))
+    return tuple(float(c) for c in counts) + (0.0,) * (n_devices - len(counts))
+
+
 def load_pair(target_path: str | Path, head_path: str | Path, config: PairConfig = PairConfig(),
               target_model: Model | None = None, target_ctx: Context | None = None,
               infos: tuple[TargetInfo, HeadInfo] | None = None) -> Pair:
@@ -131,13 +148,18 @@ def load_pair(target_path: str | Path, head_path: str | Path, config: PairConfig
     try:
         # the target's layers over the network where asked (the servers first, then this machine's GPUs, as
         # llama.cpp's default orders them), the head's on this machine in any case
-        target_devices = None
+        target_devices, remote = None, []
         if config.rpc_servers:
-            target_devices = rpc.connect(config.rpc_servers, config.rpc_backend) + rpc.local_devices()
+            remote = rpc.connect(config.rpc_servers, config.rpc_backend)
+            target_devices = remote + rpc.local_devices()
         head_devices = rpc.local_devices() if rpc.in_use() else None
         if target_model is None:
             repack = target_info.repack_exact if config.repack is None else config.repack
-            target_model = Model(target_path, n_gpu_layers=config.n_gpu_layers, devices=target_devices, repack=repack)
+            split = config.tensor_split
+            if split == rpc.HEAD_SPLIT:
+                split = _head_split(target_info, head_info, config, len(remote), len(target_devices or ()))
+            target_model = Model(target_path, n_gpu_layers=config.n_gpu_layers, devices=target_devices, repack=repack,
+                                 tensor_split=split)
             opened.append(target_model)
         if target_ctx is None:
             capture = capture_for(target_info, head_info.target_layers, config.n_batch)

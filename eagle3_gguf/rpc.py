@@ -13,6 +13,7 @@ aborts inside ggml (see `on_abort`).
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import re
 import socket
@@ -106,6 +107,59 @@ def parse_servers(text: str) -> tuple[str, ...]:
     if len(set(out)) != len(out):
         raise Eagle3Error(f"--rpc: a server is named twice in '{text}'")
     return tuple(out)
+
+
+HEAD_SPLIT = "head"  # --tensor-split head: head_split's layers per server
+
+
+def parse_tensor_split(text: str) -> tuple[float, ...] | str:
+    """--tensor-split as llama.cpp takes it (proportions per device, e.g. 3,1) or 'head' (head_split)."""
+    if text.strip() == HEAD_SPLIT:
+        return HEAD_SPLIT
+    try:
+        parts = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        parts = ()
+    if not parts or not all(0.0 <= x < math.inf for x in parts) or not any(parts):
+        raise Eagle3Error(f"--tensor-split: '{text}' is neither '{HEAD_SPLIT}' nor non-negative proportions per "
+                          "device, not all 0 (e.g. --tensor-split 3,1)")
+    return parts
+
+
+def head_split(n_layer: int, head_layers: list[int], n_servers: int) -> tuple[int, ...]:
+    """Layers per server (llama.cpp's order: layer 0 first, the output layer last) such that every layer input the
+    head reads is made on a server of its own and none on the last: llama.cpp reads each extracted tensor with a
+    round trip of its own after the graph, in turn per server, so only reads from the servers before the last
+    overlap the last one's work (bench/NOTES.md: rpc-cpu). Balanced (the most layers on one server is least).
+    Needs a server more than the head reads layers made on them."""
+    n = n_layer + 1  # the repeating layers and the output layer, as tensor_split spreads them
+    made = [0] * (n + 1)  # prefix counts of the layers whose output the head reads (a layer input: its layer - 1)
+    for lid in {lid - 1 for lid in head_layers if lid > 0}:
+        made[lid + 1] += 1
+    for i in range(n):
+        made[i + 1] += made[i]
+    need = made[n] + 1
+    if n_servers < need or n_servers > n:
+        raise Eagle3Error(f"--tensor-split {HEAD_SPLIT}: the head reads {made[n]} of the target's layers, so it needs "
+                          f"{need} to {n} rpc-servers (got {n_servers}): add servers or give proportions")
+    worst = [[math.inf] * (n + 1) for _ in range(n_servers + 1)]  # [servers used][layers covered] -> max load
+    cut = [[0] * (n + 1) for _ in range(n_servers + 1)]
+    worst[0][0] = 0
+    for k in range(1, n_servers + 1):
+        allowed = 0 if k == n_servers else 1  # head layers made on this server
+        for b in range(k, n + 1):
+            for a in range(k - 1, b):
+                load = max(worst[k - 1][a], b - a)
+                if made[b] - made[a] <= allowed and load < worst[k][b]:
+                    worst[k][b], cut[k][b] = load, a
+    if worst[n_servers][n] == math.inf:
+        raise Eagle3Error(f"--tensor-split {HEAD_SPLIT}: no split of {n} layers over {n_servers} servers keeps the "
+                          "head's layers apart: give proportions")
+    counts, b = [], n
+    for k in range(n_servers, 0, -1):
+        counts.append(b - cut[k][b])
+        b = cut[k][b]
+    return tuple(reversed(counts))
 
 
 def _rpc_reg(module: str | Path | None) -> int:

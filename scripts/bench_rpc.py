@@ -3,14 +3,15 @@
 
     python scripts/bench_rpc.py                       # MT-bench's first 20 prompts, 0 / 0.2 / 1 / 5 ms
     python scripts/bench_rpc.py --limit 5 --latencies 0,1
+    python scripts/bench_rpc.py --servers 4 --tensor-split head   # the head's layers on servers of their own
 
-For each latency, two rpc-servers (the pinned tree's ggml-rpc-server, `-t 2`; one pair per latency, because an
-rpc-server serves one client at a time) each behind a delay proxy (scripts/rpc_proxy.py: every message, each
-way, waits the latency; none at 0), the SmolLM2 target split across the pair and the shipped head on this
-machine. Per prompt and per latency, interleaved in one process: target-only, then each contender
-(--contenders, of CONTENDERS: the adaptive policy with K <= 4 and <= 8, fixed K=4 with p_min 0, and the adaptive
-policy with generate's tree caps), then target-only again; a contender's
-speed is taken against the faster of the two target-only runs at the same latency (conservative: the faster of
+For each latency, two rpc-servers (--servers; the pinned tree's ggml-rpc-server, `-t 2`; a set per latency, because
+an rpc-server serves one client at a time) each behind a delay proxy (scripts/rpc_proxy.py: every message, each
+way, waits the latency; none at 0), the SmolLM2 target split across them (llama.cpp's split, or --tensor-split as
+generate takes it) and the shipped head on this machine. Per prompt and per latency, interleaved in one process:
+target-only, then each contender (--contenders, of CONTENDERS: the adaptive policy with K <= 4 and <= 8, fixed
+K=4 with p_min 0, and the adaptive policy with generate's tree caps), then target-only again; a contender's speed
+is taken against the faster of the two target-only runs at the same latency (conservative: the faster of
 two noisy runs is biased high) and against their mean, and the adaptive runs that drafted nothing are the
 control for that bias. Every run's text is
 compared with target-only's. The cost curves are calibrated fresh (a temporary EAGLE3_GGUF_CACHE), over each
@@ -33,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_data  # noqa: E402
 from build_upstream import rpc_module, rpc_server_bin  # noqa: E402
 from serving import free_port, kill_group, start_rpc_server, wait_listening  # noqa: E402
+from eagle3_gguf.errors import Eagle3Error  # noqa: E402
+from eagle3_gguf.rpc import parse_tensor_split  # noqa: E402
 
 SERVER_BIN, MODULE = rpc_server_bin(), rpc_module()  # resolved before EAGLE3_GGUF_CACHE changes (main)
 CONTENDERS = {  # name -> GenerateConfig fields beside n_predict
@@ -102,9 +105,10 @@ def bench(args) -> list[Prompt]:
         chosen = {name: GenerateConfig(n_predict=args.n_predict, **CONTENDERS[name]) for name in args.contenders}
         n_seq = max(c.tree_sequences for c in chosen.values())
         for ms in latencies:
-            servers = tuple(start_endpoint(ms, args.server_threads, procs) for _ in range(2))
+            servers = tuple(start_endpoint(ms, args.server_threads, procs) for _ in range(args.servers))
             config = PairConfig(n_ctx=2048, n_threads=args.threads, n_gpu_layers=-1, n_gpu_layers_draft=0,
-                                rpc_servers=servers, rpc_backend=str(MODULE), n_seq_max=n_seq)
+                                rpc_servers=servers, rpc_backend=str(MODULE), n_seq_max=n_seq,
+                                tensor_split=args.tensor_split)
             pair = load_pair(smollm2_path(), default_head_path(), config)
             session = Eagle3Session(pair.target, pair.head)
             dec = Runner(pair.target, session)
@@ -167,6 +171,10 @@ def main() -> int:
     ap.add_argument("--n-predict", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="this machine's threads (the head)")
     ap.add_argument("--server-threads", type=int, default=2, help="each rpc-server's threads")
+    ap.add_argument("--servers", type=int, default=2, help="rpc-servers per latency (default 2)")
+    ap.add_argument("--tensor-split", default=None,
+                    help="the target's layers per server, as generate's --tensor-split (e.g. head); "
+                         "default: llama.cpp's")
     ap.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, of: " + ", ".join(CONTENDERS))
     ap.add_argument("--out", type=Path, default=Path("bench/rpc-cpu"))
     args = ap.parse_args()
@@ -174,6 +182,14 @@ def main() -> int:
     unknown = [n for n in args.contenders if n not in CONTENDERS]
     if unknown:
         print(f"error: --contenders {', '.join(unknown)}: not one of {', '.join(CONTENDERS)}", file=sys.stderr)
+        return 2
+    if args.servers < 1:
+        print(f"error: --servers must be at least 1 (got {args.servers})", file=sys.stderr)
+        return 2
+    try:
+        args.tensor_split = parse_tensor_split(args.tensor_split) if args.tensor_split is not None else ()
+    except Eagle3Error as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     if not (SERVER_BIN.exists() and MODULE.exists()):
         print("error: RPC parts not built: python scripts/build_upstream.py", file=sys.stderr)

@@ -153,6 +153,24 @@ RPC_BACKEND_HELP = ("The RPC client module (libggml-rpc.so, built by 'python scr
                     "llama-cpp-python was built without -DGGML_RPC=ON (default: $EAGLE3_GGUF_RPC_BACKEND).")
 
 
+TENSOR_SPLIT_HELP = ("The target's offloaded layers per device, as llama.cpp's --tensor-split (e.g. 3,1), or 'head': "
+                     "with --rpc and a server more than the head reads layers (4 for EAGLE-3), each layer the head "
+                     "reads on a server of its own and none on the last, so that its features cost no round trip.")
+
+
+def tensor_split_option():
+    return typer.Option(None, "--tensor-split", "-ts", help=TENSOR_SPLIT_HELP)
+
+
+def split_from_flag(value: str | None) -> tuple[float, ...] | str:
+    """--tensor-split parsed (() without it: llama.cpp's own split)."""
+    if value is None:
+        return ()
+    from ..rpc import parse_tensor_split
+
+    return parse_tensor_split(value)
+
+
 def rpc_option():
     return typer.Option(None, "--rpc", help=RPC_HELP)
 

@@ -13,7 +13,7 @@ import typer
 from ..errors import Eagle3Error
 from .common import (check_context_flags, check_rpc_timeout, draft_option, drafting_from_flags, fail, gpu_layers,
                      exit_now, gpu_layers_option, RPC_TIMEOUT_HELP, rpc_backend_option, rpc_option, rpc_servers,
-                     setup_logging)
+                     setup_logging, split_from_flag, tensor_split_option)
 
 
 def register(app: typer.Typer) -> None:
@@ -31,6 +31,7 @@ def register(app: typer.Typer) -> None:
         rpc: Optional[str] = rpc_option(),
         rpc_backend: Optional[Path] = rpc_backend_option(),
         rpc_timeout: float = typer.Option(60.0, "--rpc-timeout", help=RPC_TIMEOUT_HELP),
+        tensor_split: Optional[str] = tensor_split_option(),
         cache_type_k: str = typer.Option("f16", "-ctk", "--cache-type-k", help="Target KV cache type for K."),
         cache_type_v: str = typer.Option("bf16", "-ctv", "--cache-type-v", help="Target KV cache type for V (bf16 keeps output identical to target-only at any length; README)."),
         temp: float = typer.Option(0.0, "--temp", help="Temperature; 0 = greedy."),
@@ -58,7 +59,8 @@ def register(app: typer.Typer) -> None:
                                            draft_lookup, draft_lookup_max, temp, draft_topk, draft_nodes)
             pair_config = _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max,
                                        drafting.tree_sequences, gpu_layers(n_gpu_layers, "-ngl"),
-                                       gpu_layers(n_gpu_layers_draft, "-ngld"), rpc_servers(rpc, rpc_backend), rpc_backend)
+                                       gpu_layers(n_gpu_layers_draft, "-ngld"), rpc_servers(rpc, rpc_backend),
+                                       rpc_backend, split_from_flag(tensor_split))
             from ..decode import GenerateConfig
 
             config = GenerateConfig(n_predict=n_predict, **asdict(drafting))
@@ -84,7 +86,7 @@ INEXACT_NOTE = ("note: with a {k}/{v} KV cache, llama.cpp computes a lone row di
 
 
 def _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max, n_seq_max, ngl, ngld, rpc=(),
-                 rpc_backend=None):
+                 rpc_backend=None, tensor_split=()):
     from ..native import batch_invariant_cache, cache_type
     from ..pair import PairConfig
 
@@ -93,7 +95,7 @@ def _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max, n_seq_ma
         typer.echo(INEXACT_NOTE.format(k=cache_type_k, v=cache_type_v), err=True)
     return PairConfig(n_ctx=n_ctx, n_threads=threads, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
                       n_seq_max=n_seq_max, n_gpu_layers=ngl, n_gpu_layers_draft=ngld, rpc_servers=rpc,
-                      rpc_backend=str(rpc_backend) if rpc_backend else None)
+                      rpc_backend=str(rpc_backend) if rpc_backend else None, tensor_split=tensor_split)
 
 
 def _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, baseline, as_json, rpc_timeout) -> None:
