@@ -341,6 +341,9 @@ class Model(_Owner):
             if devices is not None:
                 listed = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)  # NULL-terminated
                 params.devices = ctypes.addressof(listed)  # a void * field in llama-cpp-python's struct
+            if len(tensor_split) > C.llama_max_devices():
+                raise Eagle3Error(f"--tensor-split: {len(tensor_split)} proportions, but llama.cpp places layers on "
+                                  f"{C.llama_max_devices()} devices at most")
             if tensor_split:  # llama.cpp reads one float per device it may use, up to llama_max_devices()
                 split = (ctypes.c_float * C.llama_max_devices())(*tensor_split)
                 params.tensor_split = ctypes.cast(split, ctypes.POINTER(ctypes.c_float))

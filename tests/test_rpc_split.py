@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from llama_cpp.llama_cpp import llama_max_devices
 
 from eagle3_gguf.errors import Eagle3Error
 from eagle3_gguf.rpc import head_split, parse_tensor_split
@@ -70,6 +71,8 @@ def test_parse_tensor_split():
     (["--tensor-split", "head"], "--tensor-split head places the target's layers on rpc-servers: add --rpc"),
     (["--tensor-split", "1,x"], "--tensor-split: '1,x' is neither 'head' nor non-negative proportions per device, "
                                 "not all 0 (e.g. --tensor-split 3,1)"),
+    (["--tensor-split", ",".join(["1"] * 300)], "--tensor-split: 300 proportions, but llama.cpp places layers on "
+                                                f"{llama_max_devices()} devices at most"),
 ])
 def test_bad_tensor_split_flags(args, message):
     assert _one_error_line(_generate("-n", "8", *args)) == f"error: {message}"
