@@ -35,12 +35,17 @@ def _start_server() -> tuple[subprocess.Popen, str]:
     return start_rpc_server(rpc_server_bin(), threads=1)
 
 
-@pytest.fixture(scope="module")
-def servers():
-    started = [_start_server() for _ in range(2)]
+def running_servers(n: int):
+    """n rpc-servers for a module's tests (its --rpc value), stopped after them."""
+    started = [_start_server() for _ in range(n)]
     yield ",".join(endpoint for _, endpoint in started)
     for proc, _ in started:
         kill_group(proc)
+
+
+@pytest.fixture(scope="module")
+def servers():
+    yield from running_servers(2)
 
 
 def _generate(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -4,9 +4,9 @@ rpc-server of its own and none on the last, so that reading the features overlap
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -16,10 +16,7 @@ from eagle3_gguf.errors import Eagle3Error
 from eagle3_gguf.rpc import head_split, parse_tensor_split
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_rpc import _generate, _one_error_line, _start_server, needs_rpc  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from serving import kill_group  # noqa: E402
+from test_rpc import _generate, _one_error_line, needs_rpc, running_servers  # noqa: E402
 
 
 def _made(head_layers: list[int]) -> set[int]:
@@ -80,10 +77,7 @@ def test_bad_tensor_split_flags(args, message):
 
 @pytest.fixture(scope="module")
 def four_servers():
-    started = [_start_server() for _ in range(4)]
-    yield ",".join(endpoint for _, endpoint in started)
-    for proc, _ in started:
-        kill_group(proc)
+    yield from running_servers(4)
 
 
 @needs_rpc
