@@ -120,9 +120,9 @@ class Pair:
         self.close()
 
 
-def _head_split(target: TargetInfo, head: HeadInfo, config: PairConfig, n_remote: int,
-                n_devices: int) -> tuple[float, ...]:
-    """rpc.head_split's layers per rpc-server (none on this machine's GPUs, listed after them)."""
+def _head_split(target: TargetInfo, head: HeadInfo, config: PairConfig, n_remote: int) -> tuple[float, ...]:
+    """rpc.head_split's layers per rpc-server (none on this machine's GPUs, listed after them: Model's split is
+    zero past what it is given)."""
     if not config.rpc_servers:
         raise Eagle3Error(f"--tensor-split {rpc.HEAD_SPLIT} places the target's layers on rpc-servers: add --rpc")
     if n_remote != len(config.rpc_servers):  # devices of one server share its connection, so its reads queue
@@ -131,8 +131,7 @@ def _head_split(target: TargetInfo, head: HeadInfo, config: PairConfig, n_remote
     if 0 <= config.n_gpu_layers <= target.n_layer:
         raise Eagle3Error(f"--tensor-split {rpc.HEAD_SPLIT} needs every layer offloaded: -ngl all "
                           f"(got -ngl {config.n_gpu_layers})")
-    counts = rpc.head_split(target.n_layer, head.target_layers, len(config.rpc_servers))
-    return tuple(float(c) for c in counts) + (0.0,) * (n_devices - len(counts))
+    return tuple(map(float, rpc.head_split(target.n_layer, head.target_layers, len(config.rpc_servers))))
 
 
 def load_pair(target_path: str | Path, head_path: str | Path, config: PairConfig = PairConfig(),
@@ -157,7 +156,7 @@ def load_pair(target_path: str | Path, head_path: str | Path, config: PairConfig
             repack = target_info.repack_exact if config.repack is None else config.repack
             split = config.tensor_split
             if split == rpc.HEAD_SPLIT:
-                split = _head_split(target_info, head_info, config, len(remote), len(target_devices or ()))
+                split = _head_split(target_info, head_info, config, len(remote))
             target_model = Model(target_path, n_gpu_layers=config.n_gpu_layers, devices=target_devices, repack=repack,
                                  tensor_split=split)
             opened.append(target_model)

@@ -152,9 +152,8 @@ def head_split(n_layer: int, head_layers: list[int], n_servers: int) -> tuple[in
                 load = max(worst[k - 1][a], b - a)
                 if made[b] - made[a] <= allowed and load < worst[k][b]:
                     worst[k][b], cut[k][b] = load, a
-    if worst[n_servers][n] == math.inf:
-        raise Eagle3Error(f"--tensor-split {HEAD_SPLIT}: no split of {n} layers over {n_servers} servers keeps the "
-                          "head's layers apart: give proportions")
+    # always found: a cut after each layer the head reads (none past layer n_layer - 1), the output layer alone last
+    assert worst[n_servers][n] < math.inf
     counts, b = [], n
     for k in range(n_servers, 0, -1):
         counts.append(b - cut[k][b])
