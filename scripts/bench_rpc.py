@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_data  # noqa: E402
 from build_upstream import rpc_module, rpc_server_bin  # noqa: E402
 from serving import free_port, kill_group, start_rpc_server, wait_listening  # noqa: E402
+from eagle3_gguf.cli.common import split_from_flag  # noqa: E402
 from eagle3_gguf.errors import Eagle3Error  # noqa: E402
-from eagle3_gguf.rpc import parse_tensor_split  # noqa: E402
 
 SERVER_BIN, MODULE = rpc_server_bin(), rpc_module()  # resolved before EAGLE3_GGUF_CACHE changes (main)
 CONTENDERS = {  # name -> GenerateConfig fields beside n_predict
@@ -187,7 +187,7 @@ def main() -> int:
         print(f"error: --servers must be at least 1 (got {args.servers})", file=sys.stderr)
         return 2
     try:
-        args.tensor_split = parse_tensor_split(args.tensor_split) if args.tensor_split is not None else ()
+        args.tensor_split = split_from_flag(args.tensor_split)
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
