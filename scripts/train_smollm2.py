@@ -446,16 +446,22 @@ def our_prompts(out: Path, file: str, n: int, seed: int, mix: str, data_model: P
     return prompts
 
 
+def our_prompt_sets(out: Path, size: V2Size, data_model: Path) -> list[tuple[str, list]]:
+    """Our prompt sets, each with its answers file: the balanced prompts (stage 1's, with the code stubs and coding
+    tasks ShareGPT's first turns are short of), then the open prose requests (stage 2's generator, MT-bench's kind:
+    the answers stage 4 did not have)."""
+    (ours, prose), (ours_answers, prose_answers, _) = V2_PROMPT_SETS, V2_ANSWERS
+    return [(ours_answers, our_prompts(out, ours, size.ours, 0, "balanced", data_model)),
+            (prose_answers, our_prompts(out, prose, size.prose, PROSE_SEED, "prose", data_model))]
+
+
 def self_prompt_sets(out: Path, size: V2Size, train_set, data_model: Path) -> list[tuple[str, list]]:
-    """--self's prompt sets, each with its answers file, in the order they are answered: our balanced prompts first
-    (stage 1's, with the code stubs and coding tasks ShareGPT's first turns are short of), then our open prose
-    requests (stage 2's generator, MT-bench's kind: the answers stage 4 did not have), then ShareGPT's first turns."""
+    """--self's prompt sets, each with its answers file, in the order they are answered: ours, then ShareGPT's
+    first turns."""
     from eagle3_gguf.train.answers import first_turns
 
-    (ours, prose), (ours_answers, prose_answers, first_answers) = V2_PROMPT_SETS, V2_ANSWERS
-    return [(ours_answers, our_prompts(out, ours, size.ours, 0, "balanced", data_model)),
-            (prose_answers, our_prompts(out, prose, size.prose, PROSE_SEED, "prose", data_model)),
-            (first_answers, first_turns(train_set, size.max_tokens - size.max_new))]
+    firsts = first_turns(train_set, size.max_tokens - size.max_new)
+    return our_prompt_sets(out, size, data_model) + [(V2_ANSWERS[-1], firsts)]
 
 
 def v2_data(out: Path, size: V2Size, train_set, data_model: Path, gpu: bool, max_data_gb: float | None,
@@ -514,10 +520,10 @@ def v2(args) -> int:
             raise Eagle3Error(f"{'--stage data' if args.stage == 'data' else '--max-data-gb'}: --online keeps no "
                               "data on disk; leave out one of them")
         prep = v2_prepare(out, size, args.sharegpt_json, data_model, args.smoke)
-        train_set = prep.train.head(size.conversations)
         if args.stage == "prepare":
-            self_prompt_sets(out, size, train_set, data_model)  # our prompt sets tokenized while llama.cpp is here
+            our_prompt_sets(out, size, data_model)  # tokenized while llama.cpp is here
             return 0
+        train_set = prep.train.head(size.conversations)
         suffix = (f"-{args.tag}" if args.tag else "") + ("-self" if args.self_distill else "")
         if args.stage == "answers":  # llama.cpp answers here what --self answers on a GPU machine
             for name, prompts in self_prompt_sets(out, size, train_set, data_model):
