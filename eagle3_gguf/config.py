@@ -27,6 +27,9 @@ from .policy import POLICIES
 from .spec_sampling import SPEC_SAMPLING
 from .tree import head_sequences
 
+# verify widths (exactness.py): auto keeps to the widths probed exact, or speculates as upstream where none above 1
+# is; strict keeps to them always (plain decoding where none is); off probes nothing
+EXACT_MODES = ("auto", "strict", "off")
 MAX_DRAFT_MAX = 32  # the most drafts one cycle may verify (head or lookup)
 MAX_TOPK = 8  # a draft tree's tokens per depth at most
 
@@ -63,6 +66,10 @@ KNOBS: dict[str, Knob] = {
     "draft_nodes": Knob("--draft-nodes", "With --draft-topk > 1: draft tokens a tree verifies at most (the likeliest "
                         "first; 0: --draft-max x --draft-topk). The fixed policy fills the tree; the adaptive one "
                         "adds a branch where it expects it to pay. Default: 8 with generate's adaptive policy, else 0."),
+    "exact": Knob("--exact", "auto: probe at load which verify batch widths llama.cpp computes bit for bit as "
+                  "one-token decoding (cached per set-up) and verify only those, so greedy output is target-only's; "
+                  "where no width above 1 is exact, say so and speculate anyway, as upstream does; strict: plain "
+                  "decoding there instead; off: no probe, every width."),
     "draft_lookup_max": Knob("--draft-lookup-max", "Tokens a lookup draft verifies at most (it costs no draft "
                              "step, so it may exceed --draft-max; the adaptive policy picks the length from the "
                              "measured cost of verify rows; a copy runs long)."),
@@ -86,6 +93,7 @@ class DraftConfig:
     draft_lookup_max: int = 16  # the most tokens a lookup draft verifies (bench/NOTES.md: lookup-cpu)
     draft_topk: int = 1  # a draft tree's tokens per depth; 1: a chain (tree.py)
     draft_nodes: int = 0  # a tree's draft tokens at most; 0: draft_max * draft_topk
+    exact: str = "auto"  # which verify widths to use: EXACT_MODES (exactness.py)
     # how errors name a knob: its attribute (the library) or its flag (`from_flags`); not stored
     name: InitVar[Callable[[str], str]] = str
 
@@ -105,6 +113,8 @@ class DraftConfig:
             raise Eagle3Error(f"{name('draft_temp_scale')} cannot be negative (got {self.draft_temp_scale})")
         if not isinstance(self.draft_lookup, bool):
             raise Eagle3Error(f"{name('draft_lookup')} must be on or off (got {self.draft_lookup})")
+        if self.exact not in EXACT_MODES:
+            raise Eagle3Error(f"{name('exact')} must be {', '.join(EXACT_MODES)} (got {self.exact})")
         for attr, low, high in (("draft_lookup_max", 1, MAX_DRAFT_MAX), ("draft_topk", 1, MAX_TOPK),
                                 ("draft_nodes", 0, MAX_DRAFT_MAX)):
             n = getattr(self, attr)

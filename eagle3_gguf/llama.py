@@ -59,7 +59,7 @@ from .config import DraftConfig
 from .decode import spec_sampling_label
 from .errors import Eagle3Error
 from .gguf_file import HeadInfo, TargetInfo
-from .native import CACHE_TYPES, Context, Model, batch_invariant_cache
+from .native import CACHE_TYPES, Context, Model
 from .pair import Pair, PairConfig, load_pair, read_pair
 from .session import Eagle3Session
 from .spec_sampling import RejectionSampler, Transform
@@ -69,14 +69,14 @@ from .stats import SpecStats
 _LIBRARY = DraftConfig()  # the knobs' library defaults
 
 # EXACTNESS: the verify batch computes each row as one-token decoding does, bit for bit, only where
-# llama.cpp's kernels are batch-invariant. On CPU that takes flash attention (the non-flash path sums a
-# row of a batch in another order) and a KV cache other than f16/f16 (there, a lone row with 512+ KV
-# cells takes flash attention's split-KV path: native.batch_invariant_cache). Eagle3Llama therefore
-# defaults to flash_attn=True and type_v=bf16 (ggml type 30), and warns when told otherwise: plain
-# Llama(..., flash_attn=True, type_v=30) gives the same text as Eagle3Llama.
-INEXACT_WARNING = ("{what}: the speculative verify batch is not bit-identical to one-token decoding on this "
-                   "llama.cpp path, so rare near-ties may resolve differently from plain Llama; Eagle3Llama's "
-                   "defaults (flash_attn=True, type_v=30, bf16) give identical output")
+# llama.cpp's kernels are batch-invariant; the exactness probe (exactness.py) measures which widths are at load,
+# and the run keeps to them. On CPU batch-invariance takes flash attention (the non-flash path sums a row of a
+# batch in another order) and a KV cache other than f16/f16 (there, a lone row with 512+ KV cells takes flash
+# attention's split-KV path). Eagle3Llama therefore defaults to flash_attn=True and type_v=bf16 (ggml type 30):
+# plain Llama(..., flash_attn=True, type_v=30) gives the same text as Eagle3Llama.
+INEXACT_WARNING = ("no verify batch of 2 or more rows is computed bit for bit as one-token decoding on this set-up "
+                   "(exactness probe: {found}{hint}): speculating anyway (exact='auto'), so rare near-ties may resolve "
+                   "differently from plain Llama; exact='strict' keeps its output")
 
 
 BUSY = ("this Eagle3Llama is generating in another thread: use one Eagle3Llama per thread, or a lock around "
@@ -127,9 +127,9 @@ class _Turn:
             self.llm._e3_running.release()
 
 
-def _draft_config(draft_config: DraftConfig | None, *knobs) -> DraftConfig:
-    """The drafting knobs given as one DraftConfig, or else one by one (DraftConfig's order), checked."""
-    config = draft_config or DraftConfig(*knobs)
+def _draft_config(draft_config: DraftConfig | None, **knobs) -> DraftConfig:
+    """The drafting knobs given as one DraftConfig, or else one by one, checked."""
+    config = draft_config or DraftConfig(**knobs)
     _check_chains(config)
     return config
 
@@ -148,8 +148,8 @@ class Eagle3Llama(Llama):
                  draft_max: int = _LIBRARY.draft_max, draft_p_min: float = _LIBRARY.draft_p_min,
                  draft_policy: str = _LIBRARY.draft_policy, spec_sampling: str = _LIBRARY.spec_sampling,
                  draft_temp_scale: float = _LIBRARY.draft_temp_scale, draft_lookup: bool = _LIBRARY.draft_lookup,
-                 draft_lookup_max: int = _LIBRARY.draft_lookup_max, draft_config: DraftConfig | None = None,
-                 n_gpu_layers_draft: int | None = None, rpc_servers: str | None = None,
+                 draft_lookup_max: int = _LIBRARY.draft_lookup_max, exact: str = _LIBRARY.exact,
+                 draft_config: DraftConfig | None = None, n_gpu_layers_draft: int | None = None, rpc_servers: str | None = None,
                  rpc_backend: str | None = None, **kwargs: Any):
         """The drafting knobs are config.DraftConfig's (checked before anything loads), one by one or as one
         `draft_config`; `draft_config` holds them afterwards. n_gpu_layers_draft: the head's layers on the GPU
@@ -161,8 +161,9 @@ class Eagle3Llama(Llama):
             raise Eagle3Error("Eagle3Llama needs the EAGLE-3 head: Eagle3Llama(model_path=..., draft_model_path=HEAD.gguf)")
         if kwargs.get("draft_model") is not None:
             raise Eagle3Error("draft_model (prompt lookup) and an EAGLE-3 head cannot be combined: drop draft_model")
-        config = _draft_config(draft_config, draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale,
-                               draft_lookup, draft_lookup_max)
+        config = _draft_config(draft_config, draft_max=draft_max, draft_p_min=draft_p_min, draft_policy=draft_policy,
+                               spec_sampling=spec_sampling, draft_temp_scale=draft_temp_scale, draft_lookup=draft_lookup,
+                               draft_lookup_max=draft_lookup_max, exact=exact)
         kwargs.setdefault("flash_attn", True)  # see EXACTNESS
         kwargs.setdefault("type_v", CACHE_TYPES["bf16"])
         self._e3_rpc = (rpc_servers, rpc_backend)
@@ -202,11 +203,6 @@ class Eagle3Llama(Llama):
         if self._is_recurrent or self._is_hybrid:
             raise Eagle3Error(f"{Path(self.model_path).name}: recurrent/hybrid targets cannot roll back rejected drafts")
         cp = self.context_params
-        if cp.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED:
-            warnings.warn(INEXACT_WARNING.format(what="flash_attn=False"), RuntimeWarning, stacklevel=3)
-        elif not batch_invariant_cache(cp.type_k, cp.type_v):
-            warnings.warn(INEXACT_WARNING.format(what=f"KV cache type_k={cp.type_k}, type_v={cp.type_v}"),
-                          RuntimeWarning, stacklevel=3)
         self._fit_rows_to_context()
         self._draft_config = config
         self.spec_stats = SpecStats()
@@ -274,13 +270,20 @@ class Eagle3Llama(Llama):
         self._calibrate_if_needed()
 
     def _calibrate_if_needed(self) -> None:
-        """The adaptive policy's cost curve (cached, or measured in a fraction of a second): measuring
-        clears the caches, so the state that says what they hold is cleared with them."""
+        """The exactness probe and the adaptive policy's cost curve (cached, or measured in a second or two):
+        measuring clears the caches, so the state that says what they hold is cleared with them. Warns once where
+        the run speculates past the exact widths (exact='auto' and none above 1 is exact)."""
         config = self.draft_config
         if config.draft_max > 0 and self._e3_spec.needs_calibration(config):
             self.n_tokens = 0
             self._e3_head_tokens.clear()
-            self._e3_spec.policy_for(config)
+            report = self._e3_spec.prepare(config)
+            if report.mode == "auto" and not report.kept:
+                cp = self.context_params
+                hint = ("; flash_attn=False" if cp.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED else
+                        f"; KV cache type_k={cp.type_k}, type_v={cp.type_v}" if cp.type_k == cp.type_v else "")
+                warnings.warn(INEXACT_WARNING.format(found=report.rows()[0][1], hint=hint), RuntimeWarning,
+                              stacklevel=4)
 
     # -- completion budget hint -----------------------------------------------------------------------
     def _create_completion(self, *args, **kwargs):
@@ -564,7 +567,7 @@ def attach_eagle3(llm: Llama, head_path: str | Path, *, draft_max: int = _LIBRAR
                   spec_sampling: str = _LIBRARY.spec_sampling,
                   draft_temp_scale: float = _LIBRARY.draft_temp_scale,
                   draft_lookup: bool = _LIBRARY.draft_lookup,
-                  draft_lookup_max: int = _LIBRARY.draft_lookup_max,
+                  draft_lookup_max: int = _LIBRARY.draft_lookup_max, exact: str = _LIBRARY.exact,
                   draft_config: DraftConfig | None = None, n_gpu_layers_draft: int | None = None) -> Eagle3Llama:
     """An Eagle3Llama over an existing `llama_cpp.Llama`, sharing its model, context and settings (nothing is
     loaded again): `llm = attach_eagle3(llm, "head.gguf")`. The Llama passed in stays usable and plain; both
@@ -577,8 +580,9 @@ def attach_eagle3(llm: Llama, head_path: str | Path, *, draft_max: int = _LIBRAR
         raise Eagle3Error(f"attach_eagle3 needs a llama_cpp.Llama, not {type(llm).__name__}")
     if llm in _ATTACHED:
         raise Eagle3Error("this Llama already has an EAGLE-3 head: use the Eagle3Llama attach_eagle3 returned")
-    config = _draft_config(draft_config, draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale,
-                           draft_lookup, draft_lookup_max)
+    config = _draft_config(draft_config, draft_max=draft_max, draft_p_min=draft_p_min, draft_policy=draft_policy,
+                           spec_sampling=spec_sampling, draft_temp_scale=draft_temp_scale, draft_lookup=draft_lookup,
+                           draft_lookup_max=draft_lookup_max, exact=exact)
     cls = type(llm)
     attached_cls = _AttachedLlama if cls is Llama else type(f"Eagle3{cls.__name__}", (_AttachedLlama, cls), {})
     attached = attached_cls(llm, head_path, config, n_gpu_layers_draft)

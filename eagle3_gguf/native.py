@@ -162,6 +162,51 @@ if _GGML_BASE is not None:
     _GGML_BASE.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
 
 
+class GgmlTensorHead(ctypes.Structure):
+    """The leading fields of ggml.h's `struct ggml_tensor` (what an eval callback reads of a node)."""
+
+    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
+                ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int)]
+
+
+if _GGML_BASE is not None:
+    # GGML_API const char * ggml_get_name(const struct ggml_tensor * tensor);
+    _GGML_BASE.ggml_get_name.argtypes = [ctypes.c_void_p]
+    _GGML_BASE.ggml_get_name.restype = ctypes.c_char_p
+    # GGML_API size_t ggml_nbytes(const struct ggml_tensor * tensor);
+    _GGML_BASE.ggml_nbytes.argtypes = [ctypes.c_void_p]
+    _GGML_BASE.ggml_nbytes.restype = ctypes.c_size_t
+    # GGML_API void ggml_backend_tensor_get(const struct ggml_tensor * tensor, void * data, size_t offset, size_t size);
+    _GGML_BASE.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    _GGML_BASE.ggml_backend_tensor_get.restype = None
+    # GGML_API const char * ggml_op_name(enum ggml_op op);
+    _GGML_BASE.ggml_op_name.argtypes = [ctypes.c_int]
+    _GGML_BASE.ggml_op_name.restype = ctypes.c_char_p
+
+
+@functools.cache
+def op_name(op: int) -> str:
+    """The name of a graph node's enum ggml_op value ("MUL_MAT"); only for values read off real nodes."""
+    return _GGML_BASE.ggml_op_name(op).decode()
+
+
+def node_head(t: int) -> GgmlTensorHead:
+    """The leading fields of the graph node at address t."""
+    return GgmlTensorHead.from_address(t)
+
+
+def node_name(t: int) -> str:
+    return _GGML_BASE.ggml_get_name(t).decode(errors="replace")
+
+
+def node_bytes(t: int) -> bytes:
+    """A computed node's data, copied from its backend (contiguous nodes)."""
+    n = _GGML_BASE.ggml_nbytes(t)
+    buf = ctypes.create_string_buffer(n)
+    _GGML_BASE.ggml_backend_tensor_get(t, buf, 0, n)
+    return buf.raw
+
+
 def quantize_rows(rows: np.ndarray, ggml_type: int, row_bytes: int) -> np.ndarray | None:
     """Rows quantized as llama.cpp quantizes them (ggml_quantize_chunk, no importance matrix); None where
     ggml is not at hand or the type needs an importance matrix.  # [n, n_per_row] float32 -> [n, row_bytes]"""

@@ -334,6 +334,7 @@ class SlotSpeculator(Speculator):
         self.seq = seq
         self.trees = False  # the joint target's sequences are the slots
         self.costs = copy.deepcopy(base.costs)  # each slot's policy refines its own
+        self.exact = base.exact  # the verify widths the Eagle3Llama's probe found exact (a slot's rows are its own)
         self.t_target = 0.0  # seconds of the shared decodes this slot's rows were in
 
     def decode(self, batch: Batch) -> None:
@@ -349,6 +350,10 @@ class SlotSpeculator(Speculator):
 
     def seq_rm(self, p0: int, p1: int = -1) -> bool:
         return self.joint.seq_rm(self.seq, p0, p1)
+
+    def probe_exact(self, rows: int):
+        raise Eagle3Error(f"a parallel slot verifies at most {self.exact.probed if self.exact else 0} rows (the "
+                          f"exactness probe at setup): set draft_max before making the SlotPool")
 
     def calibrate(self, k_max: int):
         raise Eagle3Error(f"a parallel slot drafts at most {self.costs.k_max if self.costs else 0} tokens (the "

@@ -24,12 +24,13 @@ import numpy as np
 
 from .config import DraftConfig
 from .errors import Eagle3Error
+from .exactness import ExactWidths, load_exact, probe, save_exact
 from .native import Batch, Context
 from .policy import AdaptivePolicy, CostCurve, CostKey, DraftPolicy, FixedPolicy, load_costs, measure, save_costs
 from .lookup import Lookup, LookupIndex
 from .session import Draft, Eagle3Session
 from .spec_sampling import RejectionSampler, one_hot, verify_match
-from .stats import SpecStats, StageClock
+from .stats import ExactReport, SpecStats, StageClock
 from .tokens import eog_check
 from .tree import DraftTree, TreeWalk, walk
 
@@ -87,7 +88,9 @@ class Speculator:
         self.seq = 0  # the target sequence this speculator decodes (slots.py runs one per sequence)
         self.trees = True  # may verify draft trees (a sequence per branch of its own unified cache)
         self.row0 = 0  # where its rows start in the target's last batch (0 unless sequences share it)
-        self.k_limit = self.batch.capacity - 1  # drafts that fit in one verify batch
+        self.k_fit = self.batch.capacity - 1  # drafts that fit in one verify batch
+        self.k_limit = self.k_fit  # drafts a cycle may verify: k_fit, or fewer to keep to exact widths (policy_for)
+        self.exact: ExactWidths | None = None  # what the exactness probe found (exactness.py)
         self.is_end = eog_check(target.model)  # remembers per token across generations
         self.costs: CostCurve | None = None
         self._adaptive: AdaptivePolicy | None = None
@@ -134,24 +137,79 @@ class Speculator:
         return self.target.t_native + draft
 
     # -- the policy ----------------------------------------------------------------------------------
-    def _lookup_max(self, config: DraftConfig) -> int:
-        """A lookup draft's cap for config (0: no lookup drafts; the fixed policy verifies none)."""
+    def _lookup_max(self, config: DraftConfig, limit: int | None = None) -> int:
+        """A lookup draft's cap for config (0: no lookup drafts; the fixed policy verifies none), at most `limit`
+        drafts (default: k_limit)."""
         lookup = config.draft_lookup and config.draft_policy == "adaptive"
-        return min(config.draft_lookup_max, self.k_limit) if lookup else 0
+        return min(config.draft_lookup_max, self.k_limit if limit is None else limit) if lookup else 0
 
-    def _drafts_max(self, config: DraftConfig) -> int:
-        """The most drafts a cycle may verify with config (head, lookup or tree): the cost curve's length."""
-        head, tree = min(config.draft_max, self.k_limit), min(config.tree_nodes, self.k_limit)
-        return max(head, self._lookup_max(config), tree)
+    def _drafts_max(self, config: DraftConfig, limit: int | None = None) -> int:
+        """The most drafts a cycle may verify with config (head, lookup or tree), at most `limit` (default:
+        k_limit): the cost curve's length."""
+        limit = self.k_limit if limit is None else limit
+        head, tree = min(config.draft_max, limit), min(config.tree_nodes, limit)
+        return max(head, self._lookup_max(config, limit), tree)
+
+    def _needs_probe(self, config: DraftConfig) -> bool:
+        rows = self._drafts_max(config, self.k_fit) + 1
+        return config.exact != "off" and (self.exact is None or not self.exact.covers(rows))
 
     def needs_calibration(self, config: DraftConfig) -> bool:
-        k = self._drafts_max(config)
-        return config.draft_policy == "adaptive" and (self.costs is None or self.costs.k_max < k)
+        """Whether policy_for(config) measures something first (the exactness probe or the cost curve), which
+        clears the target's and the head's caches."""
+        if self._needs_probe(config):
+            return True
+        k = self._drafts_max(config, self._exact_limit(config))
+        return config.draft_policy == "adaptive" and k > 0 and (self.costs is None or self.costs.k_max < k)
 
-    def policy_for(self, config: DraftConfig) -> DraftPolicy:
-        """The policy for a generation. The adaptive one persists (what it learnt carries over); its cost
-        curve comes from the cache or a calibration, which CLEARS the target's and the head's caches:
-        callers check needs_calibration() while the caches hold nothing they need."""
+    def _exact_limit(self, config: DraftConfig) -> int:
+        """The drafts a cycle may verify under config's exactness mode (the probe has run where it must): widths
+        up to the exact ones; all where none above 1 is exact and the mode is auto (as upstream; the run says so)."""
+        found = self.exact
+        if config.exact == "off" or found is None:
+            return self.k_fit
+        if found.exact >= 2 or config.exact == "strict":
+            return min(self.k_fit, max(found.exact - 1, 0))
+        return self.k_fit
+
+    def exact_report(self, config: DraftConfig) -> ExactReport:
+        """The statistics' account of exactness for a run with config (after policy_for)."""
+        found, rows_max = self.exact, self.k_limit + 1
+        if config.exact == "off" or found is None:
+            return ExactReport(config.exact, rows_max=rows_max)
+        kept = rows_max <= max(found.exact, 1)  # one row: plain decoding, extraction off (target-only itself)
+        return ExactReport(config.exact, found.probed, found.exact, found.depths, found.source, found.seconds, kept,
+                           rows_max)
+
+    def prepare(self, config: DraftConfig) -> ExactReport:
+        """Probe and calibrate for config now, as the next run would first: what it found about exactness."""
+        self.policy_for(config)
+        return self.exact_report(config)
+
+    def probe_exact(self, rows: int) -> ExactWidths:
+        """Which verify widths up to `rows` this set-up computes exactly (exactness.py), from the cache or probed
+        now and cached. CLEARS the target's cache (and the head's)."""
+        session = self.session
+        key = CostKey.for_contexts(self.target, session.draft_ctx, self.batch.capacity)
+        found = load_exact(key, rows)
+        if found is None:
+            session.reset()
+            found = probe(self.target, session.extract.enable, rows, self.batch)
+            save_exact(key, found)
+        return found
+
+    def policy_for(self, config: DraftConfig) -> DraftPolicy | None:
+        """The policy for a generation (None: no verify width above one row may be used, --exact strict). The
+        adaptive one persists (what it learnt carries over); its cost curve comes from the cache or a
+        calibration, and the verify widths it may use from the exactness probe; both CLEAR the target's and the
+        head's caches: callers check needs_calibration() while the caches hold nothing they need."""
+        if self._needs_probe(config):
+            self.exact = self.probe_exact(self._drafts_max(config, self.k_fit) + 1)
+        limit = self._exact_limit(config)
+        if limit != self.k_limit:
+            self.k_limit, self._adaptive = limit, None
+        if limit == 0:
+            return None
         k, n_lookup = min(config.draft_max, self.k_limit), self._lookup_max(config)
         nodes = min(config.tree_nodes, self.k_limit)
         if config.draft_topk > 1:
@@ -235,13 +293,16 @@ class Speculator:
         `rejection`: verify drafts drawn from the head's q by rejection sampling instead of hooks.pick.
         `spec_sampling`: how drafts are verified, for the statistics. May calibrate (see policy_for)."""
         speculative = config is not None and config.draft_max > 0 and self.session is not None
-        if self.session is not None:
-            self.session.extract.enable(speculative)  # a plain run needs no features: target-only's cost
         if speculative and self.needs_calibration(config):
             keep = 0  # calibrating clears both caches
         policy = self.policy_for(config) if speculative else None
+        exact = self.exact_report(config) if speculative else None
+        speculative = policy is not None  # --exact strict where no width above 1 is exact: plain decoding
+        if self.session is not None:
+            self.session.extract.enable(speculative)  # a plain run needs no features: target-only's cost
         index = self.index if speculative and config.draft_lookup else None
-        return Run(self, prompt, hooks, policy, rejection, spec_sampling if speculative else "", keep, index)
+        return Run(self, prompt, hooks, policy, rejection if speculative else None, spec_sampling if speculative else "",
+                   keep, index, exact)
 
     def rewind(self, keep: int, speculative: bool) -> int:
         """Keep the first `keep` positions in the target's cache (and the head's, speculative), or clear
@@ -421,13 +482,15 @@ class Run:
     stops; close() (or the end of the loop) writes the last statistics."""
 
     def __init__(self, spec: Speculator, prompt: list[int], hooks: RunHooks, policy: DraftPolicy | None,
-                 rejection: RejectionSampler | None, spec_sampling: str, keep: int, index: LookupIndex | None):
+                 rejection: RejectionSampler | None, spec_sampling: str, keep: int, index: LookupIndex | None,
+                 exact: ExactReport | None = None):
         if not prompt:
             raise Eagle3Error("the prompt is empty")
         self.stats = SpecStats(draft_max=policy.k_max if policy is not None else 0,
                                lookup_max=policy.lookup_max if index is not None else 0, n_prompt=len(prompt),
                                spec_sampling=spec_sampling, target_on=str(spec.target.model.placement),
-                               head_on=str(spec.session.draft_ctx.model.placement) if policy is not None else "")
+                               head_on=str(spec.session.draft_ctx.model.placement) if policy is not None else "",
+                               exact=exact)
         self._cycles = self._run(spec, prompt, hooks, policy, rejection, min(keep, len(prompt) - 1), index)
 
     def __iter__(self) -> Iterator[Cycle]:

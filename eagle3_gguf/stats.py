@@ -10,6 +10,37 @@ from typing import Callable
 from .policy import PolicyStats
 
 
+@dataclass(frozen=True)
+class ExactReport:
+    """The statistics' account of exactness: the mode, what the probe found, and whether the run kept to it."""
+
+    mode: str  # DraftConfig.exact: "auto", "strict" or "off"
+    probed: int = 0  # widths 1..probed examined (0: not probed)
+    exact: int = 0  # widths 1..exact exact
+    depths: tuple[int, ...] = ()
+    source: str = ""  # "probed" or "cache"
+    seconds: float = 0.0
+    kept: bool = False  # every verify batch this run may decode is of an exact width (so is its output)
+    rows_max: int = 0  # the widest verify batch the run may decode (1: plain decoding)
+
+    def rows(self) -> list[tuple[str, str]]:
+        """The statistics table's lines."""
+        if self.mode == "off":
+            return [("exact verify widths", "not probed (--exact off): output may part from target-only at near-ties")]
+        found = f"1..{self.exact}" if self.exact > 1 else "1" if self.exact == 1 else "none"
+        parts = f", width {self.exact + 1} parts" if self.exact < self.probed else ""
+        how = f"probed in {self.seconds:.2f} s" if self.source == "probed" else "cached"
+        depths = ", ".join(map(str, self.depths))
+        if not self.kept:
+            kept = "no: speculating past them (--exact auto where none above 1 is; --exact strict keeps to them)"
+        elif self.rows_max <= 1:
+            kept = "yes: plain decoding (--exact strict, none above 1 is exact)"
+        else:
+            kept = f"yes: verify batches of at most {self.rows_max} rows, so the output is target-only's"
+        return [("exact verify widths", f"{found} of 1..{self.probed}{parts} ({how}; depths {depths})"),
+                ("kept to them", kept)]
+
+
 @dataclass
 class SpecStats:
     draft_max: int = 0  # K: the head's drafts per cycle at most
@@ -41,6 +72,7 @@ class SpecStats:
     target_on: str = ""  # where the target ran: "CPU", or its GPU devices and layers offloaded (native.Placement)
     head_on: str = ""  # where the head ran (speculative runs)
     policy: PolicyStats | None = None  # what the drafting policy chose (speculative runs)
+    exact: ExactReport | None = None  # the verify widths it kept to (speculative runs; exactness.py)
 
     def __post_init__(self) -> None:
         k = max(self.draft_max, self.lookup_max)
@@ -136,6 +168,8 @@ class SpecStats:
             ("generated tokens", f"{self.n_generated}"),
             ("target forwards", f"{self.n_target_forwards}"),
         ]
+        if self.exact is not None:
+            rows += self.exact.rows()
         if self.draft_max:
             rows += [
                 ("drafted / accepted", f"{self.n_drafted} / {self.n_accepted}"),

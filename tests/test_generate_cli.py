@@ -177,16 +177,22 @@ def test_cache_type_llama_cpp_refuses(tiny_target, tiny_head):
 def test_identical_past_256_tokens_on_two_threads(tiny_target, tiny_head, ctv):
     """The default bf16 V cache keeps every row batch-invariant (tests/test_native.py pins why), so the
     text equals target-only decoding past the 256 tokens where f16/f16 single rows go split-KV; with
-    -ctv f16 the CLI says that it may not be."""
+    -ctv f16 the exactness probe finds no width above 1 exact, and the CLI says so (--exact strict: identical)."""
     r = invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-p", "Once upon a time", "-n", "400",
                "-t", "2", "--draft-policy", "fixed", "--draft-p-min", "0", "--baseline", "--json", "-ctv", ctv)
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert d["stats"]["n_generated"] == 400 and d["stats"]["n_drafted"] > 300  # rows decoded in verify batches
     if ctv == "bf16":
-        assert d["identical"] is True and r.stderr == ""
+        assert d["identical"] is True and r.stderr == "" and d["stats"]["exact"]["kept"] is True
     else:
-        assert r.stderr.startswith("note: with a f16/f16 KV cache, llama.cpp computes a lone row differently")
+        assert r.stderr.startswith("note: on this set-up no verify batch of 2 or more rows is computed bit for bit "
+                                   "as a lone row (exactness probe: 1 of 1..5, width 2 parts (")
+        assert d["stats"]["exact"]["kept"] is False
+        r = invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-p", "Once upon a time", "-n",
+                   "400", "-t", "2", "--draft-policy", "fixed", "--baseline", "--json", "-ctv", ctv, "--exact", "strict")
+        d = json.loads(r.stdout)
+        assert d["identical"] is True and d["stats"]["n_drafted"] == 0 and d["stats"]["exact"]["kept"] is True
 
 
 def test_offload_flags(tiny_target, tiny_head):

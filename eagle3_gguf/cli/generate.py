@@ -45,6 +45,7 @@ def register(app: typer.Typer) -> None:
         draft_lookup_max: int = draft_option("draft_lookup_max"),
         draft_topk: Optional[int] = draft_option("draft_topk", None),
         draft_nodes: Optional[int] = draft_option("draft_nodes", None),
+        exact: str = draft_option("exact"),
         chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the target's chat template (from its GGUF)."),
         baseline: bool = typer.Option(False, "--baseline", help="Also run target-only decoding and report speedup and identity."),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text + statistics) instead of streaming."),
@@ -56,9 +57,8 @@ def register(app: typer.Typer) -> None:
         try:
             _check_flags(prompt, file, n_predict, n_ctx, threads, temp)
             drafting = drafting_from_flags(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale,
-                                           draft_lookup, draft_lookup_max, temp, draft_topk, draft_nodes)
-            pair_config = _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max,
-                                       drafting.tree_sequences, gpu_layers(n_gpu_layers, "-ngl"),
+                                           draft_lookup, draft_lookup_max, temp, draft_topk, draft_nodes, exact)
+            pair_config = _pair_config(n_ctx, threads, cache_type_k, cache_type_v, drafting.tree_sequences, gpu_layers(n_gpu_layers, "-ngl"),
                                        gpu_layers(n_gpu_layers_draft, "-ngld"), rpc_servers(rpc, rpc_backend),
                                        rpc_backend, split_from_flag(tensor_split))
             from ..decode import GenerateConfig
@@ -80,19 +80,17 @@ def _check_flags(prompt, file, n_predict, n_ctx, threads, temp) -> None:
         raise Eagle3Error(f"--temp cannot be negative (got {temp})")
 
 
-INEXACT_NOTE = ("note: with a {k}/{v} KV cache, llama.cpp computes a lone row differently from a verify-batch row "
-                "past 256 tokens on several threads, so near-ties may part from target-only output "
-                "(-ctv bf16 keeps them identical)")
+INEXACT_NOTE = ("note: on this set-up no verify batch of 2 or more rows is computed bit for bit as a lone row "
+                "(exactness probe: {found}): speculating anyway, as upstream llama.cpp does, so near-ties may part "
+                "from target-only output (--exact strict keeps it identical)")
 
 
-def _pair_config(n_ctx, threads, cache_type_k, cache_type_v, draft_max, n_seq_max, ngl, ngld, rpc=(),
-                 rpc_backend=None, tensor_split=()):
-    from ..native import batch_invariant_cache, cache_type
+def _pair_config(n_ctx, threads, cache_type_k, cache_type_v, n_seq_max, ngl, ngld, rpc=(), rpc_backend=None,
+                 tensor_split=()):
+    from ..native import cache_type
     from ..pair import PairConfig
 
-    type_k, type_v = cache_type(cache_type_k), cache_type(cache_type_v)
-    if draft_max > 0 and not batch_invariant_cache(type_k, type_v):
-        typer.echo(INEXACT_NOTE.format(k=cache_type_k, v=cache_type_v), err=True)
+    cache_type(cache_type_k), cache_type(cache_type_v)  # a bad name is one error line before anything loads
     return PairConfig(n_ctx=n_ctx, n_threads=threads, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
                       n_seq_max=n_seq_max, n_gpu_layers=ngl, n_gpu_layers_draft=ngld, rpc_servers=rpc,
                       rpc_backend=str(rpc_backend) if rpc_backend else None, tensor_split=tensor_split)
@@ -123,6 +121,10 @@ def _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, base
             if pair_config.rpc_servers else None
         with Eagle3Session(pair.target, pair.head) as session, Runner(pair.target, session) as decoder:
             detok = Detokenizer(pair.target_model)
+            if config.draft_max > 0:  # the exactness probe and the cost curve, before the text streams
+                report = decoder.spec.prepare(config)
+                if report.mode == "auto" and not report.kept:
+                    typer.echo(INEXACT_NOTE.format(found=report.rows()[0][1]), err=True)
 
             def stream(new: list[int]) -> None:
                 if watchdog is not None:

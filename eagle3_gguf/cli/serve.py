@@ -74,6 +74,7 @@ def register(app: typer.Typer) -> None:
         draft_temp_scale: Optional[float] = draft_option("draft_temp_scale", None),
         draft_lookup: str = draft_option("draft_lookup", "on"),
         draft_lookup_max: int = draft_option("draft_lookup_max"),
+        exact: str = draft_option("exact"),
         strict_model: bool = typer.Option(False, "--strict-model", help="Answer 404 to requests naming another model (default: llama-cpp-python's rule, the served model answers)."),
         interrupt_requests: bool = typer.Option(False, "--interrupt-requests", help="llama-cpp-python's default: a new request ends the running stream early (its client gets a short answer). Default here: requests queue."),
         parallel: int = typer.Option(1, "--parallel", "-np", help="Requests served at once, their target decodes in one batch; -c is split among them. 1: one at a time."),
@@ -86,7 +87,7 @@ def register(app: typer.Typer) -> None:
         logging.getLogger("eagle3_gguf.server").setLevel(logging.INFO)  # queueing and dropped streams
         try:
             drafting = drafting_from_flags(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale,
-                                           draft_lookup, draft_lookup_max)
+                                           draft_lookup, draft_lookup_max, exact=exact)
             check_context_flags(n_ctx, threads)
             config = ServeConfig(model=model, draft=draft, drafting=drafting, host=host, port=port, n_ctx=n_ctx,
                                  n_threads=threads, alias=alias, strict_model=strict_model,

@@ -1,0 +1,234 @@
+"""The exactness probe: which verify widths this set-up computes bit for bit as target-only decoding does.
+
+Greedy speculative output is the target's own text only where llama.cpp computes each row of a verify batch
+of w rows exactly as it computes that row decoded alone. Whether it does depends on kernels that switch
+paths with the batch's rows, the KV length, the weight types, the backend and the thread count (bench/NOTES.md,
+exactness), so no list written in advance is right everywhere: like the cost curve, it is measured where the run
+happens, at load, once per set-up (cached under the cost curve's key, in `~/.cache/eagle3-gguf/exact/`).
+
+The probe, in two parts. On the run's own target context: a fixed token sequence (seeded) is prefilled up to each
+probe depth; there its next tokens are decoded one at a time with feature extraction off (the reference: what
+target-only decoding computes), then once more alone with extraction on (width 1: a plain cycle of a speculative
+run) and as one batch of w rows for w = 2, 3, ... with extraction on (a verify batch), and every row's logits are
+compared with the reference bit for bit. The depths: shallow; just past 256 tokens, where ggml-cpu's flash
+attention starts splitting a lone row's KV across threads; and past the sliding window of a target that has one
+(its cells are then reused): those the context holds. Logits alone can look equal where a kernel is not: an F32
+MoE router multiplied by another kernel for one row than for two differs in its last bits on nearly every row,
+yet the logits part only where two experts nearly tie (1 row in 200 on our tiny qwen3moe). So the second part
+compares every row of every matrix product of the graph (MUL_MAT, MUL_MAT_ID: where ggml's kernels switch paths;
+any difference upstream reaches the next one) between lone rows and batches, at the shallow depth, on a context
+of the same set-up with an eval callback (cb_eval can only be given when a context is made). Widths are probed
+upwards and the first that parts ends the probe: a run keeps to the widths below it, one cap on a verify batch's
+rows (`Speculator.policy_for`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from llama_cpp import llama_cpp as C
+
+from . import keys
+from .native import Batch, Context, node_bytes, node_head, node_name, op_name
+from .policy import CostKey
+
+CACHE_VERSION = 1
+SEED = 52  # the probe's token sequence
+SHALLOW = 8  # tokens before the shallow probe
+SPLIT_KV = 256  # past this many tokens a lone row's KV view reaches 512 cells (ggml-cpu's split-KV threshold)
+
+
+@dataclass(frozen=True)
+class ExactWidths:
+    """What the probe found: verify batches of 1..exact rows compute every row bit for bit as target-only
+    decoding does; widths 1..probed were examined, so exact < probed means width exact + 1 parted (0: even a
+    plain cycle, one row with feature extraction on, parted)."""
+
+    probed: int
+    exact: int
+    depths: tuple[int, ...]  # the KV depths probed
+    seconds: float  # what the probe cost when it ran
+    source: str = "probed"  # "probed", or "cache"
+
+    def covers(self, rows: int) -> bool:
+        """Whether it answers for verify batches of up to `rows` rows (a parting width answers for all above)."""
+        return self.probed >= rows or self.exact < self.probed
+
+
+def probe_depths(target: Context, rows: int) -> list[int]:
+    """The depths to probe a batch of up to `rows` rows at: shallow, past 256 tokens, past the sliding window
+    where the target has one; those the context holds."""
+    window = target.model.meta(keys.arch_key(keys.KEY_SLIDING_WINDOW, target.model.arch))
+    depths = {SHALLOW, SPLIT_KV + 1}
+    if window and window.isdigit() and int(window) > 0:
+        depths.add(int(window) + 1)
+    return sorted(d for d in depths if d + rows <= target.n_ctx)
+
+
+def probe(target: Context, extract: Callable[[bool], None], rows: int, batch: Batch) -> ExactWidths:
+    """Probe verify widths 1..rows on `target` (its cache is cleared before and after; feature extraction is
+    left on, as a speculative run has it). `extract(on)` turns the head's feature extraction on or off."""
+    t0 = time.perf_counter()
+    depths = probe_depths(target, rows)
+    tokens = np.random.default_rng(SEED).integers(0, target.model.n_vocab, max(depths, default=0) + rows)  # [n]
+    greedy = target.greedy_sampling
+    target.set_greedy_sampling(False)  # logits are compared, not the graph's argmax
+    target.clear()
+    exact, pos = rows, 0
+    try:
+        for depth in depths:
+            extract(False)
+            while pos < depth:  # the prefix, in batches as a prompt is decoded
+                n = batch.set(tokens[pos:min(depth, pos + batch.capacity)].tolist(), pos, logits="none")
+                target.decode(batch)
+                pos += n
+            ref = _lone_rows(target, batch, tokens, depth, exact)  # [exact, n_vocab]
+            extract(True)
+            exact = min(exact, _widths_exact(target, batch, tokens, depth, ref, exact))
+            target.seq_rm(0, depth)
+            if exact == 0:
+                break
+    finally:
+        target.clear()
+        extract(True)
+        target.set_greedy_sampling(greedy)
+    if exact >= 2 and depths:
+        exact = _products_exact(target, tokens, exact)
+    return ExactWidths(rows, exact, tuple(depths), time.perf_counter() - t0)
+
+
+def _lone_rows(target: Context, batch: Batch, tokens: np.ndarray, depth: int, rows: int) -> np.ndarray:
+    """The logits of tokens depth..depth+rows-1 decoded one at a time (then cut from the cache).
+    # -> [rows, n_vocab]"""
+    ref = np.empty((rows, target.model.n_vocab), np.float32)
+    for i in range(rows):
+        batch.set([int(tokens[depth + i])], depth + i, logits="all")
+        target.decode(batch)
+        ref[i] = target.logits_ith(0)
+    target.seq_rm(0, depth)
+    return ref
+
+
+def _widths_exact(target: Context, batch: Batch, tokens: np.ndarray, depth: int, ref: np.ndarray, up_to: int) -> int:
+    """How many widths from 1 up compute every row as `ref` at this depth (at most up_to)."""
+    batch.set([int(tokens[depth])], depth, logits="all")  # width 1: a lone row, extraction on
+    target.decode(batch)
+    if not np.array_equal(target.logits_ith(0), ref[0]):
+        return 0
+    for w in range(2, up_to + 1):
+        target.seq_rm(0, depth)
+        batch.set(tokens[depth:depth + w].tolist(), depth, logits="all")
+        target.decode(batch)
+        if not np.array_equal(target.logits(w), ref[:w]):
+            return w - 1
+    return up_to
+
+
+# ------------------------------------------------------------------------------------------------
+# the cache (beside the cost curves, under the same key)
+# ------------------------------------------------------------------------------------------------
+
+def _path(key: CostKey) -> Path:
+    costs = key.path()
+    return costs.parent.with_name("exact") / costs.name
+
+
+def load_exact(key: CostKey, rows: int) -> ExactWidths | None:
+    """The cached probe for `key` when it answers for `rows` rows; None when there is none, or it is corrupt."""
+    try:
+        data = json.loads(_path(key).read_text())
+        if data.get("version") != CACHE_VERSION or data.get("key") != asdict(key):
+            return None
+        found = ExactWidths(int(data["probed"]), int(data["exact"]), tuple(int(d) for d in data["depths"]),
+                            float(data["seconds"]), "cache")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not 0 <= found.exact <= found.probed or not found.covers(rows):
+        return None
+    return found
+
+
+def save_exact(key: CostKey, found: ExactWidths) -> None:
+    """Write atomically; a cache that cannot be written is only a missed shortcut."""
+    path = _path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"version": CACHE_VERSION, "key": asdict(key), "probed": found.probed,
+                                   "exact": found.exact, "depths": list(found.depths), "seconds": found.seconds}))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+# ------------------------------------------------------------------------------------------------
+# every matrix product's rows (a context of the target's set-up with an eval callback)
+# ------------------------------------------------------------------------------------------------
+
+PRODUCTS = {"MUL_MAT": 1, "MUL_MAT_ID": 2}  # op -> the dimension that runs over a batch's tokens
+
+
+class ProductRows:
+    """An eval callback (cb_eval) that keeps the output of every matrix product of a decode, and digests of
+    their rows per token. Given to a Context as its `capture` (reset before each decode, check after)."""
+
+    def __init__(self):
+        self.callback = C.ggml_backend_sched_eval_callback(self._eval)
+        self.user_data = None
+        self._nodes: list[tuple[str, int, bytes]] = []  # (name, tokens it spans, data), in computing order
+
+    def reset(self) -> None:
+        self._nodes = []
+
+    def check(self) -> None:
+        pass
+
+    def _eval(self, t: int, ask: bool, _user_data) -> bool:
+        head = node_head(t)
+        dim = PRODUCTS.get(op_name(head.op))
+        if dim is None or any(head.ne[d] != 1 for d in range(dim + 1, 4)):
+            return not ask  # asked: not wanted; told: go on computing
+        if not ask:
+            self._nodes.append((node_name(t), head.ne[dim], node_bytes(t)))
+        return True
+
+    def row(self, i: int, n_tokens: int) -> list[tuple[str, bytes]]:
+        """Digests of token i's rows in the last decode's products that span its n_tokens tokens."""
+        out = []
+        for name, n, data in self._nodes:
+            if n == n_tokens:
+                size = len(data) // n
+                out.append((name, hashlib.blake2b(data[i * size:(i + 1) * size], digest_size=16).digest()))
+        return out
+
+
+def _products_exact(target: Context, tokens: np.ndarray, rows: int) -> int:
+    """How many widths from 1 up (at most rows) compute every row of every matrix product as lone decodes do,
+    at the shallow depth, on a context of the target's set-up with a ProductRows callback."""
+    rec = ProductRows()
+    with Context(target.model, n_ctx=SHALLOW + rows, n_batch=target.n_batch, n_ubatch=target.n_ubatch,
+                 n_threads=target.n_threads, type_k=target.kv_types[0], type_v=target.kv_types[1],
+                 flash_attn=target.flash_attn, n_seq_max=target.n_seq_max, capture=rec) as ctx, \
+            Batch(target.n_batch) as batch:
+        batch.set(tokens[:SHALLOW].tolist(), 0, logits="none")
+        ctx.decode(batch)
+        ref = []  # [rows]: each lone row's product digests
+        for i in range(rows):
+            batch.set([int(tokens[SHALLOW + i])], SHALLOW + i, logits="all")
+            ctx.decode(batch)
+            ref.append(rec.row(0, 1))
+        for w in range(2, rows + 1):
+            ctx.seq_rm(0, SHALLOW)
+            batch.set(tokens[SHALLOW:SHALLOW + w].tolist(), SHALLOW, logits="all")
+            ctx.decode(batch)
+            if any(rec.row(i, w) != ref[i] for i in range(w)):
+                return w - 1
+    return rows

@@ -1,0 +1,105 @@
+"""The exactness probe (eagle3_gguf/exactness.py): which verify widths compute every row as target-only decoding
+does, measured at load and cached per set-up; the run keeps to them unless told otherwise (--exact)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from arch_targets import ArchDims, write_arch_target
+from eagle3_gguf.cli.main import app
+from eagle3_gguf.config import DraftConfig
+from eagle3_gguf.errors import Eagle3Error
+from eagle3_gguf.pair import PairConfig, load_pair
+from model_factory import HeadSpec, write_random_head
+
+# an F32 MoE router is multiplied by ggml_vec_dot_f32 for one row and by llamafile's sgemm for two or more:
+# its logits differ in the last bits on nearly every row, and the text parts where two experts nearly tie
+MOE = ["--draft-policy", "fixed", "--draft-max", "1", "--draft-p-min", "0", "-t", "2", "-p", "def fib(n):"]
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE3_GGUF_CACHE", str(tmp_path / "cache"))  # every test probes afresh, as a new user does
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("moe")
+    f32 = write_arch_target(d / "qwen3moe-f32-router.gguf", "qwen3moe", ArchDims(f32_router=True))
+    q8 = write_arch_target(d / "qwen3moe.gguf", "qwen3moe", ArchDims())
+    head = write_random_head(d / "head.gguf", HeadSpec(n_embd_tgt=64, target_layers=(1, 3, 5)), tokenizer_from=f32)
+    return {"f32": f32, "q8": q8, "head": head}
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def generate_json(*args: str) -> dict:
+    r = invoke("generate", *args, "--baseline", "--json")
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout) | {"stderr": r.stderr}
+
+
+def test_probe_finds_the_f32_router_inexact(moe):
+    for router, exact in (("f32", 1), ("q8", 9)):
+        with load_pair(moe[router], moe["head"], PairConfig(n_ctx=1024, n_threads=2)) as pair, \
+                pair.speculator() as spec:
+            found = spec.probe_exact(9)
+        assert (found.probed, found.exact, found.source) == (9, exact, "probed"), router
+        assert found.depths == (8, 257)
+
+
+def test_strict_keeps_target_only_text_where_off_does_not(moe):
+    m = ["-m", str(moe["f32"]), "--draft", str(moe["head"]), "-n", "300", *MOE]
+    off = generate_json(*m, "--exact", "off")
+    assert off["identical"] is False and off["stats"]["n_drafted"] > 100
+    assert off["stats"]["exact"] == {"mode": "off", "probed": 0, "exact": 0, "depths": [], "source": "",
+                                     "seconds": 0.0, "kept": False, "rows_max": 512}
+    strict = generate_json(*m, "--exact", "strict")
+    assert strict["identical"] is True and strict["stats"]["n_drafted"] == 0
+    ex = strict["stats"]["exact"]
+    assert (ex["mode"], ex["probed"], ex["exact"], ex["kept"], ex["rows_max"]) == ("strict", 2, 1, True, 1)
+    auto = generate_json(*m)  # the default: says so, and speculates as upstream does
+    assert auto["stats"]["exact"]["kept"] is False and auto["stats"]["exact"]["source"] == "cache"
+    assert auto["stderr"].startswith("note: on this set-up no verify batch of 2 or more rows is computed bit for bit "
+                                     "as a lone row (exactness probe: 1 of 1..2, width 2 parts (cached; depths 8, 257))")
+    assert auto["stats"]["n_drafted"] > 100 and auto["identical"] is False
+
+
+def test_an_exact_target_keeps_every_width(moe):
+    d = generate_json("-m", str(moe["q8"]), "--draft", str(moe["head"]), "-n", "300", *MOE)
+    ex = d["stats"]["exact"]
+    assert (ex["mode"], ex["probed"], ex["exact"], ex["kept"], ex["source"]) == ("auto", 2, 2, True, "probed")
+    assert d["identical"] is True and d["stats"]["n_drafted"] > 100 and d["stderr"] == ""
+
+
+def test_the_cached_probe_is_probed_again_when_the_set_up_changes(tiny_target, tiny_head):
+    m = ["-m", str(tiny_target), "--draft", str(tiny_head), "-p", "Once upon a time", "-n", "8"]
+    sources = [generate_json(*m, *flags)["stats"]["exact"]["source"]
+               for flags in ([], [], ["-t", "1"], ["-t", "1"], ["-ctv", "f16"], ["--draft-max", "2"], [])]
+    # a narrower run is answered by the probe of a wider one (--draft-max 2: lookups still verify 17 rows)
+    assert sources == ["probed", "cache", "probed", "cache", "probed", "cache", "cache"]
+    wider = generate_json(*m, "--draft-lookup-max", "20", "--draft-max", "20")["stats"]["exact"]
+    assert (wider["source"], wider["probed"]) == ("probed", 21)
+
+
+def test_the_statistics_say_it(tiny_target, tiny_head):
+    m = ["generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-p", "Once upon a time", "-n", "8"]
+    r = invoke(*m)
+    assert r.exit_code == 0, r.output
+    lines = {line.split("  ")[0]: line for line in r.stderr.splitlines()}
+    assert lines["exact verify widths"].split("  ", 1)[1].strip().startswith("1..17 of 1..17 (probed in ")
+    assert lines["kept to them"].endswith("yes: verify batches of at most 17 rows, so the output is target-only's")
+    r = invoke(*m, "--exact", "off")
+    assert "not probed (--exact off)" in r.stderr and "note:" not in r.stderr
+
+
+def test_bad_mode():
+    r = invoke("generate", "-p", "x", "--exact", "sometimes")
+    assert r.exit_code == 2 and r.stderr == "error: --exact must be auto, strict, off (got sometimes)\n"
+    with pytest.raises(Eagle3Error, match=r"^exact must be auto, strict, off \(got yes\)$"):
+        DraftConfig(exact="yes")
