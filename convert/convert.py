@@ -20,10 +20,10 @@ from gguf import LlamaFileType
 
 from .. import keys
 from ..errors import Eagle3Error
-from ..gguf_file import GGUF_MAGIC, KeyValue, TargetInfo, read_gguf
+from ..gguf_file import GGUF_MAGIC, HeadGeometry, KeyValue, TargetInfo, TensorEntry, check_head, read_gguf
 from ..hf_archs import HF_ARCHITECTURES
-from .layouts import MAX_INT, KIND_D2T, KIND_K, KIND_NORM, KIND_Q, HeadSpec, LayerIds, TensorSource, detect_layout, \
-    resolve_layer_ids
+from .layouts import MAX_INT, KIND_D2T, KIND_K, KIND_NORM, KIND_Q, T2D_TENSOR, HeadSpec, LayerIds, TensorSource, \
+    detect_layout, resolve_layer_ids
 from .quantize import Encoded, can_quantize, encode, ggml_type, n_bytes
 from .readers import Checkpoint, open_checkpoint, read_json
 from .writer import PlannedTensor, WrittenTensor, write_gguf
@@ -129,22 +129,25 @@ def _check_tokenizer(info: TargetInfo) -> TargetInfo:
 # ------------------------------------------------------------------------------------------------
 
 
-def _expected_shapes(spec: HeadSpec, n_embd_tgt: int, n_feat: int) -> dict[str, tuple[int, ...]]:
+FIX_CONFIG = "fix config.json"
+FIX_CHECKPOINT = "fix the checkpoint or its config.json"
+
+
+def _geometry(ckpt: Checkpoint, spec: HeadSpec, target: TargetInfo, n_feat: int) -> HeadGeometry:
+    """The numbers the GGUF will hold (n_feat: the target features fc reads), checked by the rules the loader
+    applies: a config the pinned graph cannot run (14 heads over 3 KV heads, an odd head_dim) is refused here,
+    before a tensor is read."""
     hp = spec.hparams
-    n_q, n_kv, e = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim, hp.n_embd
-    return {
-        keys.blk(keys.T_ATTN_NORM): (e,), keys.blk(keys.T_ATTN_NORM_2): (e,), keys.blk(keys.T_FFN_NORM): (e,),
-        keys.T_OUTPUT_NORM: (e,), keys.T_ENC_OUTPUT_NORM: (n_feat * n_embd_tgt,),
-        keys.blk(keys.T_ATTN_Q): (n_q, 2 * e), keys.blk(keys.T_ATTN_K): (n_kv, 2 * e),
-        keys.blk(keys.T_ATTN_V): (n_kv, 2 * e), keys.blk(keys.T_ATTN_OUT): (e, n_q),
-        keys.blk(keys.T_FFN_GATE): (hp.n_ff, e), keys.blk(keys.T_FFN_UP): (hp.n_ff, e),
-        keys.blk(keys.T_FFN_DOWN): (e, hp.n_ff),
-    }
+    geo = HeadGeometry(n_layer=1, n_embd=hp.n_embd, n_head=hp.n_head, n_head_kv=hp.n_head_kv, head_dim=hp.head_dim,
+                       head_dim_v=hp.head_dim, n_rot=hp.head_dim, n_ff=hp.n_ff, n_embd_tgt=target.n_embd,
+                       n_feat=n_feat, norm_before_fc=spec.norm_before_fc)
+    geo.check(ckpt.config_path or ckpt.path, FIX_CONFIG)
+    return geo
 
 
-def _check_shapes(ckpt: Checkpoint, spec: HeadSpec, target: TargetInfo, n_feat: int) -> None:
-    """Every shape against the config and the target; n_feat: how many target features fc reads."""
-    hp, where = spec.hparams, ckpt.path
+def _check_shapes(ckpt: Checkpoint, spec: HeadSpec, target: TargetInfo, geo: HeadGeometry) -> None:
+    """Every shape against the config and the target, named as the checkpoint names them."""
+    hp, where, n_feat = spec.hparams, ckpt.path, geo.n_feat
     fc = ckpt.tensors[spec.source(keys.T_FC).src_name].shape
     if len(fc) != 2 or fc[0] != hp.n_embd or fc[1] % n_feat:
         raise Eagle3Error(f"{where}: fc.weight is {list(fc)}, expected [hidden_size {hp.n_embd}, {n_feat} x target "
@@ -156,8 +159,9 @@ def _check_shapes(ckpt: Checkpoint, spec: HeadSpec, target: TargetInfo, n_feat: 
     if hp.target_hidden_size is not None and hp.target_hidden_size != trained_for:
         raise Eagle3Error(f"{where}: config target_hidden_size {hp.target_hidden_size} disagrees with fc.weight "
                           f"{list(fc)} ({n_feat} x {trained_for})")
-    for gguf_name, shape in _expected_shapes(spec, target.n_embd, n_feat).items():
+    for gguf_name, expected in geo.shapes().items():
         src = spec.source(gguf_name)
+        shape = tuple(reversed(expected.dims))  # PyTorch order
         if src is not None and ckpt.tensors[src.src_name].shape != shape:
             raise Eagle3Error(f"{where}: '{src.src_name}' is {list(ckpt.tensors[src.src_name].shape)}, "
                               f"expected {list(shape)} from config.json")
@@ -265,7 +269,29 @@ def _check_vocab(ckpt: Checkpoint, spec: HeadSpec, target: TargetInfo) -> np.nda
     if same.size:
         i, j = sorted((int(order[same[0]]), int(order[same[0] + 1])))
         raise Eagle3Error(f"{where}: d2t maps draft tokens {i} and {j} to the same target id {int(ids[i])}")
+    _check_t2d(ckpt, target, ids)
     return ids
+
+
+def _check_t2d(ckpt: Checkpoint, target: TargetInfo, ids: np.ndarray) -> None:
+    """t2d (dropped: d2t says it all) must be the same map seen from the target's side, one flag per target
+    token, set for d2t's ids and no others: a head whose two maps disagree was exported wrong or for another
+    vocabulary."""
+    if not ckpt.has(T2D_TENSOR):
+        return
+    where, shape = ckpt.path, ckpt.tensors[T2D_TENSOR].shape
+    if shape != (target.n_vocab,):
+        raise Eagle3Error(f"{where}: t2d is {list(shape)}, expected [target vocab {target.n_vocab}]: the head was "
+                          f"trained for another vocabulary")
+    marked = np.flatnonzero(ckpt.load(T2D_TENSOR))  # [k] target ids t2d marks
+    if marked.size != len(ids):
+        raise Eagle3Error(f"{where}: t2d marks {marked.size} target tokens but d2t maps {len(ids)}: the two maps "
+                          f"disagree, so the head was exported wrong")
+    missing = np.flatnonzero(~np.isin(ids, marked))
+    if missing.size:
+        i = int(missing[0])
+        raise Eagle3Error(f"{where}: d2t maps draft token {i} to target id {int(ids[i])}, which t2d does not mark: "
+                          f"the two maps disagree, so the head was exported wrong")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -436,7 +462,7 @@ def convert_head(src: str | Path, out: str | Path | None, target: str | Path | T
     spec = detect_layout(ckpt)
     ids = resolve_layer_ids(spec, tgt.n_layer, layer_ids)
     n_feat = len(ids.ids)
-    _check_shapes(ckpt, spec, tgt, n_feat)
+    _check_shapes(ckpt, spec, tgt, _geometry(ckpt, spec, tgt, n_feat))
     d2t = _check_vocab(ckpt, spec, tgt)
 
     out = Path(out) if out is not None else default_out_path(src)
@@ -468,6 +494,10 @@ def convert_head(src: str | Path, out: str | Path | None, target: str | Path | T
                      f"{padded_layer_ids(ids.ids)}")
     plans = _plan(ckpt, spec, d2t, out_t, fc_t, keys.N_TARGET_LAYERS * tgt.n_embd, notes)
     kvs = _metadata(spec, tgt, ids, out_t, name or out.stem) + _eagle31_metadata(ckpt, spec)
+    # the file as llama.cpp will read it, through the loader's own check: never a head `generate` refuses
+    check_head(ckpt.path, {kv.key: kv.value for kv in kvs},
+               [TensorEntry(p.name, list(reversed(p.shape)), p.ggml_type.name, n_bytes(p.shape, p.ggml_type))
+                for p in plans], FIX_CHECKPOINT)
 
     sources = {t.gguf_name: t.src_name for t in spec.tensors}
     total = sum(n_bytes(p.shape, p.ggml_type) for p in plans)

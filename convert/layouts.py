@@ -76,7 +76,8 @@ _TOP_TENSORS = {
 NORM_BEFORE_FC_TENSOR = "input_norm.weight"  # speculators: RMSNorm on the 3 concatenated features
 FC_NORM_TENSOR = "fc_norm.{i}.weight"  # EAGLE 3.1: RMSNorm on target feature i, before the concatenation
 _FC_NORM_RE = re.compile(r"^fc_norm\.(\d+)\.weight$")
-_DROPPED = ("t2d", "verifier_lm_head.weight", "verifier_norm.weight")
+T2D_TENSOR = "t2d"  # bool [target vocab]: d2t seen from the target's side (checked against d2t, then dropped)
+_DROPPED = (T2D_TENSOR, "verifier_lm_head.weight", "verifier_norm.weight")
 
 
 @dataclass

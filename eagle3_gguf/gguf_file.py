@@ -4,7 +4,8 @@
 strings as raw bytes: ~50x faster than gguf.GGUFReader on a 49k-token vocab. `read_gguf` turns every
 way a file can be wrong (missing, not a GGUF, truncated) into one `Eagle3Error` line. `TargetInfo` and
 `HeadInfo` are what the pair check, `info`, the converter and the trainer need to know about the two kinds
-of file, each read from the GGUF once (`from_gguf`) and passed along.
+of file, each read from the GGUF once (`from_gguf`) and passed along. `HeadGeometry` (`check_head`) is what the
+pinned eagle3 graph assumes of a head's numbers and tensors, checked by `HeadInfo` and by the converter alike.
 """
 
 from __future__ import annotations
@@ -270,10 +271,15 @@ class GGUFFile:
 
     @property
     def n_vocab(self) -> int:
-        tokens = self.metadata.get(keys.KEY_TOKENIZER_TOKENS)
-        if tokens is not None:
-            return len(tokens)
-        return int(self.get(keys.KEY_VOCAB_SIZE, 0))
+        return metadata_vocab(self.metadata, self.arch)
+
+
+def metadata_vocab(metadata: dict[str, Any], arch: str) -> int:
+    """The vocabulary llama.cpp loads for a GGUF with this metadata: its tokenizer tokens (else {arch}.vocab_size)."""
+    tokens = metadata.get(keys.KEY_TOKENIZER_TOKENS)
+    if tokens is not None:
+        return len(tokens)
+    return int(metadata.get(keys.arch_key(keys.KEY_VOCAB_SIZE, arch), 0))
 
 
 def read_gguf(path: str | Path) -> GGUFFile:
@@ -315,7 +321,8 @@ _KEY_KINDS = {
     keys.KEY_HEAD_COUNT_KV: "int|ints", keys.KEY_TARGET_LAYERS: "ints", keys.KEY_TARGET_HIDDEN_SIZE: "int",
     keys.KEY_NORM_BEFORE_RESIDUAL: "bool", keys.KEY_NORM_BEFORE_FC: "bool", keys.KEY_FC_NORM: "bool",
     keys.KEY_NORM_OUTPUT: "bool", keys.KEY_FC_NORM_WEIGHT: "floats", keys.KEY_TOKENIZER_TOKENS: "strings",
-    keys.KEY_NAME: "string", keys.KEY_CHAT_TEMPLATE: "string",
+    keys.KEY_NAME: "string", keys.KEY_CHAT_TEMPLATE: "string", keys.KEY_KEY_LENGTH: "int", keys.KEY_VALUE_LENGTH: "int",
+    keys.KEY_ROPE_DIMENSION_COUNT: "int", keys.KEY_ROPE_SCALING_TYPE: "string",
 }
 
 
@@ -452,11 +459,11 @@ class HeadInfo:
         hidden = g.get(keys.KEY_TARGET_HIDDEN_SIZE)
         if hidden is None:
             raise Eagle3Error(f"{g.path}: eagle3 GGUF lacks {keys.arch_key(keys.KEY_TARGET_HIDDEN_SIZE, 'eagle3')}")
+        geo = check_head(g.path, g.metadata, g.tensors)
         d2t = g.tensor(keys.T_D2T)
         return cls(
-            g.path, [int(x) for x in layers], int(hidden), int(g.get(keys.KEY_EMBEDDING_LENGTH, 0)),
-            int(g.get(keys.KEY_HEAD_COUNT, 0)), int(g.get(keys.KEY_HEAD_COUNT_KV, 0)),
-            int(g.get(keys.KEY_FEED_FORWARD_LENGTH, 0)), g.n_vocab, d2t.shape[0] if d2t else None,
+            g.path, [int(x) for x in layers], int(hidden), geo.n_embd, geo.n_head, geo.n_head_kv, geo.n_ff, g.n_vocab,
+            d2t.shape[0] if d2t else None,
             bool(g.get(keys.KEY_NORM_BEFORE_RESIDUAL, False)), bool(g.get(keys.KEY_NORM_BEFORE_FC, False)),
             g.tensor(keys.T_TOKEN_EMBD) is not None, g.tensor(keys.T_OUTPUT) is not None, g.tensors,
             fc_norm=_fc_norm_shape(g, len(layers), int(hidden)),
@@ -474,6 +481,160 @@ def _fc_norm_shape(g: GGUFFile, n_feat: int, n_embd_tgt: int) -> list[int] | Non
         raise Eagle3Error(f"{g.path}: {keys.KEY_FC_NORM} is set but {keys.KEY_FC_NORM_WEIGHT} holds {got} values, "
                           f"expected {n_feat} x {n_embd_tgt}: convert the head again")
     return [n_feat, n_embd_tgt]
+
+
+# ------------------------------------------------------------------------------------------------
+# The geometry of an eagle3 head
+# ------------------------------------------------------------------------------------------------
+
+FIX_HEAD = "convert the head again"
+# llama.cpp's LLAMA_ROPE_SCALING_TYPES: its loader aborts (GGML_ASSERT) on any other name
+ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
+
+
+@dataclass
+class ExpectedShape:
+    dims: list[int]  # GGUF order: ne[0] (the row length) first
+    meaning: str  # what fixes them, e.g. "[2 x hidden 64, 4 heads x head_dim 16]"
+
+
+@dataclass
+class HeadGeometry:
+    """The numbers the pinned eagle3 graph (src/models/eagle3.cpp) builds a head from, with the one description
+    of what it assumes of them (`check`) and of every tensor (`shapes`, `check_tensors`). llama.cpp refuses some
+    mismatches and aborts (GGML_ASSERT) on others, so each is refused here first, in one line: by the loader on
+    a head GGUF's header (`check_head`), by the converter on a checkpoint's config and on the GGUF it is about
+    to write."""
+
+    n_layer: int  # block_count: the graph asserts exactly one decoder layer
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int  # attention.key_length, else n_embd // n_head (as llama.cpp derives it)
+    head_dim_v: int  # attention.value_length, else as head_dim
+    n_rot: int  # rope.dimension_count, else head_dim
+    n_ff: int
+    n_embd_tgt: int  # the target's hidden size: fc reads n_feat features of it
+    n_feat: int  # 3 in a GGUF; a checkpoint may read fewer (the converter pads them)
+    norm_before_fc: bool = False
+    rope_scaling: str | None = None  # rope.scaling.type, as stored
+
+    @classmethod
+    def from_metadata(cls, where: Path, metadata: dict[str, Any], fix: str = FIX_HEAD) -> "HeadGeometry":
+        """As llama.cpp's loader reads them (its defaults where a key is absent); the types are checked already
+        (read_gguf's _check_types)."""
+        a = lambda template: keys.arch_key(template, keys.ARCH_EAGLE3)  # noqa: E731
+
+        def count(template: str, default: int = 0) -> int:
+            value = metadata.get(a(template), default)
+            if isinstance(value, list):  # one value per layer, as llama.cpp allows: a one-layer head has one
+                if len(value) != 1:
+                    raise Eagle3Error(f"{where}: {a(template)} holds {len(value)} values; a one-layer head has "
+                                      f"one: {fix}")
+                value = value[0]
+            return int(value)
+
+        n_embd, n_head = count(keys.KEY_EMBEDDING_LENGTH), count(keys.KEY_HEAD_COUNT)
+        head_dim = count(keys.KEY_KEY_LENGTH, n_embd // n_head if n_head else 0)
+        return cls(n_layer=count(keys.KEY_BLOCK_COUNT), n_embd=n_embd, n_head=n_head,
+                   n_head_kv=count(keys.KEY_HEAD_COUNT_KV, n_head), head_dim=head_dim,
+                   head_dim_v=count(keys.KEY_VALUE_LENGTH, n_embd // n_head if n_head else 0),
+                   n_rot=count(keys.KEY_ROPE_DIMENSION_COUNT, head_dim), n_ff=count(keys.KEY_FEED_FORWARD_LENGTH),
+                   n_embd_tgt=count(keys.KEY_TARGET_HIDDEN_SIZE),
+                   n_feat=len(metadata.get(a(keys.KEY_TARGET_LAYERS), [])),
+                   norm_before_fc=bool(metadata.get(a(keys.KEY_NORM_BEFORE_FC), False)),
+                   rope_scaling=metadata.get(a(keys.KEY_ROPE_SCALING_TYPE)))
+
+    def check(self, where: Path, fix: str = FIX_HEAD) -> None:
+        """One Eagle3Error line for the first number the graph cannot run with."""
+        if self.n_layer != 1:
+            raise Eagle3Error(f"{where}: {self.n_layer} decoder layers; the pinned llama.cpp eagle3 graph runs "
+                              f"exactly one: {fix}")
+        for what, value in (("hidden size", self.n_embd), ("attention head count", self.n_head),
+                            ("KV head count", self.n_head_kv), ("head size (head_dim)", self.head_dim),
+                            ("feed-forward width", self.n_ff), ("target hidden size", self.n_embd_tgt)):
+            if value < 1:
+                raise Eagle3Error(f"{where}: {what} is {value}; the eagle3 graph needs at least 1: {fix}")
+        if self.n_head % self.n_head_kv:
+            raise Eagle3Error(f"{where}: {self.n_head} attention heads are not a multiple of {self.n_head_kv} KV "
+                              f"heads, which llama.cpp's grouped-query attention needs (it aborts): {fix}")
+        if self.head_dim_v != self.head_dim:
+            raise Eagle3Error(f"{where}: value head size {self.head_dim_v} differs from key head size "
+                              f"{self.head_dim}; the pinned eagle3 graph needs them equal: {fix}")
+        if self.n_rot % 2 or self.n_rot > self.head_dim:
+            raise Eagle3Error(f"{where}: RoPE turns {self.n_rot} dimensions of each {self.head_dim}-wide head; "
+                              f"llama.cpp needs an even number, at most the head size (it aborts): {fix}")
+        if self.rope_scaling is not None and self.rope_scaling not in ROPE_SCALING_TYPES:
+            raise Eagle3Error(f"{where}: RoPE scaling type {self.rope_scaling!r} is not one llama.cpp knows "
+                              f"({', '.join(ROPE_SCALING_TYPES)}): {fix}")
+
+    def shapes(self) -> dict[str, ExpectedShape]:
+        """Every tensor these numbers fix (load_arch_tensors' shapes, by GGUF name); rope_freqs is optional."""
+        e, hd = self.n_embd, self.head_dim
+        hidden, ff = f"hidden {e}", f"feed-forward {self.n_ff}"
+        q, kv = f"{self.n_head} heads x head_dim {hd}", f"{self.n_head_kv} KV heads x head_dim {hd}"
+        feats = f"{self.n_feat} target layers x target hidden {self.n_embd_tgt}"
+        shapes = {keys.T_FC: ExpectedShape([self.n_feat * self.n_embd_tgt, e], f"[{feats}, {hidden}]")}
+        if self.norm_before_fc:
+            shapes[keys.T_ENC_OUTPUT_NORM] = ExpectedShape([self.n_feat * self.n_embd_tgt], f"[{feats}]")
+        for name in (keys.T_OUTPUT_NORM, keys.blk(keys.T_ATTN_NORM), keys.blk(keys.T_ATTN_NORM_2),
+                     keys.blk(keys.T_FFN_NORM)):
+            shapes[name] = ExpectedShape([e], f"[{hidden}]")
+        shapes.update({
+            keys.blk(keys.T_ATTN_Q): ExpectedShape([2 * e, self.n_head * hd], f"[2 x {hidden}, {q}]"),
+            keys.blk(keys.T_ATTN_K): ExpectedShape([2 * e, self.n_head_kv * hd], f"[2 x {hidden}, {kv}]"),
+            keys.blk(keys.T_ATTN_V): ExpectedShape([2 * e, self.n_head_kv * hd], f"[2 x {hidden}, {kv}]"),
+            keys.blk(keys.T_ATTN_OUT): ExpectedShape([self.n_head * hd, e], f"[{q}, {hidden}]"),
+            keys.blk(keys.T_FFN_GATE): ExpectedShape([e, self.n_ff], f"[{hidden}, {ff}]"),
+            keys.blk(keys.T_FFN_UP): ExpectedShape([e, self.n_ff], f"[{hidden}, {ff}]"),
+            keys.blk(keys.T_FFN_DOWN): ExpectedShape([self.n_ff, e], f"[{ff}, {hidden}]"),
+            keys.T_ROPE_FREQS: ExpectedShape([self.n_rot // 2], f"[RoPE dimensions {self.n_rot} / 2]"),
+        })
+        return shapes
+
+    def check_tensors(self, where: Path, tensors: list[TensorEntry], n_vocab: int, fix: str = FIX_HEAD) -> None:
+        """The head's tensor table against these numbers and its vocabulary: each tensor the graph makes, of the
+        shape it assumes and, where it asserts one, the type; none it has no place for."""
+        table = {t.name: t for t in tensors}
+        d2t = table.get(keys.T_D2T)
+        if d2t is not None and (len(d2t.shape) != 1 or not d2t.shape[0] or d2t.type != "I64"):
+            raise Eagle3Error(f"{where}: d2t is {d2t.type} {d2t.shape}; the eagle3 graph needs a non-empty 1-D I64 "
+                              f"map: {fix}")
+        rope = table.get(keys.T_ROPE_FREQS)
+        if rope is not None and rope.type != "F32":
+            raise Eagle3Error(f"{where}: {keys.T_ROPE_FREQS} is {rope.type}; the eagle3 graph needs F32: {fix}")
+        vocab = f"draft vocab {d2t.shape[0]} (d2t)" if d2t is not None else f"vocab {n_vocab}"
+        expected = {**self.shapes(),
+                    keys.T_OUTPUT: ExpectedShape([self.n_embd, d2t.shape[0] if d2t is not None else n_vocab],
+                                                 f"[hidden {self.n_embd}, {vocab}]"),
+                    keys.T_TOKEN_EMBD: ExpectedShape([self.n_embd, n_vocab],
+                                                     f"[hidden {self.n_embd}, vocab {n_vocab}]")}
+        optional = {keys.T_OUTPUT, keys.T_TOKEN_EMBD, keys.T_ROPE_FREQS}
+        stray = next((name for name in table if name not in expected and name != keys.T_D2T), None)
+        if stray is not None:
+            raise Eagle3Error(f"{where}: tensor '{stray}' has no place in the eagle3 graph (llama.cpp refuses a file "
+                              f"holding it): {fix}")
+        for name, shape in expected.items():
+            t = table.get(name)
+            if t is None and name not in optional:
+                raise Eagle3Error(f"{where}: lacks tensor '{name}', which the eagle3 graph needs: {fix}")
+            if t is not None and _dims(t.shape) != _dims(shape.dims):
+                raise Eagle3Error(f"{where}: tensor '{name}' is {t.shape}, expected {shape.dims} = {shape.meaning}: "
+                                  f"{fix}")
+
+
+def _dims(shape: list[int]) -> list[int]:
+    """A shape as ggml holds it: trailing dimensions of 1 are the same tensor (llama.cpp's check_tensor_dims)."""
+    return list(shape) + [1] * (GGML_MAX_DIMS - len(shape))
+
+
+def check_head(where: Path, metadata: dict[str, Any], tensors: list[TensorEntry], fix: str = FIX_HEAD) -> HeadGeometry:
+    """A head's metadata and tensor table (read from its GGUF, or what the converter is about to write), checked
+    against everything the pinned eagle3 graph assumes; returns its geometry."""
+    geo = HeadGeometry.from_metadata(where, metadata, fix)
+    geo.check(where, fix)
+    geo.check_tensors(where, tensors, metadata_vocab(metadata, keys.ARCH_EAGLE3), fix)
+    return geo
 
 
 def tokenizer_kvs(src: str | Path) -> list[KeyValue]:

@@ -59,6 +59,14 @@ def check_pair(target: TargetInfo, head: HeadInfo, d2t: np.ndarray | None = None
         raise Eagle3Error(
             f"head expects target hidden size {head.target_hidden_size}, but {target.path.name} has {target.n_embd}: "
             "this head was trained for another model")
+    # a head without its own token_embd or lm_head runs on the target's: the graph's norm and matmul abort on a
+    # width other than its own hidden size
+    for own, what in ((head.own_token_embd, f"{keys.T_TOKEN_EMBD} (token embeddings)"),
+                      (head.own_output, f"{keys.T_OUTPUT} (lm_head)")):
+        if not own and head.n_embd != target.n_embd:
+            raise Eagle3Error(
+                f"{head.path.name}: head has hidden size {head.n_embd} and no {what} of its own, but "
+                f"{target.path.name}'s are {target.n_embd} wide: this head was trained for another model")
     for lid in head.target_layers:
         if lid < 0 or lid > target.n_layer:
             raise Eagle3Error(

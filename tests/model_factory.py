@@ -15,7 +15,7 @@ import gguf
 
 from eagle3_gguf import keys
 from eagle3_gguf.assets import smollm2_path
-from eagle3_gguf.gguf_file import copy_tokenizer
+from eagle3_gguf.gguf_file import KeyValue, copy_tokenizer, read_gguf_metadata, read_tensor_data
 
 
 @dataclass(frozen=True)
@@ -167,3 +167,30 @@ def write_random_head(path: str | Path, spec: HeadSpec, *, tokenizer_from: Path,
         else:
             w.add_array(key, [float(x) for x in value])
     return _write(w, path)
+
+
+def rewrite_gguf(src: str | Path, dst: str | Path, *, kvs: dict[str, KeyValue | None] | None = None,
+                 tensors: dict[str, np.ndarray | None] | None = None) -> Path:
+    """A copy of the GGUF at `src` with metadata keys set (`kvs`, typed) or dropped (None), and tensors replaced
+    or added (numpy order, stored as their dtype: F32, I32, I64, ...) or dropped (None); the rest as stored, in
+    file order. How the tests make a head whose numbers disagree, as a corrupt or hand-edited file would."""
+    meta = read_gguf_metadata(src)
+    dst = Path(dst)
+    w = gguf.GGUFWriter(str(dst), meta.get(keys.KEY_ARCHITECTURE))
+    new_kvs = dict(kvs or {})
+    kept = [new_kvs.pop(kv.key, kv) for kv in meta.kvs
+            if kv.key not in (keys.KEY_ARCHITECTURE, keys.KEY_ALIGNMENT)]  # its own: the writer's arch, alignment
+    for kv in kept + list(new_kvs.values()):
+        if kv is not None:
+            w.add_key_value(kv.key, kv.value, kv.vtype, sub_type=kv.sub_type)
+    new_tensors = dict(tensors or {})
+    for t in meta.tensors:
+        if t.name not in new_tensors:
+            rows = read_tensor_data(meta.path, t)  # [rows, row bytes], stored as is
+            w.add_tensor(t.name, rows.reshape(*reversed(t.shape[1:]), rows.shape[-1]), raw_dtype=t.ggml_type)
+        elif (value := new_tensors.pop(t.name)) is not None:
+            w.add_tensor(t.name, value)
+    for name, value in new_tensors.items():
+        if value is not None:
+            w.add_tensor(name, value)
+    return _write(w, dst)

@@ -110,6 +110,96 @@ def test_wrong_attention_shape(tmp_path, tiny_target):
            f"{src}: 'midlayer.self_attn.k_proj.weight' is [32, 128], expected [64, 128] from config.json")
 
 
+def test_heads_not_a_multiple_of_kv_heads(tmp_path):
+    """Issue 52: a config of 14 attention heads over 3 KV heads (hidden 896) converted without a word, and
+    `generate` then died in GGML_ASSERT(ggml_can_mul_mat(k, q)). Every tensor agrees with the config and the
+    target, so only the head-count rule stands between it and a GGUF."""
+    dims = dims_with(n_embd=896, n_head=14, n_head_kv=3, n_embd_tgt=896)
+    src = _ckpt(tmp_path, dims=dims)
+    target = tmp_path / "target" / "config.json"
+    target.parent.mkdir()
+    target.write_text(json.dumps({"num_hidden_layers": 24, "hidden_size": 896, "vocab_size": 49152}))
+    _fails(tmp_path, [str(src), "-t", str(target)],
+           f"{src / 'config.json'}: 14 attention heads are not a multiple of 3 KV heads, which llama.cpp's "
+           f"grouped-query attention needs (it aborts): fix config.json")
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"head_dim": 15}, "RoPE turns 15 dimensions of each 15-wide head; llama.cpp needs an even number, at most the "
+                       "head size (it aborts)"),
+    ({"num_attention_heads": 128}, "head size (head_dim) is 0; the eagle3 graph needs at least 1"),
+    ({"num_key_value_heads": 8}, "4 attention heads are not a multiple of 8 KV heads, which llama.cpp's "
+                                 "grouped-query attention needs (it aborts)"),
+])
+def test_head_geometry_the_graph_cannot_run(tmp_path, tiny_target, config, message):
+    """Refused from config.json alone, before a tensor is read (an odd head_dim once made the RoPE row permutation
+    raise a ValueError)."""
+    src = _ckpt(tmp_path, config_extra=config)
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)], f"{src / 'config.json'}: {message}: fix config.json")
+
+
+@pytest.mark.parametrize("tensor, shape, expected", [
+    ("q_proj", (64, 128), [128, 128]),  # config head_dim 32: 4 heads x 32 rows
+    ("o_proj", (64, 64), [64, 128]),
+])
+def test_attention_shape_vs_heads_x_head_dim(tmp_path, tiny_target, tensor, shape, expected):
+    w = random_weights(dims_with(head_dim=32))
+    w[f"L.self_attn.{tensor}.weight"] = np.zeros(shape, dtype=np.float32)
+    src = _ckpt(tmp_path, dims=dims_with(head_dim=32), weights=w)
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{src}: 'midlayer.self_attn.{tensor}.weight' is {list(shape)}, expected {expected} from config.json")
+
+
+def test_fc_input_not_layers_x_target_hidden(tmp_path, tiny_target):
+    w = random_weights(CkptDims())
+    w["fc.weight"] = np.zeros((64, 200), dtype=np.float32)  # [n_embd, 200]: not 3 x any target hidden size
+    src = _ckpt(tmp_path, weights=w)
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{src}: fc.weight is [64, 200], expected [hidden_size 64, 3 x target hidden]")
+
+
+def test_t2d_size_vs_target_vocab(tmp_path, tiny_target):
+    w = random_weights(CkptDims())
+    w["t2d"] = w["t2d"][:32000]
+    src = _ckpt(tmp_path, weights=w)
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{src}: t2d is [32000], expected [target vocab 49152]: the head was trained for another vocabulary")
+
+
+def test_t2d_disagrees_with_d2t(tmp_path, tiny_target):
+    w = random_weights(CkptDims())
+    ids = np.flatnonzero(w["t2d"])  # [512] the target ids d2t maps onto
+    unmarked = int(np.flatnonzero(~w["t2d"])[0])
+    w["t2d"][unmarked] = True
+    src = _ckpt(tmp_path, weights=w)
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{src}: t2d marks 513 target tokens but d2t maps 512: the two maps disagree, so the head was exported "
+           f"wrong")
+    w["t2d"][ids[5]] = False  # 512 marks again, one of them not d2t's
+    src = _ckpt(tmp_path, weights=w)
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{src}: d2t maps draft token 5 to target id {ids[5]}, which t2d does not mark: the two maps disagree, "
+           f"so the head was exported wrong")
+
+
+def test_the_file_to_write_goes_through_the_loaders_check(tmp_path, tiny_target, monkeypatch):
+    """The converter hands the metadata and tensor table it is about to write to gguf_file.check_head, the check
+    `generate` runs: here a rope scaling type llama.cpp aborts on, slipped into the metadata."""
+    from gguf import GGUFValueType as VT
+
+    from eagle3_gguf import keys
+    from eagle3_gguf.convert import convert as conv
+    from eagle3_gguf.gguf_file import KeyValue
+
+    key = keys.arch_key(keys.KEY_ROPE_SCALING_TYPE, keys.ARCH_EAGLE3)
+    metadata = conv._metadata
+    monkeypatch.setattr(conv, "_metadata", lambda *a: metadata(*a) + [KeyValue(key, "llama3", VT.STRING)])
+    src = _ckpt(tmp_path)
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           f"{src}: RoPE scaling type 'llama3' is not one llama.cpp knows (none, linear, yarn, longrope): fix the "
+           f"checkpoint or its config.json")
+
+
 @pytest.mark.parametrize("layout,ids,convention,source", [
     ("speculators", [2, 3, 9], "input-of-layer", "config.json eagle_aux_hidden_state_layer_ids"),
     ("modelopt", [1, 3, 6], "output-of-layer (converted: +1)",

@@ -1,5 +1,5 @@
 """Seeded fuzzing of every format we read: GGUF headers and tensor tables (heads and targets), safetensors
-headers, config.json, sharded indexes, d2t maps out of range.
+headers, config.json, sharded indexes, d2t maps out of range; and heads whose geometry the eagle3 graph cannot run.
 
 Each mutated input goes through the CLI in-process (typer's CliRunner: `info`, `convert`) and must end one
 of two ways: exit 0 (the mutation left a valid file), or exit 2 with exactly one `error: ...` line on
@@ -21,10 +21,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGUFValueType as VT
 from typer.testing import CliRunner
 
 from checkpoints import write_checkpoint
+from eagle3_gguf import keys
 from eagle3_gguf.cli.main import app
+from eagle3_gguf.gguf_file import KeyValue, read_gguf_metadata
+from model_factory import HeadSpec, rewrite_gguf, write_random_head
 
 SEED = 18
 MAX_CASE_SECONDS = 20.0  # a hang shows as a case this slow
@@ -169,20 +173,32 @@ CHILD = r"""
 import json, sys
 from typer.testing import CliRunner
 from eagle3_gguf.cli.main import app
+from eagle3_gguf.errors import Eagle3Error
 runner = CliRunner()
 for line in sys.stdin:
     case = json.loads(line)
     print(json.dumps({"case": case["name"], "start": True}), flush=True)
-    res = runner.invoke(app, ["generate", "-m", case["target"], "--draft", case["head"], "-p", "Hello", "-n", "4",
-                              "-c", "64", "-t", "1", "--draft-policy", "fixed"])
-    exc = None if res.exception is None or isinstance(res.exception, SystemExit) else repr(res.exception)
-    print(json.dumps({"case": case["name"], "exit": res.exit_code, "stderr": res.stderr, "exception": exc}),
-          flush=True)
+    if case.get("api") == "Eagle3Llama":
+        from eagle3_gguf.llama import Eagle3Llama
+        try:
+            Eagle3Llama(model_path=case["target"], draft_model_path=case["head"], n_ctx=64, verbose=False).close()
+            exit_code, stderr, exc = 0, "", None
+        except Eagle3Error as e:
+            exit_code, stderr, exc = 2, f"error: {e}\n", None
+        except Exception as e:
+            exit_code, stderr, exc = 1, "", repr(e)
+    else:
+        res = runner.invoke(app, ["generate", "-m", case["target"], "--draft", case["head"], "-p", "Hello", "-n", "4",
+                                  "-c", "64", "-t", "1", "--draft-policy", "fixed"])
+        exit_code, stderr = res.exit_code, res.stderr
+        exc = None if res.exception is None or isinstance(res.exception, SystemExit) else repr(res.exception)
+    print(json.dumps({"case": case["name"], "exit": exit_code, "stderr": stderr, "exception": exc}), flush=True)
 """
 
 
 def load_in_child(cases: list[dict], timeout: float) -> list[dict]:
-    """Run `generate` on each (target, head) pair in one child process; fail if the child dies."""
+    """Run `generate` on each (target, head) pair in one child process (or construct Eagle3Llama on it, where
+    the case says "api": "Eagle3Llama": an Eagle3Error reads as exit 2 and its line); fail if the child dies."""
     feed = "".join(json.dumps(c) + "\n" for c in cases)
     r = subprocess.run([sys.executable, "-c", CHILD], input=feed, capture_output=True, text=True, timeout=timeout)
     events = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
@@ -253,6 +269,110 @@ def test_fuzz_gguf(tmp_path, tiny_target, tiny_head, tiny_head_d2t):
     assert all(r["exit"] == 2 and "d2t" in r["stderr"] for r in results if r["case"] in d2t_names), results
     print(f"\ninfo: heads {head_counts} {head2_counts}, targets {target_counts}; generate: {loaded}")
     assert head_counts["error"] + head2_counts["error"] + target_counts["error"] >= 180
+
+
+# ------------------------------------------------------------------------------------------------
+# Head geometry: numbers the eagle3 graph cannot run, each one error line before llama.cpp sees them
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class GeometryCase:
+    name: str
+    head: Path
+    line: str  # the one error line (after "error: ") a head like it must get
+
+
+def geometry_mutants(tmp: Path, head: Path, head_d2t: Path, target: Path) -> list[GeometryCase]:
+    """Heads whose numbers disagree with what the pinned eagle3 graph assumes, each with its error line. Without
+    the checks in gguf_file.HeadGeometry / pair.check_pair, llama.cpp aborts on those marked "abort" (GGML_ASSERT:
+    the process dies) and refuses the others with "could not load it"."""
+    a = lambda template: keys.arch_key(template, keys.ARCH_EAGLE3)  # noqa: E731
+    rng = np.random.default_rng(SEED)
+
+    def kv(template: str, value, vtype: VT = VT.UINT32) -> dict[str, KeyValue]:
+        return {a(template): KeyValue(a(template), value, vtype)}
+
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.1).astype(np.float32)  # numpy order: [rows, row length]
+
+    def mutant(name: str, src: Path = head, **changes) -> Path:
+        return rewrite_gguf(src, tmp / f"{name}.gguf", **changes)
+
+    fix = "convert the head again"
+    q, k, v = (keys.blk(t) for t in (keys.T_ATTN_Q, keys.T_ATTN_K, keys.T_ATTN_V))
+    second_layer = {t.name.replace("blk.0.", "blk.1."): w(*reversed(t.shape))
+                    for t in read_gguf_metadata(head).tensors if t.name.startswith("blk.0.")}
+    narrow = write_random_head(tmp / "narrow.gguf", HeadSpec(64, (1, 3, 5), n_embd=32, n_head=2, n_head_kv=1),
+                               tokenizer_from=target)
+    cases = [  # (case, head, the line after "{head}: ")
+        ("kv heads 3 (abort)", mutant("kv3", kvs=kv(keys.KEY_HEAD_COUNT_KV, 3), tensors={k: w(48, 128), v: w(48, 128)}),
+         "4 attention heads are not a multiple of 3 KV heads, which llama.cpp's grouped-query attention needs "
+         "(it aborts)"),
+        ("value length 8 (abort)", mutant("vlen", kvs={**kv(keys.KEY_KEY_LENGTH, 16), **kv(keys.KEY_VALUE_LENGTH, 8)},
+                                          tensors={v: w(16, 128)}),
+         "value head size 8 differs from key head size 16; the pinned eagle3 graph needs them equal"),
+        ("0 layers (abort)", mutant("blocks0", kvs=kv(keys.KEY_BLOCK_COUNT, 0)),
+         "0 decoder layers; the pinned llama.cpp eagle3 graph runs exactly one"),
+        ("2 layers (abort)", mutant("blocks2", kvs=kv(keys.KEY_BLOCK_COUNT, 2), tensors=second_layer),
+         "2 decoder layers; the pinned llama.cpp eagle3 graph runs exactly one"),
+        ("rope 18 dims (abort)", mutant("rot18", kvs=kv(keys.KEY_ROPE_DIMENSION_COUNT, 18)),
+         "RoPE turns 18 dimensions of each 16-wide head; llama.cpp needs an even number, at most the head size "
+         "(it aborts)"),
+        ("rope 15 dims (abort)", mutant("rot15", kvs=kv(keys.KEY_ROPE_DIMENSION_COUNT, 15)),
+         "RoPE turns 15 dimensions of each 16-wide head; llama.cpp needs an even number, at most the head size "
+         "(it aborts)"),
+        ("rope scaling type (abort)", mutant("ropetype", kvs=kv(keys.KEY_ROPE_SCALING_TYPE, "llama3", VT.STRING)),
+         "RoPE scaling type 'llama3' is not one llama.cpp knows (none, linear, yarn, longrope)"),
+        ("d2t I32 (abort)", mutant("d2t-i32", head_d2t, tensors={keys.T_D2T: np.zeros(512, dtype=np.int32)}),
+         "d2t is I32 [512]; the eagle3 graph needs a non-empty 1-D I64 map"),
+        ("token_embd 1000 rows (abort)", mutant("embd-rows", tensors={keys.T_TOKEN_EMBD: w(1000, 64)}),
+         "tensor 'token_embd.weight' is [64, 1000], expected [64, 49152] = [hidden 64, vocab 49152]"),
+        ("rope_freqs F16 (abort)", mutant("freqs-f16", tensors={keys.T_ROPE_FREQS: np.ones(8, dtype=np.float16)}),
+         "rope_freqs.weight is F16; the eagle3 graph needs F32"),
+        ("q rows", mutant("q96", tensors={q: w(96, 128)}),
+         "tensor 'blk.0.attn_q.weight' is [128, 96], expected [128, 64] = [2 x hidden 64, 4 heads x head_dim 16]"),
+        ("kv heads 0", mutant("kv0", kvs=kv(keys.KEY_HEAD_COUNT_KV, 0)),
+         "KV head count is 0; the eagle3 graph needs at least 1"),
+        ("ffn width", mutant("ff96", kvs=kv(keys.KEY_FEED_FORWARD_LENGTH, 96)),
+         "tensor 'blk.0.ffn_gate.weight' is [64, 128], expected [64, 96] = [hidden 64, feed-forward 96]"),
+        ("fc input", mutant("fc190", tensors={keys.T_FC: w(64, 190)}),
+         "tensor 'fc.weight' is [190, 64], expected [192, 64] = [3 target layers x target hidden 64, hidden 64]"),
+        ("target hidden 96", mutant("tgt96", kvs=kv(keys.KEY_TARGET_HIDDEN_SIZE, 96)),
+         "tensor 'fc.weight' is [192, 64], expected [288, 64] = [3 target layers x target hidden 96, hidden 64]"),
+        ("d2t 500 vs lm_head 512", mutant("d2t500", head_d2t, tensors={
+            keys.T_D2T: np.sort(rng.choice(49152, 500, replace=False)).astype(np.int64)}),
+         "tensor 'output.weight' is [64, 512], expected [64, 500] = [hidden 64, draft vocab 500 (d2t)]"),
+        ("no ffn_up", mutant("no-up", tensors={keys.blk(keys.T_FFN_UP): None}),
+         "lacks tensor 'blk.0.ffn_up.weight', which the eagle3 graph needs"),
+        ("norm_before_fc, no norm", mutant("nbf", kvs=kv(keys.KEY_NORM_BEFORE_FC, True, VT.BOOL)),
+         "lacks tensor 'enc.output_norm.weight', which the eagle3 graph needs"),
+        ("stray tensor", mutant("stray", tensors={"blk.0.attn_q_norm.weight": w(16)}),
+         "tensor 'blk.0.attn_q_norm.weight' has no place in the eagle3 graph (llama.cpp refuses a file holding it)"),
+    ]
+    out = [GeometryCase(name, path, f"{path}: {line}: {fix}") for name, path, line in cases]
+    borrow = f"but {target.name}'s are 64 wide: this head was trained for another model"
+    out.append(GeometryCase("narrow head, borrowed token_embd (abort)", narrow,
+                            f"narrow.gguf: head has hidden size 32 and no token_embd.weight (token embeddings) of "
+                            f"its own, {borrow}"))
+    own_embd = mutant("narrow-own-embd", narrow, tensors={keys.T_TOKEN_EMBD: w(49152, 32)})
+    out.append(GeometryCase("narrow head, borrowed lm_head (abort)", own_embd,
+                            f"narrow-own-embd.gguf: head has hidden size 32 and no output.weight (lm_head) of its "
+                            f"own, {borrow}"))
+    return out
+
+
+def test_head_geometry_refused_in_one_line(tmp_path, tiny_target, tiny_head, tiny_head_d2t):
+    """Issue 52: every head geometry the eagle3 graph cannot run is refused by `generate` and by Eagle3Llama in one
+    line (exit 2), never a GGML abort: all in one child process, which an abort would kill."""
+    mutants = geometry_mutants(tmp_path, tiny_head, tiny_head_d2t, tiny_target)
+    cases = [{"name": m.name, "target": str(tiny_target), "head": str(m.head)} for m in mutants]
+    first = mutants[0]  # the issue's own: attention heads that are not whole groups of KV heads
+    cases.append({"name": f"Eagle3Llama {first.name}", "target": str(tiny_target), "head": str(first.head),
+                  "api": "Eagle3Llama"})
+    expected = {m.name: m.line for m in mutants} | {f"Eagle3Llama {first.name}": first.line}
+    for r in load_in_child(cases, timeout=300):
+        assert r["exception"] is None, r
+        assert (r["exit"], r["stderr"]) == (2, f"error: {expected[r['case']]}\n"), r
 
 
 # ------------------------------------------------------------------------------------------------

@@ -6,7 +6,13 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+from gguf import GGUFValueType as VT
+
+from eagle3_gguf import keys
+from eagle3_gguf.gguf_file import KeyValue
+from model_factory import rewrite_gguf
 
 CLI = [sys.executable, "-m", "eagle3_gguf.cli.main"]
 
@@ -92,3 +98,29 @@ def test_info_bad_input_one_line_exit_2(case, tmp_path, tiny_head):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith(expected), lines[0]
+
+
+def test_info_head_per_layer_head_count(tmp_path, tiny_head):
+    """llama.cpp reads a head count as one value or one per layer: a one-layer head's array of one is that value
+    (it once raised a TypeError here); an array of two is refused in one line."""
+    key = keys.arch_key(keys.KEY_HEAD_COUNT, keys.ARCH_EAGLE3)
+    one = rewrite_gguf(tiny_head, tmp_path / "one.gguf", kvs={key: KeyValue(key, [4], VT.ARRAY, VT.UINT32)})
+    r = run("info", str(one), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["n_head"] == 4
+    two = rewrite_gguf(tiny_head, tmp_path / "two.gguf", kvs={key: KeyValue(key, [4, 4], VT.ARRAY, VT.UINT32)})
+    r = run("info", str(two))
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == f"error: {two}: {key} holds 2 values; a one-layer head has one: convert the head again\n"
+
+
+def test_info_head_geometry_one_line(tmp_path, tiny_head):
+    """`info` reads a head through the same geometry check as `generate` (gguf_file.check_head)."""
+    kv = keys.arch_key(keys.KEY_HEAD_COUNT_KV, keys.ARCH_EAGLE3)
+    k = np.zeros((48, 128), dtype=np.float32)  # [3 KV heads x head_dim 16, 2 x hidden 64]
+    bad = rewrite_gguf(tiny_head, tmp_path / "kv3.gguf", kvs={kv: KeyValue(kv, 3, VT.UINT32)},
+                       tensors={keys.blk(keys.T_ATTN_K): k, keys.blk(keys.T_ATTN_V): k})
+    r = run("info", str(bad))
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == (f"error: {bad}: 4 attention heads are not a multiple of 3 KV heads, which llama.cpp's "
+                        f"grouped-query attention needs (it aborts): convert the head again\n")
