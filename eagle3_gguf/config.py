@@ -57,6 +57,8 @@ KNOBS: dict[str, Knob] = {
     "draft_lookup": Knob("--draft-lookup", "on: the adaptive policy may verify a continuation copied from the text "
                          "so far (prompt lookup: no draft step) instead of the head's draft, where it is expected to "
                          "pay more; off: the head's drafts only."),
+    "draft_head": Knob("--draft-head", "on: the head drafts; off: lookup drafts only (--draft-lookup on, the "
+                       "adaptive policy: no draft step ever runs, as llama.cpp's n-gram drafting)."),
     "draft_topk": Knob("--draft-topk", "Draft a tree, verified in one batch (1: a chain). With --draft-policy fixed: "
                        "EAGLE-2's dynamic tree, --draft-max deep, this many tokens per depth (the head runs the "
                        "likeliest this-many at each depth); adaptive: up to this many - 1 of the head's runner-up "
@@ -90,6 +92,7 @@ class DraftConfig:
     # scale measured on MT-bench)
     draft_temp_scale: float = 1.0
     draft_lookup: bool = True  # lookup drafts (lookup.py), weighed by the adaptive policy against the head's
+    draft_head: bool = True  # the head's drafts; False: lookup drafts only
     draft_lookup_max: int = 16  # the most tokens a lookup draft verifies (bench/NOTES.md: lookup-cpu)
     draft_topk: int = 1  # a draft tree's tokens per depth; 1: a chain (tree.py)
     draft_nodes: int = 0  # a tree's draft tokens at most; 0: draft_max * draft_topk
@@ -111,8 +114,12 @@ class DraftConfig:
                               f"(got {self.spec_sampling})")
         if not self.draft_temp_scale >= 0.0:
             raise Eagle3Error(f"{name('draft_temp_scale')} cannot be negative (got {self.draft_temp_scale})")
-        if not isinstance(self.draft_lookup, bool):
-            raise Eagle3Error(f"{name('draft_lookup')} must be on or off (got {self.draft_lookup})")
+        for attr in ("draft_lookup", "draft_head"):
+            if not isinstance(getattr(self, attr), bool):
+                raise Eagle3Error(f"{name(attr)} must be on or off (got {getattr(self, attr)})")
+        if not self.draft_head and not (self.draft_lookup and self.draft_policy == "adaptive"):
+            raise Eagle3Error(f"{name('draft_head')} off drafts from lookups only: it needs {name('draft_lookup')} "
+                              f"on and {name('draft_policy')} adaptive")
         if self.exact not in EXACT_MODES:
             raise Eagle3Error(f"{name('exact')} must be {', '.join(EXACT_MODES)} (got {self.exact})")
         for attr, low, high in (("draft_lookup_max", 1, MAX_DRAFT_MAX), ("draft_topk", 1, MAX_TOPK),

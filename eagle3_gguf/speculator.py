@@ -147,8 +147,8 @@ class Speculator:
         """The most drafts a cycle may verify with config (head, lookup or tree), at most `limit` (default:
         k_limit): the cost curve's length."""
         limit = self.k_limit if limit is None else limit
-        head, tree = min(config.draft_max, limit), min(config.tree_nodes, limit)
-        return max(head, self._lookup_max(config, limit), tree)
+        head = max(min(config.draft_max, limit), min(config.tree_nodes, limit)) if config.draft_head else 0
+        return max(head, self._lookup_max(config, limit))
 
     def _needs_probe(self, config: DraftConfig) -> bool:
         rows = self._drafts_max(config, self.k_fit) + 1
@@ -211,19 +211,21 @@ class Speculator:
         if limit == 0:
             return None
         k, n_lookup = min(config.draft_max, self.k_limit), self._lookup_max(config)
-        nodes = min(config.tree_nodes, self.k_limit)
-        if config.draft_topk > 1:
+        nodes, topk = min(config.tree_nodes, self.k_limit), config.draft_topk
+        if not config.draft_head:  # lookup drafts only: the head never drafts, in chains or trees
+            k, nodes, topk = 0, 0, 1
+        if topk > 1:
             self._check_tree(config)
         if config.draft_policy == "fixed":
-            policy: DraftPolicy = FixedPolicy(k, config.draft_p_min, config.draft_topk, nodes)
+            policy: DraftPolicy = FixedPolicy(k, config.draft_p_min, topk, nodes)
         else:
             if self.needs_calibration(config):
                 self.costs = self.calibrate(self._drafts_max(config))
                 self._adaptive = None
-            shape = (k, n_lookup, config.draft_topk, nodes)
+            shape = (k, n_lookup, topk, nodes)
             if self._adaptive is None or self._adaptive.shape != shape:
                 self._adaptive = AdaptivePolicy(self.costs, k, self.session.window, lookup_max=n_lookup,
-                                                topk=config.draft_topk, nodes=nodes)
+                                                topk=topk, nodes=nodes)
             policy = self._adaptive
         policy.begin()
         return policy

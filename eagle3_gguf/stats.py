@@ -170,7 +170,7 @@ class SpecStats:
         ]
         if self.exact is not None:
             rows += self.exact.rows()
-        if self.draft_max:
+        if self.draft_max or self.lookup_max:
             rows += [
                 ("drafted / accepted", f"{self.n_drafted} / {self.n_accepted}"),
                 ("of them from lookup", f"{self.lookup_drafted} / {self.lookup_accepted} ({self.lookup_cycles} cycles, "

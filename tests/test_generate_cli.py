@@ -215,3 +215,17 @@ def test_offload_flags(tiny_target, tiny_head):
         one_line_error(invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-p", "x", flag, value),
                        f"{flag.replace('--n-gpu-layers', '-ngl')} must be a number of layers, 'auto' or 'all' "
                        f"(got {value})")
+
+
+def test_lookup_drafts_only(tiny_target, tiny_head):
+    """--draft-head off: every draft is a lookup draft, no draft step runs, and the text is target-only's."""
+    r = invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-n", "96", "--baseline", "--json",
+               "-p", "The cat sat on the mat. The cat sat on the mat. The cat sat on the mat. The cat",
+               "--draft-head", "off")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    st = d["stats"]
+    assert d["identical"] is True and st["draft_max"] == 0 and st["t_draft"] == 0.0
+    assert st["n_drafted"] == st["lookup_drafted"]
+    one_line_error(invoke("generate", "-p", "x", "--draft-head", "off", "--draft-policy", "fixed"),
+                   "--draft-head off drafts from lookups only: it needs --draft-lookup on and --draft-policy adaptive")

@@ -101,7 +101,7 @@ ON_OFF = {"on": True, "off": False}
 def drafting_from_flags(draft_max: int, draft_p_min: float, draft_policy: str, spec_sampling: str,
                         draft_temp_scale: float | None, draft_lookup: str, draft_lookup_max: int,
                         temp: float | None = None, draft_topk: int | None = 1, draft_nodes: int | None = 0,
-                        exact: str = "auto"):
+                        exact: str = "auto", draft_head: str = "on"):
     """The DraftConfig of `generate`'s and `serve`'s drafting flags, errors naming the flags. A given
     --draft-temp-scale must have an effect (temp None: the temperature comes with each request). draft_topk /
     draft_nodes None (generate's default): config.ADAPTIVE_TREE's caps with the adaptive policy, else a chain."""
@@ -115,7 +115,8 @@ def drafting_from_flags(draft_max: int, draft_p_min: float, draft_policy: str, s
                                       spec_sampling=spec_sampling, draft_temp_scale=draft_temp_scale,
                                       draft_lookup=ON_OFF.get(draft_lookup, draft_lookup),
                                       draft_lookup_max=draft_lookup_max, draft_topk=draft_topk,
-                                      draft_nodes=draft_nodes, exact=exact)
+                                      draft_nodes=draft_nodes, exact=exact,
+                                      draft_head=ON_OFF.get(draft_head, draft_head))
     if draft_temp_scale is not None:
         if drafting.spec_sampling != "rejection":
             raise Eagle3Error("--draft-temp-scale shapes the rejection rule's draft distribution: it has no "

@@ -43,6 +43,7 @@ def register(app: typer.Typer) -> None:
         draft_temp_scale: Optional[float] = draft_option("draft_temp_scale", None),
         draft_lookup: str = draft_option("draft_lookup", "on"),
         draft_lookup_max: int = draft_option("draft_lookup_max"),
+        draft_head: str = draft_option("draft_head", "on"),
         draft_topk: Optional[int] = draft_option("draft_topk", None),
         draft_nodes: Optional[int] = draft_option("draft_nodes", None),
         exact: str = draft_option("exact"),
@@ -57,7 +58,8 @@ def register(app: typer.Typer) -> None:
         try:
             _check_flags(prompt, file, n_predict, n_ctx, threads, temp)
             drafting = drafting_from_flags(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale,
-                                           draft_lookup, draft_lookup_max, temp, draft_topk, draft_nodes, exact)
+                                           draft_lookup, draft_lookup_max, temp, draft_topk, draft_nodes, exact,
+                                           draft_head)
             pair_config = _pair_config(n_ctx, threads, cache_type_k, cache_type_v, drafting.tree_sequences, gpu_layers(n_gpu_layers, "-ngl"),
                                        gpu_layers(n_gpu_layers_draft, "-ngld"), rpc_servers(rpc, rpc_backend),
                                        rpc_backend, split_from_flag(tensor_split))
