@@ -6,20 +6,22 @@ paths with the batch's rows, the KV length, the weight types, the backend and th
 exactness), so no list written in advance is right everywhere: like the cost curve, it is measured where the run
 happens, at load, once per set-up (cached under the cost curve's key, in `~/.cache/eagle3-gguf/exact/`).
 
-The probe, in two parts. On the run's own target context: a fixed token sequence (seeded) is prefilled up to each
-probe depth; there its next tokens are decoded one at a time with feature extraction off (the reference: what
-target-only decoding computes), then once more alone with extraction on (width 1: a plain cycle of a speculative
-run) and as one batch of w rows for w = 2, 3, ... with extraction on (a verify batch), and every row's logits are
-compared with the reference bit for bit. The depths: shallow; just past 256 tokens, where ggml-cpu's flash
-attention starts splitting a lone row's KV across threads; and past the sliding window of a target that has one
-(its cells are then reused): those the context holds. Logits alone can look equal where a kernel is not: an F32
-MoE router multiplied by another kernel for one row than for two differs in its last bits on nearly every row,
-yet the logits part only where two experts nearly tie (1 row in 200 on our tiny qwen3moe). So the second part
-compares every row of every matrix product of the graph (MUL_MAT, MUL_MAT_ID: where ggml's kernels switch paths;
-any difference upstream reaches the next one) between lone rows and batches, at the shallow depth, on a context
-of the same set-up with an eval callback (cb_eval can only be given when a context is made). Widths are probed
-upwards and the first that parts ends the probe: a run keeps to the widths below it, one cap on a verify batch's
-rows (`Speculator.policy_for`).
+A seeded token sequence is decoded once one token at a time (the reference: what target-only decoding computes)
+and again as one batch of w rows for w = 2, 3, ..., and compared bit for bit, in two parts:
+- the logits, on the run's own target context, at a shallow depth: the whole graph as the run computes it, with
+  feature extraction off for the reference and on for the batches (and for one more lone row: width 1, a plain
+  cycle of a speculative run);
+- every row of every matrix product (MUL_MAT, MUL_MAT_ID: where ggml's kernels switch paths; any difference
+  upstream reaches the next one), on a context of the same set-up made with an eval callback (cb_eval can only
+  be given when a context is made), at each depth where a kernel may switch: shallow, just past 256 tokens (where
+  ggml-cpu's flash attention starts splitting a lone row's KV across threads) and past the sliding window of a
+  target that has one (its cells are then reused). Logits alone can look equal where a kernel is not: an F32 MoE
+  router multiplied by another kernel for one row than for two differs in its last bits on nearly every row, yet
+  the logits part only where two experts nearly tie (1 row in 200 on our tiny qwen3moe). Each decode there stops
+  once the graph has shown every kind of product and of attention it holds (the first layers, mostly): the
+  layers after repeat them, so the products part costs a few percent of the logits part.
+Widths are probed upwards and the first that parts ends the probe: a run keeps to the widths below it, one cap on
+a verify batch's rows (`Speculator.policy_for`).
 """
 
 from __future__ import annotations
@@ -78,58 +80,48 @@ def probe(target: Context, extract: Callable[[bool], None], rows: int, batch: Ba
     left on, as a speculative run has it). `extract(on)` turns the head's feature extraction on or off."""
     t0 = time.perf_counter()
     depths = probe_depths(target, rows)
-    tokens = np.random.default_rng(SEED).integers(0, target.model.n_vocab, max(depths, default=0) + rows)  # [n]
+    if not depths:  # a context too small to hold a probe holds no verify batch worth speculating on either
+        return ExactWidths(rows, 1, (), 0.0)
+    tokens = np.random.default_rng(SEED).integers(0, target.model.n_vocab, depths[-1] + rows)  # [depth + rows]
+    exact = _logits_exact(target, extract, batch, tokens, rows)
+    if exact >= 2:
+        exact = _products_exact(target, tokens, depths, exact)
+    return ExactWidths(rows, exact, tuple(depths), time.perf_counter() - t0)
+
+
+def _logits_exact(target: Context, extract: Callable[[bool], None], batch: Batch, tokens: np.ndarray,
+                  rows: int) -> int:
+    """How many widths from 1 up (at most rows) give every row the reference's logits on the run's own context,
+    at the shallow depth."""
     greedy = target.greedy_sampling
     target.set_greedy_sampling(False)  # logits are compared, not the graph's argmax
     target.clear()
-    exact, pos = rows, 0
     try:
-        for depth in depths:
-            extract(False)
-            while pos < depth:  # the prefix, in batches as a prompt is decoded
-                n = batch.set(tokens[pos:min(depth, pos + batch.capacity)].tolist(), pos, logits="none")
-                target.decode(batch)
-                pos += n
-            ref = _lone_rows(target, batch, tokens, depth, exact)  # [exact, n_vocab]
-            extract(True)
-            exact = min(exact, _widths_exact(target, batch, tokens, depth, ref, exact))
-            target.seq_rm(0, depth)
-            if exact == 0:
-                break
+        extract(False)
+        batch.set(tokens[:SHALLOW].tolist(), 0, logits="none")
+        target.decode(batch)
+        ref = np.empty((rows, target.model.n_vocab), np.float32)  # [rows, n_vocab]
+        for i in range(rows):
+            batch.set([int(tokens[SHALLOW + i])], SHALLOW + i, logits="all")
+            target.decode(batch)
+            ref[i] = target.logits_ith(0)
+        extract(True)
+        target.seq_rm(0, SHALLOW)
+        batch.set([int(tokens[SHALLOW])], SHALLOW, logits="all")  # width 1: a lone row, extraction on
+        target.decode(batch)
+        if not np.array_equal(target.logits_ith(0), ref[0]):
+            return 0
+        for w in range(2, rows + 1):
+            target.seq_rm(0, SHALLOW)
+            batch.set(tokens[SHALLOW:SHALLOW + w].tolist(), SHALLOW, logits="all")
+            target.decode(batch)
+            if not np.array_equal(target.logits(w), ref[:w]):
+                return w - 1
+        return rows
     finally:
         target.clear()
         extract(True)
         target.set_greedy_sampling(greedy)
-    if exact >= 2 and depths:
-        exact = _products_exact(target, tokens, exact)
-    return ExactWidths(rows, exact, tuple(depths), time.perf_counter() - t0)
-
-
-def _lone_rows(target: Context, batch: Batch, tokens: np.ndarray, depth: int, rows: int) -> np.ndarray:
-    """The logits of tokens depth..depth+rows-1 decoded one at a time (then cut from the cache).
-    # -> [rows, n_vocab]"""
-    ref = np.empty((rows, target.model.n_vocab), np.float32)
-    for i in range(rows):
-        batch.set([int(tokens[depth + i])], depth + i, logits="all")
-        target.decode(batch)
-        ref[i] = target.logits_ith(0)
-    target.seq_rm(0, depth)
-    return ref
-
-
-def _widths_exact(target: Context, batch: Batch, tokens: np.ndarray, depth: int, ref: np.ndarray, up_to: int) -> int:
-    """How many widths from 1 up compute every row as `ref` at this depth (at most up_to)."""
-    batch.set([int(tokens[depth])], depth, logits="all")  # width 1: a lone row, extraction on
-    target.decode(batch)
-    if not np.array_equal(target.logits_ith(0), ref[0]):
-        return 0
-    for w in range(2, up_to + 1):
-        target.seq_rm(0, depth)
-        batch.set(tokens[depth:depth + w].tolist(), depth, logits="all")
-        target.decode(batch)
-        if not np.array_equal(target.logits(w), ref[:w]):
-            return w - 1
-    return up_to
 
 
 # ------------------------------------------------------------------------------------------------
@@ -174,61 +166,114 @@ def save_exact(key: CostKey, found: ExactWidths) -> None:
 # ------------------------------------------------------------------------------------------------
 
 PRODUCTS = {"MUL_MAT": 1, "MUL_MAT_ID": 2}  # op -> the dimension that runs over a batch's tokens
+# where a row meets the KV cache (its type and length pick kernels) -> the source holding it: K, or K·Q
+ATTENTION = {"FLASH_ATTN_EXT": 1, "SOFT_MAX": 0}
 
 
-class ProductRows:
-    """An eval callback (cb_eval) that keeps the output of every matrix product of a decode, and digests of
-    their rows per token. Given to a Context as its `capture` (reset before each decode, check after)."""
+@dataclass(frozen=True)
+class _Product:
+    name: str
+    n_tokens: int  # the batch rows it spans
+    data: bytes
+
+
+class ProbeCallback:
+    """An eval callback (cb_eval, given to a Context as its `capture`: reset before each decode, check after)
+    that keeps the output of every matrix product of a decode. With `stop` set, the graph stops computing after
+    that many products. `stop_point()` says where, from a whole decode: once every kind of product (weights' type
+    and shape) and of attention (KV type and length) the graph holds has been seen, and the product after it, the
+    last product (the output layer, checked by the logits) aside."""
 
     def __init__(self):
         self.callback = C.ggml_backend_sched_eval_callback(self._eval)
         self.user_data = None
-        self._nodes: list[tuple[str, int, bytes]] = []  # (name, tokens it spans, data), in computing order
+        self.stop: int | None = None
+        self.products: list[_Product] = []
+        self._kinds: list[tuple[bool, tuple]] = []  # (is a product, its kind), in computing order
+
+        self._error: BaseException | None = None  # raised in the callback, where ctypes would only print it
 
     def reset(self) -> None:
-        self._nodes = []
+        self.products, self._kinds, self._error = [], [], None
 
     def check(self) -> None:
-        pass
+        if self._error is not None:
+            raise self._error
 
     def _eval(self, t: int, ask: bool, _user_data) -> bool:
+        try:
+            return self._see(t, ask)
+        except BaseException as e:  # stop the graph: nothing it computes now is compared
+            self._error = e
+            return False
+
+    def _see(self, t: int, ask: bool) -> bool:
         head = node_head(t)
-        dim = PRODUCTS.get(op_name(head.op))
+        op = op_name(head.op)
+        dim = PRODUCTS.get(op)
         if dim is None or any(head.ne[d] != 1 for d in range(dim + 1, 4)):
+            src = ATTENTION.get(op)
+            if ask and src is not None and head.src[src]:  # noted, not kept: no split of the graph there
+                kv = node_head(head.src[src])
+                self._kinds.append((False, (op, kv.type, kv.ne[src])))
             return not ask  # asked: not wanted; told: go on computing
-        if not ask:
-            self._nodes.append((node_name(t), head.ne[dim], node_bytes(t)))
-        return True
+        if ask:
+            w = node_head(head.src[0])
+            self._kinds.append((True, (op, w.type, w.ne[0], w.ne[1])))
+            return True
+        self.products.append(_Product(node_name(t), head.ne[dim], node_bytes(t)))
+        return self.stop is None or len(self.products) < self.stop
+
+    def stop_point(self) -> int:
+        """After how many products the last decode (a whole one) had shown every kind it holds."""
+        kinds = self._kinds[:max(i for i, (product, _) in enumerate(self._kinds) if product)]  # the output aside
+        seen: set[tuple] = set()
+        last_new = 0
+        for i, (_, kind) in enumerate(kinds):
+            if kind not in seen:
+                seen.add(kind)
+                last_new = i
+        # the first product at or after the last new kind (after an attention kind: its output projection)
+        return sum(product for product, _ in self._kinds[:last_new]) + 1
 
     def row(self, i: int, n_tokens: int) -> list[tuple[str, bytes]]:
         """Digests of token i's rows in the last decode's products that span its n_tokens tokens."""
         out = []
-        for name, n, data in self._nodes:
-            if n == n_tokens:
-                size = len(data) // n
-                out.append((name, hashlib.blake2b(data[i * size:(i + 1) * size], digest_size=16).digest()))
+        for p in self.products:
+            if p.n_tokens == n_tokens:
+                size = len(p.data) // n_tokens
+                out.append((p.name, hashlib.blake2b(p.data[i * size:(i + 1) * size], digest_size=16).digest()))
         return out
 
 
-def _products_exact(target: Context, tokens: np.ndarray, rows: int) -> int:
-    """How many widths from 1 up (at most rows) compute every row of every matrix product as lone decodes do,
-    at the shallow depth, on a context of the target's set-up with a ProductRows callback."""
-    rec = ProductRows()
-    with Context(target.model, n_ctx=SHALLOW + rows, n_batch=target.n_batch, n_ubatch=target.n_ubatch,
+def _products_exact(target: Context, tokens: np.ndarray, depths: list[int], rows: int) -> int:
+    """How many widths from 1 up (at most rows) compute every row of every matrix product as lone decodes do, at
+    every depth, on a context of the target's set-up with a ProbeCallback. Each depth's first lone decode is whole
+    and says where the others stop; the layers past a stop hold no KV for the rows decoded so, which changes their
+    values but not their kernels, and nothing past the stop is compared."""
+    rec = ProbeCallback()
+    with Context(target.model, n_ctx=depths[-1] + rows, n_batch=target.n_batch, n_ubatch=target.n_ubatch,
                  n_threads=target.n_threads, type_k=target.kv_types[0], type_v=target.kv_types[1],
                  flash_attn=target.flash_attn, n_seq_max=target.n_seq_max, capture=rec) as ctx, \
             Batch(target.n_batch) as batch:
-        batch.set(tokens[:SHALLOW].tolist(), 0, logits="none")
-        ctx.decode(batch)
-        ref = []  # [rows]: each lone row's product digests
-        for i in range(rows):
-            batch.set([int(tokens[SHALLOW + i])], SHALLOW + i, logits="all")
-            ctx.decode(batch)
-            ref.append(rec.row(0, 1))
-        for w in range(2, rows + 1):
-            ctx.seq_rm(0, SHALLOW)
-            batch.set(tokens[SHALLOW:SHALLOW + w].tolist(), SHALLOW, logits="all")
-            ctx.decode(batch)
-            if any(rec.row(i, w) != ref[i] for i in range(w)):
-                return w - 1
+        pos = 0
+        for depth in depths:
+            while pos < depth:  # the prefix, in batches as a prompt is decoded
+                pos += batch.set(tokens[pos:min(depth, pos + batch.capacity)].tolist(), pos, logits="none")
+                ctx.decode(batch)
+            rec.stop = None
+            ref = []  # [rows]: each lone row's product digests
+            for i in range(rows):
+                batch.set([int(tokens[depth + i])], depth + i, logits="all")
+                ctx.decode(batch)
+                if i == 0:
+                    rec.stop = rec.stop_point()
+                ref.append(rec.row(0, 1)[:rec.stop])
+            for w in range(2, rows + 1):
+                ctx.seq_rm(0, depth)
+                batch.set(tokens[depth:depth + w].tolist(), depth, logits="all")
+                ctx.decode(batch)
+                if any(rec.row(i, w) != ref[i] for i in range(w)):
+                    return w - 1
+            ctx.seq_rm(0, depth)
     return rows

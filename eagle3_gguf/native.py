@@ -162,11 +162,17 @@ if _GGML_BASE is not None:
     _GGML_BASE.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
 
 
+GGML_MAX_OP_PARAMS, GGML_MAX_SRC = 64, 10  # ggml.h's, at the pin
+
+
 class GgmlTensorHead(ctypes.Structure):
-    """The leading fields of ggml.h's `struct ggml_tensor` (what an eval callback reads of a node)."""
+    """The leading fields of ggml.h's `struct ggml_tensor`, up to its sources (what an eval callback reads of a
+    node: its type, shape, op and inputs)."""
 
     _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
-                ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int)]
+                ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int),
+                ("op_params", ctypes.c_int32 * (GGML_MAX_OP_PARAMS // 4)), ("flags", ctypes.c_int32),
+                ("src", ctypes.c_void_p * GGML_MAX_SRC)]
 
 
 if _GGML_BASE is not None:
