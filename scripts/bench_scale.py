@@ -1,0 +1,539 @@
+#!/usr/bin/env python3
+"""Benchmark at scale: what speculation gives a target of 8B's shape, with acceptance replayed.
+
+    python scripts/bench_scale.py --tiny                               # the tiny shape on this CPU, in seconds
+    python scripts/bench_scale.py -ngl all --out DIR                   # Llama-3.1-8B's shape (Q4_K_M, Q4_0), then 1.5B
+    python scripts/bench_scale.py --target T.gguf --head H.gguf        # a pair on disk
+
+Per shape (scripts/synthetic.py makes the pair into --work unless it is there already):
+- the physics: the target's verify cost for 1..17 rows (every size timed: min of 5, interleaved), the head's draft
+  step and catch-up (Speculator.calibrate), and the exact verify widths (the exactness probe, 1..17 rows);
+- the speed of target-only and each contender (the default adaptive policy as `generate` runs it, fixed K = 2 and
+  4, a 4x4x8 tree) at each replayed acceptance profile (scripts/replay.py: the head's real draft steps run, its
+  tokens are the profile's; verification is the target's), interleaved per prompt: target-only before and after
+  the contenders; a prompt's ratio is each contender's fastest run against target-only's fastest;
+- the ceiling from the curve: what the contender's own cycles would give if each cost exactly the curve's price
+  (its verify rows, draft steps and catch-ups) and nothing else, against target-only at one row's price a token:
+  tokens x t(1 row) / sum over cycles of (t(verify rows) + steps x draft step + catch-up); achieved/ceiling is the
+  share of it the run kept (the rest is Python, cold caches, the sampler).
+Where a goal is missed (the default policy at the 3.09 profile: 2x target-only, 80% of the ceiling, Python at most
+3% of a cycle; stated for 8B on an H100/H200), the table says which part of a cycle took the time.
+
+A table (markdown) on stdout; --out DIR writes results.md and results.json after every shape, so that a run cut
+short keeps what finished. Prompts are seeded token ids (the synthetic text is noise; acceptance is replayed).
+The contenders' speeds come from measure_speeds, one function, to give way to eagle3_gguf's benchmark runner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+import llama_cpp  # noqa: E402,F401  before gguf: on the lent GPU's image gguf's sentencepiece first crashed llama.cpp
+
+import replay  # noqa: E402
+import synthetic  # noqa: E402
+from eagle3_gguf import policy as policy_mod  # noqa: E402
+from eagle3_gguf.decode import GenerateConfig, Runner  # noqa: E402
+from eagle3_gguf.errors import Eagle3Error  # noqa: E402
+from eagle3_gguf.gguf_file import read_gguf  # noqa: E402
+from eagle3_gguf.native import Context, enable_llama_log, install_log_callback  # noqa: E402
+from eagle3_gguf.pair import Pair, PairConfig, load_pair  # noqa: E402
+from eagle3_gguf.session import Eagle3Session  # noqa: E402
+from eagle3_gguf.speculator import Speculator  # noqa: E402
+
+ROWS = 17  # verify widths measured: 1..17
+TREE_ROWS = 9  # the default's widest head draft: a chain of 4 and 4 runner-ups, after id_last
+GOAL_SPEEDUP, GOAL_CEILING, GOAL_PYTHON = 2.0, 0.80, 0.03
+GOAL_PROFILE, GOAL_CONTENDER = "vllm-8b", "adaptive (default)"
+DEFAULT_SHAPES = ("llama-8b:q4_k_m", "llama-8b:q4_0", "qwen-1.5b:q4_k_m")
+
+
+@dataclass(frozen=True)
+class Contender:
+    name: str
+    config: GenerateConfig
+
+
+def contenders(n_predict: int, exact: str) -> list[Contender]:
+    """The default adaptive policy as `generate` runs it (trees capped at 4 / 8), fixed chains of 2 and 4 (p_min 0),
+    and EAGLE-2's dynamic tree 4 deep, top-4, 8 tokens."""
+    g = lambda **kw: GenerateConfig(n_predict=n_predict, exact=exact, **kw)  # noqa: E731
+    return [Contender(GOAL_CONTENDER, g(draft_topk=4, draft_nodes=8)),
+            Contender("fixed K=2", g(draft_policy="fixed", draft_max=2)),
+            Contender("fixed K=4", g(draft_policy="fixed", draft_max=4)),
+            Contender("tree 4x4x8", g(draft_policy="fixed", draft_max=4, draft_topk=4, draft_nodes=8))]
+
+
+# ------------------------------------------------------------------------------------------------
+# Results
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class Physics:
+    verify_ms: list[float]  # [ROWS]: one verify batch of 1..ROWS rows
+    draft_step_ms: float
+    catch_up_ms: float  # a drafting cycle's fixed cost: the head catching up on the kept rows
+    exact_widths: int  # verify widths 1..exact_widths compute every row as a lone row does
+    probed: int
+    probe_s: float
+    calibrate_s: float
+
+
+@dataclass
+class Outcome:
+    """One contender at one profile over the prompts (target-only: profile "")."""
+
+    contender: str
+    profile: str
+    speedup: list[float] = field(default_factory=list)  # [prompts]: fastest run / target-only's fastest
+    tok_s: list[float] = field(default_factory=list)  # [prompts]: the fastest run's
+    tokens: int = 0  # generated by the verify cycles (after the prompt's own token), all prompts
+    cycles: int = 0  # verify cycles, all prompts
+    drafted_by_pos: list[int] = field(default_factory=list)
+    accepted_by_pos: list[int] = field(default_factory=list)
+    identical: int = 0
+    resyncs: int = 0  # replays that had to find target-only's text again after the run's text parted from it
+    tree_cycles: int = 0
+    lookup_cycles: int = 0
+    t_total: float = 0.0  # seconds, all prompts (the fastest round's), the replay's own left out
+    t_target: float = 0.0
+    t_draft: float = 0.0
+    t_process: float = 0.0
+    t_python: float = 0.0
+    curve_s: float = 0.0  # what the cycles cost at the curve's prices
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.speedup) if self.speedup else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Tokens per verify cycle (the prompt's forward left out)."""
+        return self.tokens / self.cycles if self.cycles else 0.0
+
+    def acceptance(self) -> list[float]:
+        """P(draft i kept | drafts 0..i-1 kept), by position, up to the last position drafted."""
+        out, before = [], None
+        for i, (d, a) in enumerate(zip(self.drafted_by_pos, self.accepted_by_pos)):
+            if d == 0:
+                break
+            base = d if i == 0 else min(d, before)
+            out.append(a / base if base else 0.0)
+            before = a
+        return out
+
+    def ceiling(self, t1: float) -> float:
+        """Speed against target-only at t(1 row) a token, were each cycle to cost its price on the curve."""
+        return self.tokens * t1 / self.curve_s if self.curve_s else 0.0
+
+    def per_cycle_ms(self) -> dict[str, float]:
+        n = max(self.cycles, 1)
+        other = self.t_total - self.t_target - self.t_draft - self.t_process
+        return {"verify": 1e3 * self.t_target / n, "draft": 1e3 * self.t_draft / n,
+                "process": 1e3 * self.t_process / n, "other": 1e3 * max(other, 0.0) / n,
+                "python": 1e3 * self.t_python / n}
+
+
+@dataclass
+class ShapeResult:
+    shape: str
+    qtype: str
+    target: str
+    head: str
+    target_mib: float
+    head_mib: float
+    made_s: float  # 0: the files were there already
+    load_s: float
+    device: str
+    threads: int
+    physics: Physics | None = None
+    outcomes: list[Outcome] = field(default_factory=list)
+    goals: list[str] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------------
+# Measuring
+# ------------------------------------------------------------------------------------------------
+
+def measure_physics(pair: Pair, exact: str) -> Physics:
+    """The curve for 1..ROWS rows, every size timed (measure() interpolates past 8 by default), and the probe."""
+    spec = Speculator(pair.target, Eagle3Session(pair.target, pair.head))
+    try:
+        t = time.perf_counter()
+        dense, policy_mod.DENSE_ROWS = policy_mod.DENSE_ROWS, ROWS
+        try:
+            curve = spec.calibrate(ROWS - 1)
+        finally:
+            policy_mod.DENSE_ROWS = dense
+        calibrate_s = time.perf_counter() - t
+        found = spec.prepare(GenerateConfig(draft_policy="fixed", draft_max=ROWS - 1, draft_lookup=False,
+                                            exact="auto" if exact == "off" else exact))
+    finally:
+        spec.close()
+    return Physics([1e3 * s for s in curve.verify_s], 1e3 * curve.draft_step_s, 1e3 * curve.draft_fixed_s,
+                   found.exact, found.probed, found.seconds, calibrate_s)
+
+
+class RowLog:
+    """Records the rows of every target decode a Runner's speculator makes (prefill included)."""
+
+    def __init__(self, runner: Runner):
+        self.rows: list[int] = []
+        decode = runner.spec.decode
+
+        def logged(batch) -> None:
+            self.rows.append(batch.n_rows)
+            decode(batch)
+
+        runner.spec.decode = logged
+
+
+class Resync:
+    """Target-only's text after a context the run reached where its text parted from the truth (a verify width
+    that is not exact): plain decoding on a second context of the same target, made the first time it is needed."""
+
+    def __init__(self, pair: Pair, n_ctx: int, threads: int):
+        self.pair, self.n_ctx, self.threads = pair, n_ctx, threads
+        self.runner: Runner | None = None
+
+    def __call__(self, tokens: list[int], n: int) -> list[int]:
+        if self.runner is None:
+            t = self.pair.target
+            self.ctx = Context(self.pair.target_model, n_ctx=self.n_ctx, n_threads=self.threads, type_k=t.kv_types[0],
+                               type_v=t.kv_types[1], flash_attn=t.flash_attn)
+            self.runner = Runner(self.ctx)
+        return self.runner.generate(tokens, GenerateConfig(n_predict=n), speculative=False).tokens
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+            self.ctx.close()
+
+
+def measure_speeds(pair: Pair, prompts: list[list[int]], runs: list[Contender], profiles: list[replay.Profile],
+                   rounds: int, physics: Physics, n_ctx: int, threads: int) -> list[Outcome]:
+    """Target-only and every contender at every profile, interleaved per prompt: target-only first and last, the
+    contenders between in an order that rotates with the prompt. Target-only runs once with the greedy choice made in
+    llama.cpp's graph (what a chain run does) and once reading the logits (what a tree-capable run does: on a CPU the
+    graph's choice cost more, 2.3 against 1.7 ms a token on the tiny shape); a prompt's ratio is a contender's fastest
+    run against the faster of them. To give way to eagle3_gguf's benchmark runner once it has replayed heads."""
+    verify_s = [ms / 1e3 for ms in physics.verify_ms]
+    step_s, catch_s = physics.draft_step_ms / 1e3, physics.catch_up_ms / 1e3
+    resync = Resync(pair, n_ctx, threads)
+    n_predict = runs[0].config.n_predict
+    plain_modes = [("target-only", GenerateConfig(n_predict=n_predict)),  # sampled in the graph
+                   ("target-only, logits read", GenerateConfig(n_predict=n_predict, draft_topk=4, draft_nodes=8))]
+    base_outs = {name: Outcome(name, "") for name, _ in plain_modes}
+    outs = {(p.name, c.name): Outcome(c.name, p.name) for p in profiles for c in runs}
+    sessions = {p.name: replay.ReplaySession(pair.target, pair.head, truth=[], profile=p, resync=resync)
+                for p in profiles}
+    runners = {p.name: Runner(pair.target, s) for p, s in zip(profiles, sessions.values())}
+    logs = {name: RowLog(r) for name, r in runners.items()}
+    plain = next(iter(runners.values()))  # speculative=False: extraction off, as target-only decoding has it
+    try:
+        for i, prompt in enumerate(prompts):
+            base = [plain.generate(prompt, plain_modes[0][1], speculative=False)]
+            order = [(p, c) for p in profiles for c in runs]
+            order = order[i % len(order):] + order[:i % len(order)]
+            best: dict[tuple[str, str], tuple] = {}
+            for _ in range(rounds):
+                for p, c in order:
+                    session, log = sessions[p.name], logs[p.name]
+                    session.replay(prompt + base[0].tokens, seed=i)
+                    log.rows.clear()
+                    r = runners[p.name].generate(prompt, c.config)
+                    t = r.stats.t_total - session.t_replay
+                    if (p.name, c.name) not in best or t < best[p.name, c.name][1]:
+                        best[p.name, c.name] = (r, t, list(log.rows[1:]), session.steps, session.cycles,
+                                                session.t_replay, session.resyncs)
+            base.append(plain.generate(prompt, plain_modes[1][1], speculative=False))
+            for (name, _), r in zip(plain_modes, base):
+                _add(base_outs[name], r, r.stats.t_total, 1.0, r.tokens == base[0].tokens, [], 0, 0, 0.0, 0,
+                     verify_s, step_s, catch_s)
+            fastest = max(r.stats.tokens_per_second for r in base)
+            for name, r in zip(base_outs, base):
+                base_outs[name].speedup[-1] = r.stats.tokens_per_second / fastest
+            for (pname, cname), (r, t, rows, steps, cycles, t_replay, resyncs) in best.items():
+                ratio = (r.stats.n_generated / t) / fastest if t > 0 else 0.0
+                _add(outs[pname, cname], r, t, ratio, r.tokens == base[0].tokens, rows, steps, cycles, t_replay,
+                     resyncs, verify_s, step_s, catch_s)
+            print(f"prompt {i}: target-only {fastest:.1f} tok/s; " + "; ".join(
+                f"{o.profile} {o.contender} {o.speedup[-1]:.2f}x" for o in outs.values()), file=sys.stderr)
+    finally:
+        for r in runners.values():
+            r.close()
+        for s in sessions.values():
+            s.close()
+        resync.close()
+    return [*base_outs.values(), *outs.values()]
+
+
+def _add(o: Outcome, r, t: float, ratio: float, identical: bool, rows: list[int], steps: int, cycles: int,
+         t_replay: float, resyncs: int, verify_s: list[float], step_s: float, catch_s: float) -> None:
+    """One prompt's fastest run into its Outcome; `rows`: its verify batches' rows, `steps` / `cycles`: the head's
+    decoder runs and drafting cycles."""
+    st = r.stats
+    o.speedup.append(ratio)
+    o.tok_s.append(st.n_generated / t if t > 0 else 0.0)
+    o.tokens += st.n_generated - 1
+    o.cycles += st.n_target_forwards - 1
+    k = len(st.drafted_by_pos)
+    if len(o.drafted_by_pos) < k:
+        o.drafted_by_pos += [0] * (k - len(o.drafted_by_pos))
+        o.accepted_by_pos += [0] * (k - len(o.accepted_by_pos))
+    for i in range(k):
+        o.drafted_by_pos[i] += st.drafted_by_pos[i]
+        o.accepted_by_pos[i] += st.accepted_by_pos[i]
+    o.identical += identical
+    o.resyncs += resyncs
+    o.tree_cycles += st.tree_cycles
+    o.lookup_cycles += st.lookup_cycles
+    o.t_total += t
+    o.t_target += st.t_target
+    o.t_draft += st.t_draft - t_replay
+    o.t_process += st.t_process
+    o.t_python += max(st.t_python - t_replay, 0.0)
+    plain = (st.n_target_forwards - 1) * verify_s[0] if not rows else 0.0
+    o.curve_s += plain + sum(verify_s[min(n, len(verify_s)) - 1] for n in rows) + steps * step_s + cycles * catch_s
+
+
+def prompt_tokens(target: Path, n: int, length: int, seed: int) -> list[list[int]]:
+    """Seeded prompts of the target tokenizer's normal tokens (no control or padding tokens)."""
+    types = np.asarray(read_gguf(target).get("tokenizer.ggml.token_type"))  # [n_vocab]
+    normal = np.flatnonzero(types == synthetic.TOKEN_NORMAL)  # [n_normal]
+    rng = np.random.default_rng(seed)
+    return [rng.choice(normal, length).tolist() for _ in range(n)]
+
+
+def bench_shape(target: Path, head: Path, shape: str, qtype: str, made_s: float, args) -> ShapeResult:
+    runs = contenders(args.n_predict, args.exact)
+    profiles = [replay.parse_profile(p) for p in args.profiles.split(",")]
+    n_seq = max(c.config.tree_sequences for c in runs)
+    n_ctx = max(1024, args.prompt_len + args.n_predict + 64)  # the probe reaches 257 + 17 rows deep
+    config = PairConfig(n_ctx=n_ctx, n_threads=args.threads, n_gpu_layers=args.ngl, n_gpu_layers_draft=args.ngl,
+                        n_seq_max=n_seq)
+    t = time.perf_counter()
+    with load_pair(target, head, config) as pair:
+        load_s = time.perf_counter() - t
+        res = ShapeResult(shape, qtype, str(target), str(head), target.stat().st_size / 2**20,
+                          head.stat().st_size / 2**20, made_s, load_s, str(pair.target_model.placement),
+                          pair.target.n_threads)
+        res.physics = measure_physics(pair, args.exact)
+        if args.exact == "auto" and res.physics.exact_widths < TREE_ROWS:
+            # the probe caps the default's trees and K=4's chains: what speculating past it would give, beside
+            runs += [Contender(f"{c.name}, --exact off", dataclasses.replace(c.config, exact="off"))
+                     for c in runs if c.name in (GOAL_CONTENDER, "fixed K=4")]
+        prompts = prompt_tokens(target, args.prompts, args.prompt_len, args.seed)
+        res.outcomes = measure_speeds(pair, prompts, runs, profiles, args.rounds, res.physics, n_ctx, args.threads)
+    res.goals = goals(res)
+    return res
+
+
+# ------------------------------------------------------------------------------------------------
+# Reporting
+# ------------------------------------------------------------------------------------------------
+
+def goals(res: ShapeResult) -> list[str]:
+    """Each goal of the default policy at the 3.09 profile, met or not, and where missed what a cycle spent."""
+    o = next((o for o in res.outcomes if (o.profile, o.contender) == (GOAL_PROFILE, GOAL_CONTENDER)), None)
+    if o is None or res.physics is None:
+        return []
+    t1 = res.physics.verify_ms[0] / 1e3
+    ceiling = o.ceiling(t1)
+    share = o.t_python / o.t_total if o.t_total else 0.0
+    checks = [(f"speed >= {GOAL_SPEEDUP:g}x target-only", o.median >= GOAL_SPEEDUP, f"{o.median:.2f}x"),
+              (f"achieved >= {GOAL_CEILING:.0%} of the ceiling", ceiling > 0 and o.median / ceiling >= GOAL_CEILING,
+               f"{o.median / ceiling:.0%} of {ceiling:.2f}x" if ceiling else "no ceiling"),
+              (f"Python <= {GOAL_PYTHON:.0%} of a cycle", share <= GOAL_PYTHON, f"{share:.1%}")]
+    out = [f"{'met' if ok else 'MISSED'}: {what} ({got})" for what, ok, got in checks]
+    if not all(ok for _, ok, _ in checks):
+        ms = o.per_cycle_ms()
+        out.append("a cycle's time (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in ms.items())
+                   + f"; one verify row on the curve {res.physics.verify_ms[0]:.3f}")
+    return out
+
+
+def table(results: list[ShapeResult]) -> str:
+    lines = ["# Benchmark at scale: synthetic targets, replayed acceptance", ""]
+    for res in results:
+        ph = res.physics
+        lines += [f"## {res.shape} {res.qtype} on {res.device} ({res.threads} threads)", "",
+                  f"- files: target {res.target_mib:.0f} MiB, head {res.head_mib:.0f} MiB"
+                  + (f", made in {res.made_s:.1f} s" if res.made_s else ", made before")
+                  + f"; loaded in {res.load_s:.1f} s"]
+        if ph is not None:
+            rel = " ".join(f"{t / ph.verify_ms[0]:.2f}" for t in ph.verify_ms)
+            lines += [f"- verify cost, 1..{ROWS} rows: {' '.join(f'{t:.2f}' for t in ph.verify_ms)} ms",
+                      f"  ({rel} x one row; {ph.calibrate_s:.1f} s to measure)",
+                      f"- head: draft step {ph.draft_step_ms:.3f} ms ({ph.draft_step_ms / ph.verify_ms[0]:.2f} x one "
+                      f"row), catch-up {ph.catch_up_ms:.3f} ms",
+                      f"- exact verify widths: 1..{ph.exact_widths} of 1..{ph.probed} (probed in {ph.probe_s:.1f} s)"]
+        lines += ["", "| profile | contender | tok/s | speedup, median (min) | tau | kept by position, conditional "
+                  "| identical | resyncs | ceiling | achieved / ceiling | Python ms / cycle (share) "
+                  "| per cycle ms: verify / draft / process / other |", "|" + "---|" * 12]
+        t1 = ph.verify_ms[0] / 1e3 if ph else 0.0
+        n = len(res.outcomes[0].speedup) if res.outcomes else 0
+        for o in res.outcomes:
+            ms = o.per_cycle_ms()
+            ceil = o.ceiling(t1) if o.profile else 0.0
+            lines.append(
+                f"| {o.profile or '-'} | {o.contender} | {statistics.median(o.tok_s) if o.tok_s else 0:.1f} | "
+                f"{o.median:.2f}x ({min(o.speedup, default=0):.2f}x) | {o.tau:.2f} | "
+                f"{' '.join(f'{a:.2f}' for a in o.acceptance())} | {o.identical}/{n} | {o.resyncs} | "
+                + (f"{ceil:.2f}x | {o.median / ceil:.0%}" if ceil else " | ")
+                + f" | {ms['python']:.3f} ({o.t_python / o.t_total if o.t_total else 0:.1%}) | "
+                f"{ms['verify']:.2f} / {ms['draft']:.2f} / {ms['process']:.2f} / {ms['other']:.2f} |")
+        if res.goals:
+            lines += ["", f"Goals ({GOAL_CONTENDER} at {GOAL_PROFILE}; stated for llama-8b on an H100/H200):", ""]
+            lines += [f"- {g}" for g in res.goals]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def to_json(results: list[ShapeResult], args) -> dict:
+    out = []
+    for res in results:
+        d = asdict(res)
+        t1 = res.physics.verify_ms[0] / 1e3 if res.physics else 0.0
+        for od, o in zip(d["outcomes"], res.outcomes):
+            od.update(median_speedup=o.median, tau=o.tau, acceptance=o.acceptance(), per_cycle_ms=o.per_cycle_ms(),
+                      ceiling=o.ceiling(t1) if o.profile else None)
+        out.append(d)
+    return {"args": vars(args), "profiles": {p.name: asdict(p) for p in replay.PROFILES.values()}, "shapes": out}
+
+
+def write(results: list[ShapeResult], args) -> None:
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.md").write_text(table(results))
+        (out / "results.json").write_text(json.dumps(to_json(results, args), indent=2))
+
+
+# ------------------------------------------------------------------------------------------------
+# Entry point
+# ------------------------------------------------------------------------------------------------
+
+def ensure_pair(work: Path, shape: str, qtype: str, args) -> tuple[Path, Path, float]:
+    """The synthetic pair in `work`, made now where missing (the head once per shape): (target, head, seconds)."""
+    target = work / f"synthetic-{shape}-{qtype}.gguf"
+    head = work / f"synthetic-{shape}-eagle3.gguf"
+    if target.is_file() and head.is_file():
+        return target, head, 0.0
+    made = synthetic.make_pair(work, shape, qtype, args.tokenizer or synthetic.default_tokenizer(), args.jobs,
+                               head=head if head.is_file() else None)
+    print(f"made {made.target.name} ({made.target_bytes / 2**20:.0f} MiB) and {made.head.name} in "
+          f"{made.seconds:.1f} s", file=sys.stderr)
+    return made.target, made.head, made.seconds
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="the tiny shape on this machine's CPU (unless --shapes names "
+                    "others): 4 prompts of 32 tokens, 64 new, 1 thread (the test suite's and the lent call's dry run)")
+    ap.add_argument("--shapes", help=f"SHAPE:TYPE,... (scripts/synthetic.py's; default {','.join(DEFAULT_SHAPES)})")
+    ap.add_argument("--target", help="a target GGUF to measure instead (with --head)")
+    ap.add_argument("--head", help="its EAGLE-3 head")
+    ap.add_argument("--work", help="folder for the synthetic models (default: a temporary one, removed after)")
+    ap.add_argument("--tokenizer", help="GGUF whose tokenizer the synthetic targets pad (default: SmolLM2's)")
+    ap.add_argument("--profiles", default=",".join(replay.PROFILES), help="replayed acceptance profiles: names "
+                    f"({', '.join(replay.PROFILES)}) or rates such as 0.8/0.7/0.6")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("-n", "--n-predict", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=1, help="runs of each contender per prompt (the fastest counts)")
+    ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("-ngl", "--n-gpu-layers", dest="ngl", default="0", help="the target's and the head's layers on "
+                    "the GPU: a number or 'all'")
+    ap.add_argument("--exact", default="auto", choices=("auto", "strict", "off"), help="the contenders' --exact")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="threads writing synthetic models")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="write results.md and results.json here")
+    ap.add_argument("-v", "--verbose", action="store_true", help="let llama.cpp's log through (stderr)")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.shapes = args.shapes or "tiny:q4_k_m"
+        args.prompts, args.n_predict, args.prompt_len = 4, 64, 32
+        args.threads = args.threads or 1  # 2 threads on 2 busy cores spin at llama.cpp's barriers (probe: 83 s vs 0.2)
+    args.shapes = args.shapes or ",".join(DEFAULT_SHAPES)
+    return args
+
+
+def check_args(args) -> str | None:
+    """The first bad input, as one line (None: all good)."""
+    if (args.target is None) != (args.head is None):
+        return "--target and --head go together"
+    for t in (args.target, args.head, args.tokenizer):
+        if t is not None and not Path(t).is_file():
+            return f"{t}: no such file"
+    for item in args.shapes.split(","):
+        shape, _, qtype = item.partition(":")
+        if shape not in synthetic.SHAPES or qtype not in synthetic.FILE_TYPES:
+            return (f"--shapes {item}: name SHAPE:TYPE with SHAPE one of {', '.join(synthetic.SHAPES)} and TYPE one of "
+                    f"{', '.join(synthetic.TYPES)}")
+    if min(args.prompts, args.n_predict, args.prompt_len, args.rounds, args.jobs) < 1 or args.n_predict < 8:
+        return "--prompts, --prompt-len, --rounds and --jobs must be at least 1, -n at least 8"
+    try:
+        args.ngl = -1 if args.ngl == "all" else int(args.ngl)
+        for p in args.profiles.split(","):
+            replay.parse_profile(p)
+    except ValueError:
+        return f"-ngl {args.ngl}: a number or 'all'"
+    except Eagle3Error as e:
+        return str(e)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    install_log_callback()  # llama.cpp's log into Python's logging: quiet unless -v
+    if args.verbose:
+        logging.basicConfig(level=logging.DEBUG, format="%(message)s")
+        enable_llama_log(True)
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench-scale-"))
+    work.mkdir(parents=True, exist_ok=True)
+    # cost curves and probes measured here (every size of the curve timed), not a run's from the user's cache
+    os.environ["EAGLE3_GGUF_CACHE"] = str(work / "cache")
+    results: list[ShapeResult] = []
+    try:
+        if args.target:
+            pairs = [("given", Path(args.target).stem, lambda: (Path(args.target), Path(args.head), 0.0))]
+        else:
+            pairs = [(s, q, lambda s=s, q=q: ensure_pair(work, s, q, args))
+                     for s, _, q in (item.partition(":") for item in args.shapes.split(","))]
+        for shape, qtype, make in pairs:
+            target, head, made_s = make()
+            results.append(bench_shape(target, head, shape, qtype, made_s, args))
+            write(results, args)
+            print(table(results[-1:]), flush=True)
+    except Eagle3Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

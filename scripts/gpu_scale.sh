@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Issue 54's lent GPU call (device tool), run from the repository root there with carry ['.gpu/scale'] (packed by
+# scripts/pack_scale.py), in one command of at most 10 minutes: check the pack, install the gguf wheel, build
+# llama-cpp-python with CUDA for the card (in the background, time-boxed) while the synthetic models are made, then
+# run scripts/bench_scale.py on Llama-3.1-8B's shape (Q4_K_M, then Q4_0), then Qwen2.5-1.5B's, until the budget
+# ends; results.md / results.json are rewritten after every shape, so a cut run keeps what finished. Everything
+# lands in $OUT: results.md, results.json, scale.log (this script's log), build.log and make.log (their tails).
+#   usage: bash scripts/gpu_scale.sh [--dry-run] [--budget SECONDS]
+# --dry-run: the same steps on this machine's CPU without the pack or a build (the installed llama-cpp-python and
+# gguf), the tiny shape (tests/test_scale.py runs it); $PYTHON names the interpreter (default python3), $SCALE_PACK
+# the folder holding smollm2-vocab.gguf (default .gpu/scale).
+set -uo pipefail
+dry=0
+budget=570  # seconds: the call's 600 less the time to copy the logs
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --dry-run) dry=1 ;;
+        --budget) budget=${2:?--budget SECONDS}; shift ;;
+        *) echo "error: unknown argument $1 (usage: bash scripts/gpu_scale.sh [--dry-run] [--budget SECONDS])" >&2
+           exit 2 ;;
+    esac
+    shift
+done
+start=$(date +%s)
+left() { echo $(( budget - ($(date +%s) - start) )); }
+out=${OUT:-/tmp/out}
+pack=${SCALE_PACK:-.gpu/scale}
+py=${PYTHON:-python3}
+work=$(mktemp -d /tmp/scale-work.XXXXXX)
+mkdir -p "$out"
+log="$out/scale.log"
+say() { echo "[$(( $(date +%s) - start )) s] $*" | tee -a "$log"; }
+finish() {  # the logs' tails into $OUT, whatever happened
+    for f in build make; do [ -f "$work/$f.log" ] && tail -c 200000 "$work/$f.log" > "$out/$f.log"; done
+    rm -rf "$work"
+}
+trap finish EXIT
+: > "$log"
+
+if [ ! -f "$pack/smollm2-vocab.gguf" ]; then
+    echo "error: $pack lacks smollm2-vocab.gguf: run python scripts/pack_scale.py first (or set SCALE_PACK)" >&2
+    exit 2
+fi
+make_path=${PYTHONPATH:-}
+if [ "$dry" = 1 ]; then
+    shapes="tiny:q4_k_m,tiny:q4_0"
+    bench=(--tiny --shapes "$shapes")
+    jobs=2
+    say "dry run: the CPU, the installed llama-cpp-python ($("$py" -c 'import llama_cpp; print(llama_cpp.__version__)'))"
+else
+    shapes="llama-8b:q4_k_m,llama-8b:q4_0,qwen-1.5b:q4_k_m"
+    bench=(-ngl all --shapes "$shapes" --prompts 8 -n 128)
+    jobs=6  # beside a 16-way build: the models are mostly memory traffic
+    say "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1)"
+    (cd "$pack" && sha256sum -c --quiet SHA256SUMS) || { say "error: the pack's sha256 differ"; exit 2; }
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/gguf-site "$pack"/gguf-*.whl \
+        || { say "error: installing the gguf wheel failed"; exit 2; }
+    mkdir -p /tmp/llama-src && tar -xzf "$pack/llama_cpp_python-trimmed.tar.gz" -C /tmp/llama-src --strip-components 1 \
+        || { say "error: unpacking the sdist failed"; exit 2; }
+    make_path=/tmp/gguf-site  # not /tmp/site: the build fills it meanwhile
+    export PYTHONPATH=/tmp/site:/tmp/gguf-site
+    say "building llama-cpp-python with CUDA (sm_90) in the background"
+    ( CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF -DCMAKE_PROJECT_INCLUDE=$PWD/scripts/amx_guard.cmake" \
+      CMAKE_BUILD_PARALLEL_LEVEL=16 timeout 360 "$py" -m pip install -v --no-deps --no-build-isolation --no-cache-dir \
+      --target /tmp/site /tmp/llama-src > "$work/build.log" 2>&1 ) &
+    build_pid=$!
+fi
+
+# the synthetic models, all shapes, while the build runs (they need gguf and numpy only)
+say "making $shapes"
+make_models() {
+    local item shape qtype
+    for item in ${shapes//,/ }; do
+        shape=${item%%:*}; qtype=${item##*:}
+        PYTHONPATH=$make_path PYTHONUNBUFFERED=1 "$py" scripts/synthetic.py --shape "$shape" --type "$qtype" --out "$work/models" \
+            --tokenizer "$pack/smollm2-vocab.gguf" --jobs "$jobs" || return 1
+    done
+}
+make_models > "$work/make.log" 2>&1 &
+make_pid=$!
+if ! wait "$make_pid"; then say "error: making the models failed (make.log)"; exit 1; fi
+say "$(tr '\n' ' ' < "$work/make.log")"
+if [ "$dry" = 0 ]; then
+    if ! wait "$build_pid"; then say "error: the build failed or ran out of time (build.log)"; exit 1; fi
+    say "built: $("$py" -c 'import llama_cpp; print(llama_cpp.__version__, "gpu offload", llama_cpp.llama_supports_gpu_offload())' 2>&1)"
+fi
+
+# shapes in order; results written after each, the run cut before the budget ends
+if [ "$(left)" -lt 60 ]; then say "error: $(left) s left, too little for a shape"; exit 1; fi
+say "bench_scale with $(left) s left"
+PYTHONUNBUFFERED=1 timeout --signal=INT --kill-after=10 "$(( $(left) - 15 ))" "$py" scripts/bench_scale.py \
+    "${bench[@]}" --work "$work/models" --out "$out" --jobs "$jobs" 2>&1 | tee -a "$log"
+rc=${PIPESTATUS[0]}
+say "bench_scale exited $rc; $(ls "$out" | tr '\n' ' ')"
+exit "$rc"

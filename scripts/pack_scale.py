@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Pack what issue 54's lent GPU call needs into the ignored carry folder .gpu/scale, and print the call.
+
+    python scripts/pack_scale.py
+
+The call (scripts/gpu_scale.sh) builds llama-cpp-python with CUDA there, makes the synthetic models there and runs
+scripts/bench_scale.py, in one command of at most 10 minutes; nothing can be fetched there, and a call carries at
+most 64 MiB with the working tree (~21 MiB). So the folder holds:
+- llama-cpp-python's sdist, trimmed (76.6 MB as published): no .git (38 MB), no vocab-only test models
+  (vendor/llama.cpp/models/*.gguf, 74 MB unpacked), no docs, benches or media (the build reads none of them);
+- the gguf wheel (pure Python; the machine's image lacks it);
+- SmolLM2's tokenizer alone (synthetic.write_vocab: the synthetic targets pad it), not the 94 MiB model: its
+  exactness probe would take three calls of parts (scripts/pack_gpu.py's way), and the synthetic pairs' probes
+  come with the benchmark;
+- SHA256SUMS, checked there before anything is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import subprocess
+import sys
+import tarfile
+from importlib import metadata
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+import fetch_llama_cpp  # noqa: E402
+import synthetic  # noqa: E402
+from pin import read_pin  # noqa: E402
+
+from eagle3_gguf.errors import Eagle3Error  # noqa: E402
+
+PACK = ROOT / ".gpu" / "scale"
+CALL_LIMIT = 64 << 20  # what one call carries, the working tree included
+SDIST = "llama_cpp_python-trimmed.tar.gz"
+VOCAB = "smollm2-vocab.gguf"
+DROP_DIRS = ("vendor/llama.cpp/docs/", "vendor/llama.cpp/benches/", "vendor/llama.cpp/media/")
+
+
+class PackError(Exception):
+    """A one-line reason the pack cannot be made (exit 2)."""
+
+
+def keep(name: str) -> bool:
+    """Whether an sdist member (its name below the top folder) goes into the trimmed sdist."""
+    parts = name.split("/")
+    if ".git" in parts or any(name.startswith(d) for d in DROP_DIRS):
+        return False
+    return not (name.startswith("vendor/llama.cpp/models/") and name.endswith(".gguf"))
+
+
+def trim_sdist(src: Path, dst: Path) -> tuple[int, int]:
+    """Copy src into dst without what keep() drops: (members kept, members dropped)."""
+    kept = dropped = 0
+    with tarfile.open(src) as tin, tarfile.open(dst, "w:gz", compresslevel=6) as tout:
+        for m in tin:
+            below = m.name.partition("/")[2]
+            if not keep(below):
+                dropped += 1
+                continue
+            data = tin.extractfile(m).read() if m.isfile() else None
+            tout.addfile(m, io.BytesIO(data) if data is not None else None)
+            kept += 1
+    return kept, dropped
+
+
+def gguf_wheel() -> Path:
+    version = metadata.version("gguf")
+    got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                          "-d", str(PACK), f"gguf=={version}"])
+    wheels = sorted(PACK.glob("gguf-*.whl"))
+    if got.returncode or len(wheels) != 1:
+        raise PackError(f"pip could not download gguf=={version}'s wheel into {PACK}: check the package index")
+    return wheels[0]
+
+
+def tree_bytes() -> int:
+    """What travels with every call: tracked files and untracked ones git does not ignore."""
+    names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           check=True, capture_output=True).stdout.split(b"\0")
+    return sum((ROOT / n.decode()).stat().st_size for n in names if n and (ROOT / n.decode()).is_file())
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def pack() -> None:
+    PACK.mkdir(parents=True, exist_ok=True)
+    for old in PACK.iterdir():
+        old.unlink()
+    try:
+        sdist = fetch_llama_cpp.download(read_pin())  # the pinned sdist, from pip's index where not cached
+    except SystemExit as e:
+        raise PackError(str(e.code).removeprefix("error: ")) from None
+    kept, dropped = trim_sdist(sdist, PACK / SDIST)
+    wheel = gguf_wheel()
+    synthetic.write_vocab(PACK / VOCAB, synthetic.default_tokenizer())
+    files = [PACK / SDIST, wheel, PACK / VOCAB]
+    (PACK / "SHA256SUMS").write_text("".join(f"{sha256(f)}  {f.name}\n" for f in files))
+    carried = sum(f.stat().st_size for f in PACK.iterdir())
+    tree = tree_bytes()
+    print(f"{PACK.relative_to(ROOT)}: sdist {(PACK / SDIST).stat().st_size / 2**20:.1f} MiB ({kept} members kept, "
+          f"{dropped} dropped), {wheel.name}, {VOCAB} {(PACK / VOCAB).stat().st_size / 2**20:.1f} MiB")
+    if tree + carried > CALL_LIMIT:
+        raise PackError(f"the call would carry {(tree + carried) / 2**20:.1f} MiB, over 64 MiB: carry less")
+    print(f"the call carries {(tree + carried) / 2**20:.1f} MiB (working tree {tree / 2**20:.1f} MiB):\n"
+          f"    carry ['.gpu/scale'], timeout_s 600\n    bash scripts/gpu_scale.sh")
+
+
+def main() -> int:
+    if len(sys.argv) > 1:
+        print("error: pack_scale.py takes no arguments (see its docstring)", file=sys.stderr)
+        return 2
+    try:
+        pack()
+    except (PackError, Eagle3Error, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
