@@ -133,9 +133,11 @@ HOOKED_TARGET_ARCHS = frozenset({
 # graphs, where "layer input" means something else; others (phi3, glm4, ...) once a test target runs them.
 CAPTURED_TARGET_ARCHS = frozenset({"gemma3", "llama4", "mistral3", "qwen2"})
 
-# Weight types whose rows llama.cpp's CPU kernels compute alike alone and in a batch, repacked or not
-# (Q4_0 repacked as q4_0_8x8: 244 benchmark prompts identical; Q8_0: every tiny-target test; the rest are not
-# repacked at the pin). A target with any other type (Q4_K: a verify row off by 0.5-1.2) is loaded unrepacked.
+# Weight types that repacking does not make batch-variant: Q4_0 repacked as q4_0_8x8 stays exact (244 benchmark
+# prompts identical), the rest are not repacked at the pin. A target with any other type is loaded unrepacked
+# (Q4_K repacked as q4_K_8x8: batch rows from 4 up computed by another kernel than lone rows). Not a claim of
+# batch invariance: F32/F16/BF16 matrices take llamafile's sgemm for 2+ rows and K-quants a tiled matmul from 8
+# (bench/NOTES.md, exactness); the exactness probe measures that where the run happens.
 REPACK_EXACT_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "I32", "I64"})
 
 # Target architectures whose graph also sets `t_h_nextn` (the final hidden state), so that a head
