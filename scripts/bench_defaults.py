@@ -4,8 +4,9 @@
     python scripts/bench_defaults.py                       # SmolLM2 Q4_1 as shipped + the embedded head
     python scripts/bench_defaults.py --quants q4_1,q4_0    # also the Q4_0 requantization (upstream build)
 
-For every prompt, target-only decoding and each (K, p_min) run back to back in one process; a
-setting's speedup is the median over prompts of its time against target-only on the same prompt.
+For every prompt, target-only decoding and each (K, p_min) run back to back in one process, target-only
+again last (the library's measurement, eagle3_gguf/bench.py, as `eagle3-gguf bench`); a setting's speedup
+is the median over prompts of its speed against target-only's faster run on the same prompt.
 The prompts (EVAL_PROMPTS below) are our own held-out prompts, not training prompts and no MT-bench or
 HumanEval text, so tuning here does not tune on the benchmark.
 """
@@ -21,11 +22,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eagle3_gguf.assets import default_head_path, smollm2_path  # noqa: E402
-from eagle3_gguf.decode import GenerateConfig, Runner  # noqa: E402
+from eagle3_gguf.bench import Bench, BenchPrompt, Contender, PromptRun, per_prompt_ratio  # noqa: E402
+from eagle3_gguf.decode import GenerateConfig  # noqa: E402
 from eagle3_gguf.native import install_log_callback  # noqa: E402
-from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
-from eagle3_gguf.session import Eagle3Session  # noqa: E402
-from eagle3_gguf.tokens import chat_tokens  # noqa: E402
+from eagle3_gguf.pair import PairConfig  # noqa: E402
 
 # Our own held-out evaluation prompts: not training prompts (eagle3_gguf/train/prompts.py), not benchmark text.
 EVAL_PROMPTS = [
@@ -52,7 +52,8 @@ class Setting:
 
 def run_grid(quants: list[str], ks: list[int], p_mins: list[float], head: Path, n_predict: int = 128,
              threads: int = 2) -> list[Setting]:
-    """Target-only and every (K, p_min) back to back on each prompt, per target quantization."""
+    """Target-only and every (K, p_min) back to back on each prompt, per target quantization, measured by the
+    library (eagle3_gguf/bench.py: target-only first and last, a setting's speedup its per-prompt ratio)."""
     results: list[Setting] = []
     for q in quants:
         target = Path(smollm2_path())
@@ -60,19 +61,22 @@ def run_grid(quants: list[str], ks: list[int], p_mins: list[float], head: Path, 
             from build_upstream import requantized
             target = requantized(target, "Q4_0")
         grid = {(k, p): Setting(q, k, p, [], [], 0, 0) for k in ks for p in p_mins}
-        with load_pair(target, head, PairConfig(n_ctx=2048, n_threads=threads)) as pair, \
-                Eagle3Session(pair.target, pair.head) as sess, Runner(pair.target, sess) as dec:
-            for text in EVAL_PROMPTS:
-                prompt = chat_tokens(pair.target_model, text)
-                base = dec.generate(prompt, GenerateConfig(n_predict=n_predict), speculative=False)
-                for (k, p), s in grid.items():
-                    r = dec.generate(prompt, GenerateConfig(n_predict=n_predict, draft_max=k, draft_p_min=p,
-                                                            draft_policy="fixed"))
-                    s.speedups.append(base.stats.t_total / r.stats.t_total)
-                    s.taus.append(r.stats.tau)
-                    s.identical += r.tokens == base.tokens
-                    s.n += 1
-                print(f"[{q}] {text[:50]!r}: target {base.stats.tokens_per_second:.1f} tok/s", file=sys.stderr)
+        contenders = [Contender(f"K={k} p_min={p:g}", GenerateConfig(n_predict=n_predict, draft_max=k, draft_p_min=p,
+                                                                     draft_policy="fixed")) for k, p in grid]
+        prompts = [BenchPrompt("ours", str(i), text) for i, text in enumerate(EVAL_PROMPTS)]
+        runs: list[PromptRun] = []
+        with Bench(target, head, PairConfig(n_ctx=2048, n_threads=threads), contenders) as bench:
+            bench.tokenize(prompts)
+            for r in bench.measure(prompts, 1, n_predict):
+                runs.append(r)
+                if r.contender == "target" and r.identical is not None:  # the prompt's last run
+                    print(f"[{q}] {EVAL_PROMPTS[int(r.prompt_id)][:50]!r}: target {r.tok_s:.1f} tok/s", file=sys.stderr)
+        base = [r for r in runs if r.contender == "target"]
+        for c, s in zip(contenders, grid.values()):
+            rs = [r for r in runs if r.contender == c.name]
+            s.speedups = list(per_prompt_ratio(rs, base).values())
+            s.taus = [r.tau for r in rs]
+            s.identical, s.n = sum(bool(r.identical) for r in rs), len(rs)
         results += grid.values()
     return results
 

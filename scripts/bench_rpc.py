@@ -15,7 +15,8 @@ is taken against the faster of the two target-only runs at the same latency (con
 two noisy runs is biased high) and against their mean, and the adaptive runs that drafted nothing are the
 control for that bias. Every run's text is
 compared with target-only's. The cost curves are calibrated fresh (a temporary EAGLE3_GGUF_CACHE), over each
-latency's servers. Writes results.json and results.md under --out.
+latency's servers. The runs of a prompt at a latency are the library's measurement (eagle3_gguf/bench.py, as
+`eagle3-gguf bench`). Writes results.json and results.md under --out.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_data  # noqa: E402
 from build_upstream import rpc_module, rpc_server_bin  # noqa: E402
 from serving import free_port, kill_group, start_rpc_server, wait_listening  # noqa: E402
 from eagle3_gguf.cli.common import split_from_flag  # noqa: E402
@@ -84,55 +84,42 @@ def start_endpoint(latency_ms: float, threads: int, procs: list) -> str:
     return f"127.0.0.1:{front}"
 
 
-def _run(dec, prompt, config, base_tokens) -> Run:
-    r = dec.generate(prompt, config)
-    cycles = max(r.stats.n_target_forwards - 1, 1)
-    return Run(r.stats.tokens_per_second, r.stats.tau, r.stats.n_drafted / cycles, r.tokens == base_tokens)
-
-
 def bench(args) -> list[Prompt]:
     from eagle3_gguf.assets import default_head_path, smollm2_path
-    from eagle3_gguf.decode import GenerateConfig, Runner
-    from eagle3_gguf.pair import PairConfig, load_pair
-    from eagle3_gguf.session import Eagle3Session
-    from eagle3_gguf.tokens import Message, apply_chat_template, tokenize
+    from eagle3_gguf.bench import Bench, Contender, load_workloads
+    from eagle3_gguf.decode import GenerateConfig
+    from eagle3_gguf.pair import PairConfig
 
     latencies = [float(x) for x in args.latencies.split(",")]
-    procs: list[subprocess.Popen] = []
-    opened = []
     try:
-        decoders = {}
-        chosen = {name: GenerateConfig(n_predict=args.n_predict, **CONTENDERS[name]) for name in args.contenders}
-        n_seq = max(c.tree_sequences for c in chosen.values())
+        prompts = load_workloads(["mtbench"], args.limit)
+    except Eagle3Error as e:
+        raise SystemExit(f"error: {e}") from None
+    procs: list[subprocess.Popen] = []
+    benches: dict[float, Bench] = {}
+    try:
+        chosen = [Contender(name, GenerateConfig(n_predict=args.n_predict, **CONTENDERS[name]))
+                  for name in args.contenders]
         for ms in latencies:
             servers = tuple(start_endpoint(ms, args.server_threads, procs) for _ in range(args.servers))
             config = PairConfig(n_ctx=2048, n_threads=args.threads, n_gpu_layers=-1, n_gpu_layers_draft=0,
-                                rpc_servers=servers, rpc_backend=str(MODULE), n_seq_max=n_seq,
-                                tensor_split=args.tensor_split)
-            pair = load_pair(smollm2_path(), default_head_path(), config)
-            session = Eagle3Session(pair.target, pair.head)
-            dec = Runner(pair.target, session)
-            opened += [dec, session, pair]
-            decoders[ms] = (pair, dec)
+                                rpc_servers=servers, rpc_backend=str(MODULE), tensor_split=args.tensor_split)
+            benches[ms] = Bench(smollm2_path(), default_head_path(), config, chosen)
         out = []
-        plain = GenerateConfig(n_predict=args.n_predict)
-        for p in bench_data.load("mtbench", args.limit):
-            for ms, (pair, dec) in decoders.items():
-                prompt = tokenize(pair.target_model, apply_chat_template(pair.target_model, [Message("user", p.text)]),
-                                  add_special=False)
-                base = dec.generate(prompt, plain, speculative=False)
-                runs = {name: _run(dec, prompt, config, base.tokens) for name, config in chosen.items()}
-                again = dec.generate(prompt, plain, speculative=False)
-                both = [base.stats.tokens_per_second, again.stats.tokens_per_second]
-                rec = Prompt(p.id, ms, max(both), runs, both)
+        for p in prompts:
+            for ms, b in benches.items():  # each prompt at every latency before the next prompt
+                runs = list(b.measure(b.tokenize([p]), 1, args.n_predict))  # the library's: target-only first and last
+                both = [runs[0].tok_s, runs[-1].tok_s]
+                rec = Prompt(p.id, ms, max(both), {r.contender: Run(r.tok_s, r.tau, r.drafted / max(r.forwards - 1, 1),
+                                                                    bool(r.identical)) for r in runs[1:-1]}, both)
                 out.append(rec)
                 print(f"{p.id} {ms:g} ms: target-only {rec.target_only:.1f} tok/s; " + "; ".join(
-                    f"{n} {r.tok_s / rec.target_only:.2f}x K {r.drafts_per_cycle:.2f}" for n, r in runs.items()),
+                    f"{n} {r.tok_s / rec.target_only:.2f}x K {r.drafts_per_cycle:.2f}" for n, r in rec.runs.items()),
                     file=sys.stderr, flush=True)
         return out
     finally:
-        for owner in opened:
-            owner.close()
+        for b in benches.values():
+            b.close()
         for proc in procs:
             kill_group(proc)
 

@@ -4,12 +4,13 @@
     python scripts/bench_sampling.py --limit 20 --out bench/sampling-cpu
 
 MT-bench first turns (chat template), SmolLM2 with the shipped head. For every prompt, back to back
-(interleaved, so drift hits all alike): target-only and speculative greedy decoding; then at each
-temperature of --temps, with the same seed: target-only sampling, exact match ("match": greedy drafts,
-kept where the target's sample equals them) and rejection sampling ("rejection": drafts from the head's
-q at the target's temperature times each scale of --scales). Reports tokens per target forward (tau,
-pooled: all tokens / all forwards), draft acceptance, tok/s and the median of per-prompt speedups over
-target-only at the same temperature. Writes results.md and results.json under --out.
+(interleaved, so drift hits all alike; measured by the library, eagle3_gguf/bench.py): target-only and
+speculative greedy decoding; then at each temperature of --temps, with the same seed (one per prompt):
+target-only sampling, exact match ("match": greedy drafts, kept where the target's sample equals them) and
+rejection sampling ("rejection": drafts from the head's q at the target's temperature times each scale of
+--scales); target-only greedy again last. Reports tokens per target forward (tau, pooled: all tokens / all
+forwards), draft acceptance, tok/s and the median of per-prompt speedups over target-only at the same
+temperature (the library's per-prompt ratio). Writes results.md and results.json under --out.
 """
 
 from __future__ import annotations
@@ -26,26 +27,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eagle3_gguf.assets import default_head_path, smollm2_path
-from eagle3_gguf.benchmarks import load
-from eagle3_gguf.decode import GenerateConfig, Runner, Sampler
+from eagle3_gguf.bench import TARGET, Bench, Contender, PromptRun, load_workloads, per_prompt_ratio
+from eagle3_gguf.decode import GenerateConfig
+from eagle3_gguf.errors import Eagle3Error
 from eagle3_gguf.native import install_log_callback
-from eagle3_gguf.pair import PairConfig, load_pair
-from eagle3_gguf.session import Eagle3Session
-from eagle3_gguf.tokens import Message, apply_chat_template, tokenize
+from eagle3_gguf.pair import PairConfig
 
 
-@dataclass
-class Run:
-    prompt_id: str
+@dataclass(frozen=True)
+class Kind:
+    """What a contender's name stands for here."""
+
     contender: str  # "target", "greedy", "match", "rejection"
     temp: float
     scale: float  # rejection: q's temperature / the target's; else 0
-    tokens: int
-    forwards: int
-    drafted: int
-    accepted: int
-    seconds: float
-    python_s: float  # of seconds: outside llama.cpp (the loop, sampling, rejection math)
 
 
 @dataclass
@@ -69,42 +64,49 @@ class Row:
         return self.contender
 
 
-def run_one(decoder: Runner, prompt: list[int], pid: str, contender: str, temp: float, scale: float,
-            args) -> Run:
-    config = GenerateConfig(n_predict=args.n_predict, draft_max=args.k, draft_p_min=args.p_min,
-                            draft_policy=args.policy,
-                            spec_sampling="rejection" if contender == "rejection" else "match",
-                            draft_temp_scale=scale if contender == "rejection" else 1.0)
-    r = decoder.generate(prompt, config, Sampler(temp, args.seed + int(pid) if pid.isdigit() else args.seed),
-                         speculative=contender != "target")
-    st = r.stats
-    return Run(pid, contender, temp, scale if contender == "rejection" else 0.0, st.n_generated,
-               st.n_target_forwards, st.n_drafted, st.n_accepted, st.t_total, st.t_python)
+def contenders(args, temps: list[float], scales: list[float]) -> dict[str, tuple[Kind, Contender]]:
+    """Greedy speculation, then at each temperature target-only, match and rejection at each scale (target-only
+    greedy runs first and last: the library's reference)."""
+    def spec(spec_sampling: str = "match", scale: float = 1.0) -> GenerateConfig:
+        return GenerateConfig(n_predict=args.n_predict, draft_max=args.k, draft_p_min=args.p_min,
+                              draft_policy=args.policy, spec_sampling=spec_sampling, draft_temp_scale=scale)
+
+    def sampled(kind: Kind, config: GenerateConfig | None) -> tuple[Kind, Contender]:
+        name = f"{kind.contender} T={kind.temp:g}" + (f" q={kind.scale:g}" if kind.contender == "rejection" else "")
+        return kind, Contender(name, config, temperature=kind.temp, seed=args.seed)
+
+    chosen = [(Kind("target", 0.0, 0.0), TARGET), (Kind("greedy", 0.0, 0.0), Contender("greedy", spec()))]
+    for t in temps:
+        chosen += [sampled(Kind("target", t, 0.0), None), sampled(Kind("match", t, 0.0), spec())]
+        chosen += [sampled(Kind("rejection", t, sc), spec("rejection", sc)) for sc in scales]
+    return {c.name: (kind, c) for kind, c in chosen}
 
 
-def median_ratio(rs: list[Run], ref: dict[tuple[str, float], float]) -> float:
-    """Median over prompts of a run's tok/s against the reference contender's on the same prompt and
-    temperature (0 when there is none)."""
-    ratios = [r.tokens / r.seconds / ref[(r.prompt_id, r.temp)] for r in rs if (r.prompt_id, r.temp) in ref]
-    return statistics.median(ratios) if ratios else 0.0
-
-
-def summarise(runs: list[Run]) -> list[Row]:
-    base = {(r.prompt_id, r.temp): r.tokens / r.seconds for r in runs if r.contender == "target"}
-    match = {(r.prompt_id, r.temp): r.tokens / r.seconds for r in runs if r.contender == "match"}
-    keys = sorted({(r.contender, r.temp, r.scale) for r in runs},
-                  key=lambda k: (k[1], ["target", "greedy", "match", "rejection"].index(k[0]), k[2]))
+def summarise(runs: list[PromptRun], kinds: dict[str, Kind]) -> list[Row]:
+    """Pooled tau, acceptance and tok/s per contender; speedups as the library's per-prompt ratios against
+    target-only (and against match) at the same temperature."""
+    groups: dict[Kind, list[PromptRun]] = {}
+    for r in runs:
+        groups.setdefault(kinds[r.contender], []).append(r)
+    base = {k.temp: rs for k, rs in groups.items() if k.contender == "target"}
+    match = {k.temp: rs for k, rs in groups.items() if k.contender == "match"}
     rows = []
-    for c, t, s in keys:
-        rs = [r for r in runs if (r.contender, r.temp, r.scale) == (c, t, s)]
+    for k in sorted(groups, key=lambda k: (k.temp, ["target", "greedy", "match", "rejection"].index(k.contender),
+                                           k.scale)):
+        rs = groups[k]
         tokens = sum(r.tokens for r in rs)
         drafted = sum(r.drafted for r in rs)
-        rows.append(Row(c, t, s, len(rs), tokens, tokens / sum(r.forwards for r in rs),
-                        sum(r.accepted for r in rs) / drafted if drafted else 0.0,
-                        tokens / sum(r.seconds for r in rs), median_ratio(rs, base),
-                        1e3 * sum(r.python_s for r in rs) / max(sum(r.forwards - 1 for r in rs), 1),
-                        median_ratio(rs, match) if c in ("match", "rejection") else 0.0))
+        python_s = sum(r.python_ms * max(r.forwards - 1, 1) for r in rs) / 1e3
+        vs_match = _median(per_prompt_ratio(rs, match[k.temp])) if k.contender in ("match", "rejection") else 0.0
+        rows.append(Row(k.contender, k.temp, k.scale, len({r.prompt_id for r in rs}), tokens,
+                        tokens / sum(r.forwards for r in rs), sum(r.accepted for r in rs) / drafted if drafted else 0.0,
+                        tokens / sum(r.seconds for r in rs), _median(per_prompt_ratio(rs, base.get(k.temp, []))),
+                        1e3 * python_s / max(sum(r.forwards - 1 for r in rs), 1), vs_match))
     return rows
+
+
+def _median(ratios: dict[str, float]) -> float:
+    return statistics.median(ratios.values()) if ratios else 0.0
 
 
 def markdown(rows: list[Row], args, command: str, commit: str, seconds: float) -> str:
@@ -157,31 +159,31 @@ def main() -> None:
     install_log_callback()
     temps = [float(x) for x in args.temps.split(",")]
     scales = [float(x) for x in args.scales.split(",")]
-    prompts = load("mtbench", args.limit or None)[::args.every]
+    kinds = contenders(args, temps, scales)
+    try:
+        prompts = load_workloads(["mtbench"], args.limit or None)[::args.every]
+    except Eagle3Error as e:
+        raise SystemExit(f"error: {e}") from None
     command = "python scripts/bench_sampling.py " + " ".join(sys.argv[1:])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    runs: list[Run] = []
+    runs: list[PromptRun] = []
     t0 = time.perf_counter()
-    with load_pair(smollm2_path(), default_head_path(), PairConfig(n_ctx=2048, n_threads=args.threads)) as pair, \
-            Eagle3Session(pair.target, pair.head) as session, \
-            Runner(pair.target, session) as decoder:
-        model = pair.target_model
-        for n, p in enumerate(prompts):
-            toks = tokenize(model, apply_chat_template(model, [Message("user", p.text)]), add_special=False)
-            runs.append(run_one(decoder, toks, p.id, "target", 0.0, 0.0, args))
-            runs.append(run_one(decoder, toks, p.id, "greedy", 0.0, 0.0, args))
-            for t in temps:
-                runs.append(run_one(decoder, toks, p.id, "target", t, 0.0, args))
-                runs.append(run_one(decoder, toks, p.id, "match", t, 0.0, args))
-                for s in scales:
-                    runs.append(run_one(decoder, toks, p.id, "rejection", t, s, args))
-            print(f"{n + 1}/{len(prompts)} prompts, {time.perf_counter() - t0:.0f}s", file=sys.stderr)
-            md = write(runs, args, command, commit, time.perf_counter() - t0)  # after every prompt: partial runs count
+    names = {name: kind for name, (kind, _) in kinds.items()}
+    with Bench(smollm2_path(), default_head_path(), PairConfig(n_ctx=2048, n_threads=args.threads),
+               [c for name, (_, c) in kinds.items() if name != "target"]) as bench:
+        bench.tokenize(prompts)
+        per_prompt = bench.runs_per_prompt(1)
+        for r in bench.measure(prompts, 1, args.n_predict):
+            runs.append(r)
+            if len(runs) % per_prompt == 0:
+                print(f"{len(runs) // per_prompt}/{len(prompts)} prompts, {time.perf_counter() - t0:.0f}s",
+                      file=sys.stderr)
+                md = write(runs, names, args, command, commit, time.perf_counter() - t0)  # partial runs count
     print(md)
 
 
-def write(runs: list[Run], args, command: str, commit: str, seconds: float) -> str:
-    rows = summarise(runs)
+def write(runs: list[PromptRun], kinds: dict[str, Kind], args, command: str, commit: str, seconds: float) -> str:
+    rows = summarise(runs, kinds)
     args.out.mkdir(parents=True, exist_ok=True)
     md = markdown(rows, args, command, commit, seconds)
     (args.out / "results.md").write_text(md)

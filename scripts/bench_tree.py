@@ -5,12 +5,13 @@
     python scripts/bench_tree.py                # all 80 MT-bench + 164 HumanEval prompts
 
 Every prompt runs target-only, then every contender back to back (fixed shapes DEPTHxTOPKxNODES, chains
-as Kx1xK, and the adaptive policy with each of --adaptive's tree caps), greedy, in one process. Tau does not depend
+as Kx1xK, and the adaptive policy with each of --adaptive's tree caps), then target-only again, greedy, in one
+process, measured by the library (eagle3_gguf/bench.py, as `eagle3-gguf bench`). Tau does not depend
 on timing, so one pass decides it; each run's text is compared with target-only's. The table puts each
 contender beside the best chain whose verify batch is no larger (K + 1 rows against N + 1): the median of
 tau over prompts against that chain's, the median of per-prompt ratios, and all prompts' tokens over all their
 target forwards against that chain's. --timed adds each contender's speed against target-only's (per prompt, the
-faster of a target-only run before and one after the contenders; on a CPU the extra rows cost more than they
+faster of the target-only runs before and after the contenders; on a CPU the extra rows cost more than they
 save, on a GPU they are nearly free). Writes <workload>.json and results.md under --out; --summarize writes results.md again from them.
 """
 
@@ -23,15 +24,12 @@ import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_data  # noqa: E402
-
-from eagle3_gguf.assets import default_head_path, smollm2_path  # noqa: E402
-from eagle3_gguf.decode import GenerateConfig, Runner  # noqa: E402
-from eagle3_gguf.native import install_log_callback  # noqa: E402
-from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
-from eagle3_gguf.session import Eagle3Session  # noqa: E402
-from eagle3_gguf.tokens import Message, apply_chat_template, tokenize  # noqa: E402
+from eagle3_gguf import bench as lib
+from eagle3_gguf.assets import default_head_path, smollm2_path
+from eagle3_gguf.decode import GenerateConfig
+from eagle3_gguf.errors import Eagle3Error
+from eagle3_gguf.native import install_log_callback
+from eagle3_gguf.pair import PairConfig
 
 
 @dataclass
@@ -83,34 +81,43 @@ def contenders(args) -> list[Contender]:
 
 
 def run(args, workload: str, runs: list[Contender]) -> list[Prompt]:
-    n_seq = max(c.config.tree_sequences for c in runs)
+    """Each prompt's runs, measured by the library (eagle3_gguf/bench.py: target-only, the contenders,
+    target-only again)."""
+    try:
+        prompts = lib.load_workloads([workload], args.limit or None)
+    except Eagle3Error as e:
+        raise SystemExit(f"error: {e}") from None
+    config = PairConfig(n_ctx=4096, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers)
     out = []
-    config = PairConfig(n_ctx=4096, n_threads=args.threads, n_seq_max=n_seq, n_gpu_layers=args.n_gpu_layers)
-    with load_pair(args.model or smollm2_path(), default_head_path(), config) as pair, \
-            Eagle3Session(pair.target, pair.head) as session, Runner(pair.target, session) as dec:
-        for p in bench_data.load(workload, args.limit or None):
-            prompt = tokenize(pair.target_model, apply_chat_template(pair.target_model, [Message("user", p.text)]),
-                              add_special=False)
-            plain = GenerateConfig(n_predict=args.n_predict)
-            base = dec.generate(prompt, plain, speculative=False)
-            rec = Prompt(p.id, len(base.tokens))
-            for c in runs:
-                r = dec.generate(prompt, c.config)
-                rec.speedup[c.name] = r.stats.tokens_per_second
-                rec.tau[c.name] = r.stats.tau
-                rec.identical[c.name] = r.tokens == base.tokens
-                rec.tree_cycles[c.name] = r.stats.tree_cycles
-                rec.branch_kept[c.name] = r.stats.tree_branch_kept
-            if args.timed:
-                again = dec.generate(prompt, plain, speculative=False)
-                both = (base.stats.tokens_per_second, again.stats.tokens_per_second)
-                rec.speedup_mean = {name: tok_s / statistics.fmean(both) for name, tok_s in rec.speedup.items()}
-                rec.speedup = {name: tok_s / max(both) for name, tok_s in rec.speedup.items()}
-            else:
-                rec.speedup = {}
-            out.append(rec)
-            print(f"{workload} {p.id}: " + " ".join(f"{c.name} {rec.tau[c.name]:.2f}" for c in runs), file=sys.stderr)
+    with lib.Bench(args.model or smollm2_path(), default_head_path(), config,
+                   [lib.Contender(c.name, c.config) for c in runs]) as bench:
+        bench.tokenize(prompts)
+        per_prompt = bench.runs_per_prompt(1)
+        done: list[lib.PromptRun] = []
+        for r in bench.measure(prompts, 1, args.n_predict):
+            done.append(r)
+            if len(done) == per_prompt:
+                out.append(record(done, args.timed))
+                print(f"{workload} {r.prompt_id}: " + " ".join(f"{c.name} {out[-1].tau[c.name]:.2f}" for c in runs),
+                      file=sys.stderr)
+                done = []
     return out
+
+
+def record(done: list[lib.PromptRun], timed: bool) -> Prompt:
+    """One prompt's record from its runs: target-only first and last, the contenders between."""
+    base, again = done[0], done[-1]
+    rec = Prompt(base.prompt_id, base.tokens)
+    for r in done[1:-1]:
+        rec.tau[r.contender] = r.tau
+        rec.identical[r.contender] = bool(r.identical)
+        rec.tree_cycles[r.contender] = r.tree_cycles
+        rec.branch_kept[r.contender] = r.branch_kept
+        if timed:
+            both = (base.tok_s, again.tok_s)
+            rec.speedup[r.contender] = r.tok_s / max(both)
+            rec.speedup_mean[r.contender] = r.tok_s / statistics.fmean(both)
+    return rec
 
 
 def table(workload: str, runs: list[Contender], prompts: list[Prompt]) -> list[str]:

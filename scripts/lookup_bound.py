@@ -33,15 +33,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import bench_data  # noqa: E402
 from eagle3_gguf.assets import default_head_path, smollm2_path  # noqa: E402
+from eagle3_gguf.bench import TARGET, Bench, load_workloads  # noqa: E402
 from eagle3_gguf.config import DraftConfig  # noqa: E402
-from eagle3_gguf.decode import GenerateConfig, Runner  # noqa: E402
+from eagle3_gguf.decode import GenerateConfig  # noqa: E402
+from eagle3_gguf.errors import Eagle3Error  # noqa: E402
 from eagle3_gguf.lookup import LookupIndex  # noqa: E402
-from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
+from eagle3_gguf.pair import PairConfig  # noqa: E402
 from eagle3_gguf.policy import AdaptivePolicy, CostCurve, cpu_model  # noqa: E402
-from eagle3_gguf.session import Eagle3Session  # noqa: E402
-from eagle3_gguf.tokens import Message, apply_chat_template, tokenize  # noqa: E402
 
 DRAFTERS = ("policy", "oracle", "any source")
 
@@ -57,13 +56,15 @@ def texts(target: Path, head: Path, workload: str, limit: int, n_predict: int,
           lookup_max: int) -> tuple[list[Text], CostCurve]:
     """The target's greedy texts, and the adaptive policy's calibrated curve for lookup drafts of lookup_max."""
     out = []
-    with load_pair(target, head, PairConfig(n_ctx=4096, n_threads=2)) as pair, \
-            Eagle3Session(pair.target, pair.head) as session, Runner(pair.target, session) as dec:
-        for p in bench_data.load(workload, limit):
-            prompt = tokenize(pair.target_model, apply_chat_template(pair.target_model, [Message("user", p.text)]),
-                              add_special=False)
-            r = dec.generate(prompt, GenerateConfig(n_predict=n_predict), speculative=False)
-            out.append(Text(p.id, prompt, r.tokens))
+    try:
+        prompts = load_workloads([workload], limit)
+    except Eagle3Error as e:
+        raise SystemExit(f"error: {e}") from None
+    with Bench(target, head, PairConfig(n_ctx=4096, n_threads=2), []) as bench:
+        dec = bench.runners[TARGET.name]  # the library's prompts (chat template) and its target-only runner
+        for p in bench.tokenize(prompts):
+            r = dec.generate(p.tokens, GenerateConfig(n_predict=n_predict), speculative=False)
+            out.append(Text(p.id, p.tokens, r.tokens))
         costs = dec.spec.policy_for(DraftConfig(draft_max=4, draft_lookup_max=lookup_max)).costs
     return out, costs
 

