@@ -21,7 +21,9 @@ token is worth its cost only when its chance of being emitted beats R times what
   keeps the rows and catches up on the next draft). While it plans 0 it probes now and then (one
   draft step, whose confidence may start drafting again), backing off while probes find nothing that
   makes drafting pay. While it drafts, it decodes one cycle plainly now and then (backing off while
-  the timing confirms the scale), so that plain decoding's price stays measured.
+  the timing confirms the scale), so that plain decoding's price stays measured. On a frozen curve
+  (costs as given: a test's) nothing is learnt from timings: a cycle's time is the curve's price of it,
+  and no plain cycle is timed.
 - `AdaptivePolicy.judge(confs)` runs after every draft step with the confidences so far: keep
   drafting, or stop and verify the first j drafts (a confident prefix; it generalises p_min).
 
@@ -79,7 +81,9 @@ class CostCurve:
     # figure moves only with its own timings: were two-row verifies to move the scale, a policy that
     # verifies two rows every cycle could not tell whether two rows or all rows cost more, and would price
     # plain decoding wrong (AdaptivePolicy times a plain cycle now and then to keep the scale current).
-    fixed_shape: bool = False  # True: what n rows cost against one is taken as stated; only the scale is learnt
+    # frozen: the curve is taken as stated and nothing is learnt from timings (a test that fixes every cost the
+    # policy's choices depend on: AdaptivePolicy then prices each cycle by the curve instead of the clock)
+    frozen: bool = False
     scale: float = 1.0
     scale_n: float = 0.0  # plain cycles timed (capped)
     seen_s: list[float] = field(default_factory=list)  # [K_max + 1]: real seconds, a running mean per n
@@ -117,12 +121,14 @@ class CostCurve:
     def observe_verify(self, n: int, seconds: float) -> None:
         """A verify of n rows took `seconds`; one row only from a plain cycle (after a draft step the
         target's weights are colder: that is the draft's cost, not plain decoding's)."""
+        if self.frozen:
+            return
         if n == 1:
             self.scale += max(EMA, 1.0 / (self.scale_n + 2.0)) * (seconds / self.verify_s[0] - self.scale)
             self.scale_n = min(self.scale_n + 1.0, SEEN_CAP)
             if abs(self.scale - self._refreshed_at) > 0.01 * self._refreshed_at:  # else now_s moves < 1%
                 self._refresh()
-        elif not self.fixed_shape:
+        else:
             i, w = n - 1, self.seen_n[n - 1]
             self.seen_s[i] += max(SEEN_EMA, 1.0 / (w + 1.0)) * (seconds - self.seen_s[i])
             self.seen_n[i] = min(w + 1.0, SEEN_CAP)
@@ -130,7 +136,7 @@ class CostCurve:
 
     def observe_draft(self, steps: int, seconds: float) -> None:
         """A draft of `steps` took `seconds`: the steps at the measured step cost, the rest is fixed cost."""
-        if steps > 0:
+        if steps > 0 and not self.frozen:
             fixed = max(seconds / self.scale - steps * self.draft_step_s, 0.0)
             self.draft_fixed_s += EMA * (fixed - self.draft_fixed_s)
 
@@ -486,7 +492,8 @@ class AdaptivePolicy:
         if self._pays(k_cap):
             self.probe_wait = self.probe_gap = PROBE_MIN
             self.drafting = self.keep_rows = True
-            if self.since_plain >= self.check_gap:  # time one row again: its cost is learnt from plain cycles only
+            # time one row again: its cost is learnt from plain cycles only (a frozen curve learns nothing)
+            if self.since_plain >= self.check_gap and not self.costs.frozen:
                 self.checking = True
                 return 0
             return k_cap
@@ -654,7 +661,7 @@ class AdaptivePolicy:
             self._observe_rows(rows, t_verify)
         costs.observe_draft(n_drafted, t_draft)
         self._changed()
-        t = t_verify + t_draft
+        t = self._priced(rows, n_drafted) if costs.frozen else t_verify + t_draft
         if t > 0:
             self.rate += RATE_EMA * (n_emitted / t - self.rate)
         if self.probing:
@@ -680,8 +687,11 @@ class AdaptivePolicy:
         st.predicted_tokens += self._pred[0]
         st.predicted_s += self._pred[1] * costs.scale
         self.lookup_acc.observe(n, n_verified, n_accepted)
-        self._observe_rows(n_verified + 1 if n_rows is None else n_rows, t_verify)
+        rows = n_verified + 1 if n_rows is None else n_rows
+        self._observe_rows(rows, t_verify)
         self._changed()
+        if costs.frozen:
+            t_verify = self._priced(rows, 0)
         if t_verify > 0:
             self.rate += RATE_EMA * (n_emitted / t_verify - self.rate)
         self._pred = (1.0, costs.now_s[0])
@@ -690,6 +700,13 @@ class AdaptivePolicy:
         """A verify of `rows` rows took t_verify (the curve learns the sizes it covers)."""
         if rows <= self.costs.k_max + 1:
             self.costs.observe_verify(rows, t_verify)
+
+    def _priced(self, rows: int, n_drafted: int) -> float:
+        """A cycle's seconds by the curve (a frozen curve's stand-in for its timing): `rows` verify rows (more
+        than the curve covers, a kept branch decoded again, at its last price) and n_drafted draft steps."""
+        c = self.costs
+        t = c.verify(min(rows, c.k_max + 1))
+        return t + c.scale * (c.draft_fixed_s + n_drafted * c.draft_step_s) if n_drafted else t
 
     def observe_plain(self, t_verify: float) -> None:
         """A plain cycle's outcome (one row emitted, no draft step): the common case, kept short (it runs
@@ -719,6 +736,8 @@ class AdaptivePolicy:
             self.check_gap = min(2 * self.check_gap, CHECK_MAX) if ok else CHECK_MIN
         self.since_plain = 0
         costs.observe_verify(1, t_verify)
+        if costs.frozen:
+            t_verify = one
         if t_verify > 0:
             self.rate += RATE_EMA * (1.0 / t_verify - self.rate)
 

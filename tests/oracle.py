@@ -1,11 +1,26 @@
-"""OracleSession: a head that drafts the target's true future tokens on a schedule of right/wrong."""
+"""OracleSession: a head that drafts the target's true future tokens on a schedule of right/wrong; and
+stated_costs: the cost curve a test fixes, so that the drafting policy's choices hang on it and on the tokens,
+not on how busy the machine is."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
 
+from eagle3_gguf.policy import CostCurve
 from eagle3_gguf.session import Draft, Eagle3Session
+
+# What verifying 1..17 rows costs, in one-row units: SmolLM2 Q4_1 on 2 CPU cores (bench/NOTES.md: 2 rows
+# 1.71x, 3 rows 2.12x, 5 rows 3.45x, 17 rows 7.4-8.3x), and a GPU's (17 rows cost about one)
+CPU_ROWS = [1.0, 1.7, 2.1, 2.6, 3.1, 3.4, 3.7, 4.0, 4.3, 4.75, 5.2, 5.65, 6.1, 6.55, 7.0, 7.45, 7.9]
+GPU_ROWS = [1.0 + 0.02 * n for n in range(17)]
+
+
+def stated_costs(rows: list[float], draft_step: float, draft_fixed: float, row_s: float = 0.01) -> CostCurve:
+    """A frozen curve (nothing learnt from timings) of `rows` (one-row units), a draft step and a drafting
+    cycle's fixed cost (likewise), one row taking row_s seconds. Set it as a Runner's `spec.costs` before
+    generating: the speculator calibrates only where it has no curve long enough for the run's drafts."""
+    return CostCurve([row_s * c for c in rows], row_s * draft_step, row_s * draft_fixed, "given", frozen=True)
 
 
 class OracleSession(Eagle3Session):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -16,9 +18,12 @@ class World:
     """A head whose draft i is accepted with probability `accept` (given the earlier ones were), at a
     stated confidence, and a target whose verify of n rows takes costs[n - 1] seconds."""
 
-    def __init__(self, costs: list[float], draft_step: float, accept: float, conf: float, seed: int = 0):
+    def __init__(self, costs: list[float], draft_step: float, accept: float, conf: float, seed: int = 0,
+                 load: Callable[[float, float], tuple[float, float]] | None = None):
+        """load: what a busy machine makes of a cycle's (verify, draft) seconds (None: an idle one)."""
         self.costs, self.d, self.accept, self.conf = costs, draft_step, accept, conf
         self.rng = np.random.default_rng(seed)
+        self.load = load
 
     def cycle(self, policy, k_cap: int) -> tuple[int, float, int]:
         """One cycle under `policy`: (tokens emitted, seconds, drafts verified)."""
@@ -35,6 +40,8 @@ class World:
         while n_acc < j and self.rng.random() < self.accept:
             n_acc += 1
         t_verify, t_draft = self.costs[j], len(confs) * self.d
+        if self.load is not None:
+            t_verify, t_draft = self.load(t_verify, t_draft)
         policy.observe(confs, j, n_acc, len(confs), t_verify, t_draft, n_acc + 1)
         return n_acc + 1, t_verify + t_draft, j
 
@@ -340,3 +347,54 @@ def test_a_plain_streak_learns_what_cycle_by_cycle_learning_would():
     keeps = [i for i, (k, keep) in enumerate(runs[0][0]) if keep]
     probes = [i for i, (k, _) in enumerate(runs[0][0]) if k]
     assert probes and all(i - 8 in keeps for i in probes if i >= 8)  # the window opens 8 cycles before a probe
+
+
+# -- a frozen curve: costs as given, whatever the machine's timings ------------------------------------
+
+def busy(seed: int) -> Callable[[float, float], tuple[float, float]]:
+    """A loaded machine: verifies 3-30x as slow as the curve says, at random, and draft steps 500x."""
+    rng = np.random.default_rng(seed)
+    return lambda t_verify, t_draft: (t_verify * rng.uniform(3.0, 30.0), 500.0 * t_draft)
+
+
+def test_a_frozen_curve_learns_nothing_from_timings():
+    curve = CostCurve([1.0, 1.36, 1.7], 0.05, 0.1, "given", frozen=True)
+    before = copy.deepcopy(curve)
+    curve.observe_verify(1, 9.0)
+    curve.observe_verify(3, 9.0)
+    curve.observe_draft(2, 9.0)
+    assert curve == before and curve.verify(1) == 1.0 and curve.relative()[2] == 1.7
+
+
+def test_a_frozen_policy_chooses_alike_at_any_timing():
+    """On a frozen curve wildly slow and noisy timings leave every choice, the curve and the rate as at the
+    stated costs (the policy prices each cycle by the curve), and it times no plain cycle while drafting
+    pays: a good head on a GPU's curve drafts K every cycle. The same timings mostly stop a learning one."""
+    runs = {}
+    for frozen, machine in [(True, "idle"), (True, "busy"), (False, "busy")]:
+        policy = AdaptivePolicy(CostCurve(list(GPU), 0.02, 0.05, "given", frozen=frozen), 4)
+        policy.begin()
+        world = World(GPU, 0.02, accept=0.85, conf=0.9, seed=2, load=busy(1) if machine == "busy" else None)
+        _, trace = world.run(policy, 4, 300)
+        runs[frozen, machine] = (trace, policy.costs, policy.rate, policy.stats)
+    assert runs[True, "busy"] == runs[True, "idle"]
+    trace, costs, rate, stats = runs[True, "busy"]
+    assert trace == [4] * 300 and stats.plain_cycles == 0
+    assert costs.now_s == GPU and costs.scale == 1.0 and costs.draft_fixed_s == 0.05
+    assert 1.0 / GPU[0] < rate < 5.0 / (GPU[4] + 0.05 + 4 * 0.02)  # tokens per second of the curve's cycles
+    learnt = runs[False, "busy"][0]
+    assert learnt.count(4) < 0.5 * len(learnt), learnt  # a learning policy finds drafting 500x dearer
+
+
+def test_a_frozen_policy_decodes_plainly_alike_at_any_timing():
+    """A weak head on a CPU's frozen curve: the same plain cycles (streaks included) and probes on a busy
+    machine as on an idle one."""
+    runs = []
+    for load in (None, busy(3)):
+        policy = AdaptivePolicy(CostCurve(list(CPU), 0.05, source="given", frozen=True), 4)
+        policy.begin()
+        _, trace = World(CPU, 0.05, accept=0.35, conf=0.35, seed=4, load=load).run(policy, 4, 400)
+        runs.append((trace, policy.stats, policy.rate, policy.probe_gap))
+    assert runs[0] == runs[1]
+    trace, stats = runs[0][:2]
+    assert trace.count(0) >= 0.95 * len(trace) and stats.probes >= 4
