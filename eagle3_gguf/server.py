@@ -189,6 +189,11 @@ def create_app_with(server_app, proxy_class, server_settings, model_settings):
         server_app.LlamaProxy = plain_proxy
     server_app.get_llama_proxy = queued_llama_proxy
     server_app.get_event_publisher = event_publisher
+    from sse_starlette.sse import AppStatus
+
+    # sse-starlette cuts every stream the moment uvicorn starts shutting down; a stream then ends, as a plain
+    # answer does, once its generation ends (uvicorn waits for it), so SIGTERM loses no streamed token either
+    AppStatus.disable_automatic_graceful_drain()
     return app
 
 

@@ -188,19 +188,24 @@ def test_serve_sigterm_finishes_the_running_request_then_exits(smollm2_path, tmp
             wait_ready(proc, port, timeout=300)
             import http.client
 
-            answer = {}
+            answer: dict = {"events": []}
+            running = threading.Event()  # its first token has streamed: the request is running, however busy the host
 
             def ask() -> None:
                 c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
                 c.request("POST", "/v1/completions", body=json.dumps(
-                    {"prompt": "Once upon a time", "max_tokens": 60, "temperature": 0}),
+                    {"prompt": "Once upon a time", "max_tokens": 60, "temperature": 0, "stream": True}),
                     headers={"Content-Type": "application/json"})
                 r = c.getresponse()
-                answer["status"], answer["body"] = r.status, json.loads(r.read())
+                answer["status"] = r.status
+                for line in r:
+                    if line.startswith(b"data: "):
+                        answer["events"].append(line[len(b"data: "):].strip())
+                        running.set()
 
             t = threading.Thread(target=ask)
             t.start()
-            time.sleep(0.5)  # the request is running
+            assert running.wait(timeout=300), "the request never started"
             proc.send_signal(signal.SIGTERM)
             t.join(timeout=120)
             proc.wait(timeout=60)
@@ -209,7 +214,9 @@ def test_serve_sigterm_finishes_the_running_request_then_exits(smollm2_path, tmp
                 proc.kill()
                 proc.wait()
     text = log.read_text()
-    assert answer["status"] == 200 and answer["body"]["usage"]["completion_tokens"] == 60, answer
+    events = answer["events"]
+    assert answer["status"] == 200 and events and events[-1] == b"[DONE]", answer
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length", events[-2]  # all 60 tokens
     assert proc.returncode == 143, text
     assert "Traceback" not in text, text
     assert text.strip().splitlines()[-1] == "terminated"
