@@ -39,13 +39,11 @@ import os
 import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
+from .draft import CATCH_UP_WINDOW, Draft, judge_p_min
 from .lookup import Lookup, LookupAcceptance
 from .tree import DraftTree, branch_candidates, chain_tree, with_branches
-
-if TYPE_CHECKING:
-    from .session import Draft
 
 CACHE_VERSION = 1
 N_BINS = 10  # confidence bins over [0, 1]
@@ -59,7 +57,6 @@ RATE_EMA = 0.1  # weight of one cycle in the realised rate
 PROBE_MIN, PROBE_MAX = 4, 64  # plain cycles between probes: reset on success, doubled on failure
 CHECK_MIN, CHECK_MAX = 8, 256  # drafting cycles between plain ones that time one row: doubled while it holds
 CHECK_TOL = 0.1  # a plain cycle within 10% of its predicted time confirms the scale
-CATCH_UP_WINDOW = 8  # rows the head keeps aside while the policy does not draft (scripts/bench.py measured it)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -389,10 +386,7 @@ class FixedPolicy:
 
     def judge(self, confs: list[float], n_max: int) -> int:
         """-1: draft another step; j >= 0: stop and verify the first j drafts."""
-        i = len(confs)
-        if confs[-1] < self.p_min:
-            return i - 1
-        return i if i >= n_max else -1
+        return judge_p_min(confs, n_max, self.p_min)
 
     def observe(self, confs: list[float], n_verified: int, n_accepted: int, n_drafted: int,
                 t_verify: float, t_draft: float, n_emitted: int, n_rows: int | None = None) -> None:

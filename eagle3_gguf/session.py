@@ -38,9 +38,9 @@ import numpy as np
 
 from .errors import Eagle3Error
 from .extract import TargetFeatures
+from .draft import CATCH_UP_WINDOW, Draft, judge_p_min
 from .head_norms import HeadNorms
 from .native import Batch, Context
-from .policy import CATCH_UP_WINDOW, FixedPolicy
 from .spec_sampling import Dist, RejectionSampler
 from .tree import DraftTree, Expansion, head_sequences
 
@@ -114,19 +114,6 @@ class RowsAside:
 
     def clear(self) -> None:
         self.start = self.end = 0
-
-
-@dataclass(slots=True)
-class Draft:
-    """What one draft() made: the tokens to verify and what the head said at every step it ran (a step's
-    token may be cut, so confs can be longer than tokens)."""
-
-    tokens: list[int] = field(default_factory=list)
-    confs: list[float] = field(default_factory=list)  # the head's top probability, one per step
-    qs: list[Dist] = field(default_factory=list)  # q, one per step (drafts drawn from q; empty for argmax drafts)
-    # draft(n_alt=m): each step's m runner-up tokens and their probabilities, best first (tree branches)
-    alt_tokens: list[list[int]] = field(default_factory=list)  # [steps][m]
-    alt_probs: list[list[float]] = field(default_factory=list)  # [steps][m]
 
 
 class Eagle3Session:
@@ -425,7 +412,7 @@ class Eagle3Session:
         if n_max <= 0:
             return Draft()
         if judge is None:
-            judge = FixedPolicy(n_max, p_min).judge
+            judge = lambda confs, n: judge_p_min(confs, n, p_min)  # noqa: E731
         ctx = self.draft_ctx
         row = self._seed(id_last)
         p = self.pending_pos

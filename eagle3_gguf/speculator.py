@@ -28,7 +28,8 @@ from .exactness import ExactWidths, load_exact, probe, save_exact
 from .native import Batch, Context
 from .policy import AdaptivePolicy, CostCurve, CostKey, DraftPolicy, FixedPolicy, load_costs, measure, save_costs
 from .lookup import Lookup, LookupIndex
-from .session import Draft, Eagle3Session
+from .draft import Draft
+from .session import Eagle3Session
 from .spec_sampling import RejectionSampler, one_hot, verify_match
 from .stats import ExactReport, SpecStats, StageClock
 from .tokens import eog_check

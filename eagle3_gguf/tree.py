@@ -29,10 +29,9 @@ bit for bit. The logits its tree row gave are the ones the walk used, so nothing
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-if TYPE_CHECKING:
-    from .session import Draft
+from .draft import Draft
 
 
 @dataclass
@@ -52,8 +51,6 @@ class DraftTree:
     @property
     def chain_draft(self) -> Draft:
         """The chain as a Draft: its tokens and the head's probability of each step."""
-        from .session import Draft
-
         chain = range(1, self.chain + 1)
         return Draft([self.tokens[i] for i in chain], [self.probs[i] / self.probs[i - 1] for i in chain])
 

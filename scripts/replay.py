@@ -24,8 +24,8 @@ from typing import Callable
 import numpy as np
 
 from eagle3_gguf.errors import Eagle3Error
-from eagle3_gguf.policy import FixedPolicy
-from eagle3_gguf.session import Draft, Eagle3Session
+from eagle3_gguf.draft import Draft, judge_p_min
+from eagle3_gguf.session import Eagle3Session
 from eagle3_gguf.tree import DraftTree
 
 
@@ -135,7 +135,7 @@ class ReplaySession(Eagle3Session):
         if sampler is not None:
             raise Eagle3Error("a replayed head drafts for greedy verification only (temperature 0)")
         prof = self.profile
-        inner = judge if judge is not None else FixedPolicy(n_max, p_min).judge
+        inner = judge if judge is not None else lambda confs, n: judge_p_min(confs, n, p_min)  # noqa: E731
         calibrated = lambda confs, n: inner([prof.p(i) for i in range(len(confs))], n)  # noqa: E731
         real = super().draft(id_last, n_max, calibrated, p_min, None, n_alt)
         t0 = time.perf_counter()

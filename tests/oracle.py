@@ -8,7 +8,8 @@ import dataclasses
 import itertools
 
 from eagle3_gguf.policy import CostCurve
-from eagle3_gguf.session import Draft, Eagle3Session
+from eagle3_gguf.draft import Draft
+from eagle3_gguf.session import Eagle3Session
 
 # What verifying 1..17 rows costs, in one-row units: SmolLM2 Q4_1 on 2 CPU cores (bench/NOTES.md: 2 rows
 # 1.71x, 3 rows 2.12x, 5 rows 3.45x, 17 rows 7.4-8.3x), and a GPU's (17 rows cost about one)

@@ -14,7 +14,8 @@ from eagle3_gguf.decode import GenerateConfig, Runner, Sampler
 from eagle3_gguf.errors import Eagle3Error
 from eagle3_gguf.native import Batch
 from eagle3_gguf.pair import PairConfig, load_pair
-from eagle3_gguf.session import Draft, Eagle3Session
+from eagle3_gguf.draft import Draft
+from eagle3_gguf.session import Eagle3Session
 from eagle3_gguf.tokens import chat_tokens, tokenize
 from eagle3_gguf.tree import DraftTree, Expansion, branch_candidates, chain_tree, walk, with_branches
 
