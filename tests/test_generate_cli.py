@@ -229,3 +229,12 @@ def test_lookup_drafts_only(tiny_target, tiny_head):
     assert st["n_drafted"] == st["lookup_drafted"]
     one_line_error(invoke("generate", "-p", "x", "--draft-head", "off", "--draft-policy", "fixed"),
                    "--draft-head off drafts from lookups only: it needs --draft-lookup on and --draft-policy adaptive")
+
+
+def test_help_keeps_sentences_whole(monkeypatch):
+    """The commands table wraps each command's summary where the terminal ends, not where its docstring's lines do."""
+    monkeypatch.setenv("COLUMNS", "200")
+    r = invoke("--help")
+    assert r.exit_code == 0, r.output
+    assert "tensor types, context, chat template and whether" in r.stdout  # one docstring line ended at "context,"
+    assert "in one batch. Every token is the target's own choice" in r.stdout

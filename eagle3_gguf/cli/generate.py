@@ -54,7 +54,8 @@ def register(app: typer.Typer) -> None:
         verbose: bool = typer.Option(False, "-v", "--verbose", help="Show llama.cpp's log."),
     ) -> None:
         """Decode with the target and the head paired: the head drafts, the target verifies in one batch.
-        Every token is the target's own choice (README: exactness past 256 tokens on several threads)."""
+        Every token is the target's own choice, and greedy text is target-only's on the verify widths the exactness
+        probe finds exact here (--exact)."""
         setup_logging(verbose)
         try:
             _check_flags(prompt, file, n_predict, n_ctx, threads, temp)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import signal
 import sys
 
@@ -22,6 +23,8 @@ app = typer.Typer(
 
 for _command in (info, convert, generate, bench, train, serve):
     _command.register(app)
+for _info in app.registered_commands:  # the commands table keeps a docstring's line breaks: its first paragraph, as one
+    _info.short_help = _info.short_help or " ".join(inspect.getdoc(_info.callback).split("\n\n")[0].split())
 
 
 def main() -> None:
