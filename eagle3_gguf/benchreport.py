@@ -164,8 +164,10 @@ def _why(rows: list[Row], setup: Setup) -> str:
     c = setup.verify_cost
     c2 = c[1] if len(c) > 1 else float("nan")
     need = max(c2 + setup.draft_step - 1.0, 0.0)
+    verdict = (f"pays only where it is kept over {need:.0%} of the time" if need < 1.0 else
+               "cannot pay even when always kept")
     text = (f"here 2 verify rows cost {c2:.2f}x one row and a draft step {setup.draft_step:.2f}x, so a head draft "
-            f"pays only where it is kept over {need:.0%} of the time")
+            f"{verdict}")
     # the head's first drafts as drafted: a fixed policy's (every cycle drafts) before an adaptive one's
     head = [r for r in rows if r.drafted and r.lookup_share < 1.0 and r.contender not in (TARGET.name, "lookup")]
     head.sort(key=lambda r: not r.contender.startswith("k"))

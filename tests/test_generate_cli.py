@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -238,3 +239,31 @@ def test_help_keeps_sentences_whole(monkeypatch):
     assert r.exit_code == 0, r.output
     assert "tensor types, context, chat template and whether" in r.stdout  # one docstring line ended at "context,"
     assert "in one batch. Every token is the target's own choice" in r.stdout
+
+
+def test_the_demo_says_what_it_shows():
+    """Without -p, generate runs its demo (a code edit) and says in one line which drafts carried it, from the run's
+    own figures: the break-even acceptance is 1 - c(2) - d of its cost curve."""
+    from eagle3_gguf.cli.generate import demo_line
+    from eagle3_gguf.policy import PolicyStats
+    from eagle3_gguf.stats import SpecStats
+
+    st = SpecStats(draft_max=4, lookup_max=16, n_generated=100, n_accepted=50, lookup_accepted=45,
+                   policy=PolicyStats("adaptive", cost_curve=[1.0, 1.6, 2.0], draft_step_cost=0.1))
+    line = demo_line(st, 1.12)
+    assert line.startswith("what you see: a code edit, whose answer repeats its prompt: 45 of the 100 tokens came "
+                           "from lookup drafts (copies of the text so far, no draft step), 5 from the head's drafts, "
+                           "1.12x target-only.")
+    assert "kept over 70% of the time (2 verify rows cost 1.60x one row, a draft step 0.10x): expect about" in line
+    cheap = SpecStats(n_generated=10, policy=PolicyStats("adaptive", cost_curve=[1.0, 1.05], draft_step_cost=0.05))
+    assert "kept over 10% of the time" in demo_line(cheap, None) and "a head that good gains there too" in \
+        demo_line(cheap, None) and "(--baseline adds the speedup)" in demo_line(cheap, None)
+
+
+@pytest.mark.slow
+def test_the_main_command_runs_the_demo():
+    r = invoke("generate", "--baseline", "-n", "48")
+    assert r.exit_code == 0, r.output
+    assert "identical output   yes" in r.stderr and "\nwhat you see: a code edit" in r.stderr, r.stderr
+    lookups = re.search(r"of them from lookup\s+(\d+) / (\d+)", r.stderr)
+    assert lookups and f": {lookups.group(2)} of the 48 tokens came from lookup drafts" in r.stderr, r.stderr
