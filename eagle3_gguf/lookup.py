@@ -77,6 +77,10 @@ class LookupIndex:
 # 2x one row, 5 at 3.6x: SmolLM2 Q4_1, 2 cores); what it then gets decides.
 PRIOR_BY_N = (0.3, 0.5, 0.7, 0.9)
 PRIOR_COUNT = 2.0
+# What a new text keeps of the evidence from earlier ones (forget()): a policy that stops verifying lookups learns
+# nothing more of them, so one text's misses would keep it off lookups for every later text, however much they copy
+# (a long-lived process: serve, the drop-in, bench; measured on SmolLM2, bench/NOTES.md exactness)
+KEEP_PER_TEXT = 0.5
 
 
 class LookupAcceptance:
@@ -85,6 +89,14 @@ class LookupAcceptance:
     def __init__(self, k_max: int):
         self.hits = [[PRIOR_COUNT * p] * k_max for p in PRIOR_BY_N]  # [MATCH_BINS][K_max]
         self.seen = [[PRIOR_COUNT] * k_max for _ in PRIOR_BY_N]
+
+    def forget(self, keep: float = KEEP_PER_TEXT) -> None:
+        """A new text: keep this share of the evidence beyond the prior (the estimates move back towards it)."""
+        for b, p in enumerate(PRIOR_BY_N):
+            hits, seen = self.hits[b], self.seen[b]
+            for j in range(len(seen)):
+                hits[j] = PRIOR_COUNT * p + keep * (hits[j] - PRIOR_COUNT * p)
+                seen[j] = PRIOR_COUNT + keep * (seen[j] - PRIOR_COUNT)
 
     def prob(self, n: int, j: int) -> float:
         b = n - N_MIN

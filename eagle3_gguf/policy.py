@@ -169,8 +169,11 @@ class CostKey:
     def for_contexts(cls, target, head, n_batch: int) -> "CostKey":
         """The key of a target context and a head context (native.Context) verifying n_batch rows at most:
         the same set-up gives the same key on every surface."""
+        # ggml's switches in the environment pick kernels too (GGML_CPU_TILED_MM=0: K-quants without the tiled matmul)
+        ggml = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("GGML_"))
         setup = (f"kv {target.kv_types[0]}/{target.kv_types[1]} fa {target.flash_attn} repack {target.model.repack} "
-                 f"on {target.model.placement} / {head.model.placement}")  # the devices and layers offloaded
+                 f"on {target.model.placement} / {head.model.placement}"  # the devices and layers offloaded
+                 + (f" env {ggml}" if ggml else ""))
         return cls.for_files(target.model.path, head.model.path, target.n_threads, setup, n_batch)
 
     def path(self) -> Path:
@@ -450,10 +453,12 @@ class AdaptivePolicy:
 
     def begin(self) -> None:
         """A new generation: fresh statistics; what was learnt (costs, acceptance, how long probes have
-        been finding nothing) stays. A new text may read differently: its first cycle probes."""
+        been finding nothing) stays. A new text may read differently: its first cycle probes, and what lookup drafts
+        earned on earlier texts counts half (LookupAcceptance.forget)."""
         self._learn_streak()
         self.stats = PolicyStats("adaptive", [0] * (max(self.k_max, self.lookup_max) + 1), cost_source=self.costs.source)
         self.probe_wait = 1
+        self.lookup_acc.forget()
 
     # -- the rate to beat -----------------------------------------------------------------------------
     def _r(self) -> float:

@@ -146,3 +146,29 @@ def test_the_dropin_index_follows_its_caches(tiny_target, tiny_head):
             fresh = LookupIndex()
             fresh.extend(index.tokens)
             assert as_pair(index.propose(4)) == as_pair(fresh.propose(4))
+
+
+def test_a_new_text_gives_lookup_drafts_another_chance():
+    """A policy that stopped verifying lookups learns nothing more of them: without forgetting, one text's misses
+    kept a long-lived policy (serve, the drop-in, bench) off lookups for every later text. Each new text keeps half of
+    what earlier ones taught, so a long match is verified again a few texts on."""
+    from eagle3_gguf.lookup import PRIOR_BY_N, Lookup, LookupAcceptance
+    from oracle import CPU_ROWS, stated_costs
+
+    acc = LookupAcceptance(4)
+    for _ in range(30):
+        acc.observe(N_MAX, 4, 0)  # every long match missed at its first token
+    missed = acc.prob(N_MAX, 0)
+    acc.forget()
+    assert missed < acc.prob(N_MAX, 0) < PRIOR_BY_N[-1]
+    policy = AdaptivePolicy(stated_costs(CPU_ROWS, 0.13, 0.04), 4, lookup_max=8)
+    found = Lookup(list(range(8)), N_MAX)  # a long copy in progress
+    assert policy.lookup(found, 8) > 0  # the prior: a long match is tried where rows are dear
+    for _ in range(30):
+        policy.observe_lookup(N_MAX, 8, 0, 0.01, 1)
+    assert policy.lookup(found, 8) == 0
+    texts = 0
+    while policy.lookup(found, 8) == 0 and texts < 10:
+        policy.begin()
+        texts += 1
+    assert 1 < texts < 10, texts
