@@ -180,7 +180,7 @@ def create_app_with(server_app, proxy_class, server_settings, model_settings):
     for the three places its server offers no hook. `create_app` builds its proxy from the module name
     `LlamaProxy` (swapped for the call only), and the completion routes look `get_llama_proxy` and
     `get_event_publisher` up in their module at request time (replaced for good: one process serves one app).
-    tests/test_server.py::test_llama_cpp_server_adapter fails if llama-cpp-python stops looking them up there."""
+    tests/test_serve.py::test_llama_cpp_server_adapter fails if llama-cpp-python stops looking them up there."""
     plain_proxy = server_app.LlamaProxy
     server_app.LlamaProxy = proxy_class
     try:

@@ -17,7 +17,6 @@ most 64 MiB with the working tree (~21 MiB). So the folder holds:
 
 from __future__ import annotations
 
-import hashlib
 import io
 import subprocess
 import sys
@@ -86,14 +85,6 @@ def tree_bytes() -> int:
     return sum((ROOT / n.decode()).stat().st_size for n in names if n and (ROOT / n.decode()).is_file())
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def pack() -> None:
     PACK.mkdir(parents=True, exist_ok=True)
     for old in PACK.iterdir():
@@ -106,7 +97,7 @@ def pack() -> None:
     wheel = gguf_wheel()
     synthetic.write_vocab(PACK / VOCAB, synthetic.default_tokenizer())
     files = [PACK / SDIST, wheel, PACK / VOCAB]
-    (PACK / "SHA256SUMS").write_text("".join(f"{sha256(f)}  {f.name}\n" for f in files))
+    (PACK / "SHA256SUMS").write_text("".join(f"{fetch_llama_cpp.sha256_of(f)}  {f.name}\n" for f in files))
     carried = sum(f.stat().st_size for f in PACK.iterdir())
     tree = tree_bytes()
     print(f"{PACK.relative_to(ROOT)}: sdist {(PACK / SDIST).stat().st_size / 2**20:.1f} MiB ({kept} members kept, "

@@ -40,7 +40,7 @@ class SeedHead:
     norm_before_fc: bool = False
     fc_norm: bool = False
     norm_output: bool = False
-    published: dict = field(default_factory=dict)  # the real head's facts (README's table)
+    published: dict = field(default_factory=dict)  # the real head's facts (docs/converting.md's table)
 
 
 def _speculators(layer: dict, *, draft_vocab: int, verifier: tuple[str, str], **top) -> dict:
@@ -118,7 +118,7 @@ SEED_HEADS: dict[str, SeedHead] = {
         published={"target": "gemma-4-31B-it (gemma4, 60 layers)", "hidden": "5376, q 32 x 256 = 8192",
                    "draft vocab": "32,000 (d2t; second-hand)", "aux ids": "[2, 30, 57] (input-of)",
                    "flags": "norm_before_residual",
-                   "quirk": "head_dim 256 != hidden / heads; gemma's embedding scale (none: see README)"}),
+                   "quirk": "head_dim 256 != hidden / heads; gemma's embedding scale (none: see docs/converting.md)"}),
     "specforge-qwen3-30b-a3b-3.1": SeedHead(
         "SpecForge configs/qwen3-30B-A3B-eagle3.1.json", "specforge", "SpecForge", "qwen3moe",
         _WIDE_HEADS,

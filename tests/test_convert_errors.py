@@ -150,20 +150,18 @@ def test_attention_shape_vs_heads_x_head_dim(tmp_path, tiny_target, tensor, shap
            f"{src}: 'midlayer.self_attn.{tensor}.weight' is {list(shape)}, expected {expected} from config.json")
 
 
-def test_fc_input_not_layers_x_target_hidden(tmp_path, tiny_target):
+@pytest.mark.parametrize("name, value, message", [
+    ("fc.weight", np.zeros((64, 200), dtype=np.float32),  # [n_embd, 200]: not 3 x any target hidden size
+     "fc.weight is [64, 200], expected [hidden_size 64, 3 x target hidden]"),
+    ("t2d", np.zeros(32000, dtype=bool),
+     "t2d is [32000], expected [target vocab 49152]: the head was trained for another vocabulary"),
+])
+def test_weights_against_the_target(tmp_path, tiny_target, name, value, message):
+    """fc's input against the target's layers x hidden size, t2d against its vocabulary."""
     w = random_weights(CkptDims())
-    w["fc.weight"] = np.zeros((64, 200), dtype=np.float32)  # [n_embd, 200]: not 3 x any target hidden size
+    w[name] = value
     src = _ckpt(tmp_path, weights=w)
-    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
-           f"{src}: fc.weight is [64, 200], expected [hidden_size 64, 3 x target hidden]")
-
-
-def test_t2d_size_vs_target_vocab(tmp_path, tiny_target):
-    w = random_weights(CkptDims())
-    w["t2d"] = w["t2d"][:32000]
-    src = _ckpt(tmp_path, weights=w)
-    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
-           f"{src}: t2d is [32000], expected [target vocab 49152]: the head was trained for another vocabulary")
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)], f"{src}: {message}")
 
 
 def test_t2d_disagrees_with_d2t(tmp_path, tiny_target):

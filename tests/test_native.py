@@ -192,7 +192,7 @@ def test_single_row_decode_vs_batched_rows_at_the_pin(tiny_target, threads, ctx_
     chunks per thread, then a reduction) for a single query row once the KV view reaches 512 cells,
     and a per-row path for batches. With one thread there is no split and the two agree bit for bit;
     with a bf16 V cache every row takes the per-row path at any length. If this test fails, upstream
-    changed that path: revisit native.batch_invariant_cache and the exactness notes in README.md."""
+    changed that path: revisit native.batch_invariant_cache and docs/exactness.md."""
     assert batch_invariant_cache(CACHE_TYPES["f16"], CACHE_TYPES[type_v]) == (type_v != "f16")
     if same is None:  # q8_0 needs head sizes in 32-blocks: the tiny target's 16 is refused, with one line
         with Model(tiny_target) as tm, pytest.raises(Eagle3Error, match=r"could not create a context "

@@ -150,8 +150,9 @@ def cache_type_k_option():
 
 
 def cache_type_v_option():
-    return typer.Option("bf16", "-ctv", "--cache-type-v", help="Target KV cache type for V (bf16 keeps output "
-                        "identical to target-only at any length; README).")
+    return typer.Option("bf16", "-ctv", "--cache-type-v", help="Target KV cache type for V (bf16: a lone row's "
+                        "attention is computed as a verify batch's at any length, where f16/f16 splits it past 256 "
+                        "tokens; docs/exactness.md).")
 
 
 def pair_config_from_flags(n_ctx: int, threads: int | None, cache_type_k: str, cache_type_v: str, n_seq_max: int,
