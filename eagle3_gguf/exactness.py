@@ -165,7 +165,9 @@ def save_exact(key: CostKey, found: ExactWidths) -> None:
 # every matrix product's rows (a context of the target's set-up with an eval callback)
 # ------------------------------------------------------------------------------------------------
 
-PRODUCTS = {"MUL_MAT": 1, "MUL_MAT_ID": 2}  # op -> the dimension that runs over a batch's tokens
+# op -> the dimension that runs over a batch's tokens: a weight's product [n_out, n_tokens], attention's K·Q and V·KQ
+# [.., n_tokens, n_head] (flash attention off), an expert's [n_out, n_used, n_tokens]
+PRODUCTS = {"MUL_MAT": 1, "MUL_MAT_ID": 2}
 # where a row meets the KV cache (its type and length pick kernels) -> the source holding it: K, or K·Q
 ATTENTION = {"FLASH_ATTN_EXT": 1, "SOFT_MAX": 0}
 
@@ -173,8 +175,18 @@ ATTENTION = {"FLASH_ATTN_EXT": 1, "SOFT_MAX": 0}
 @dataclass(frozen=True)
 class _Product:
     name: str
-    n_tokens: int  # the batch rows it spans
+    ne: tuple[int, int, int, int]  # its shape, ggml's order
+    dim: int  # the dimension that runs over the batch's tokens
     data: bytes
+
+    @property
+    def n_tokens(self) -> int:
+        return self.ne[self.dim]
+
+    def token(self, i: int) -> bytes:
+        """Token i's part of it (a slice across the other dimensions)."""
+        a = np.frombuffer(self.data, np.float32).reshape(self.ne[::-1])  # [ne3, ne2, ne1, ne0]
+        return np.ascontiguousarray(np.take(a, i, axis=3 - self.dim)).tobytes()
 
 
 class ProbeCallback:
@@ -211,7 +223,7 @@ class ProbeCallback:
         head = node_head(t)
         op = op_name(head.op)
         dim = PRODUCTS.get(op)
-        if dim is None or any(head.ne[d] != 1 for d in range(dim + 1, 4)):
+        if dim is None or head.type != 0 or head.ne[3] != 1:  # F32 results, no 4th dimension
             src = ATTENTION.get(op)
             if ask and src is not None and head.src[src]:  # noted, not kept: no split of the graph there
                 kv = node_head(head.src[src])
@@ -221,7 +233,7 @@ class ProbeCallback:
             w = node_head(head.src[0])
             self._kinds.append((True, (op, w.type, w.ne[0], w.ne[1])))
             return True
-        self.products.append(_Product(node_name(t), head.ne[dim], node_bytes(t)))
+        self.products.append(_Product(node_name(t), tuple(head.ne), dim, node_bytes(t)))
         return self.stop is None or len(self.products) < self.stop
 
     def stop_point(self) -> int:
@@ -238,12 +250,8 @@ class ProbeCallback:
 
     def row(self, i: int, n_tokens: int) -> list[tuple[str, bytes]]:
         """Digests of token i's rows in the last decode's products that span its n_tokens tokens."""
-        out = []
-        for p in self.products:
-            if p.n_tokens == n_tokens:
-                size = len(p.data) // n_tokens
-                out.append((p.name, hashlib.blake2b(p.data[i * size:(i + 1) * size], digest_size=16).digest()))
-        return out
+        return [(p.name, hashlib.blake2b(p.token(i), digest_size=16).digest())
+                for p in self.products if p.n_tokens == n_tokens]
 
 
 def _products_exact(target: Context, tokens: np.ndarray, depths: list[int], rows: int) -> int:
