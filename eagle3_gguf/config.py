@@ -9,7 +9,7 @@ Where the command line's default differs from the library's, `COMMAND_LINE` hold
   ran at 0.47x target-only, p_min 0.5 at 0.85x. The library keeps 0.0, upstream llama.cpp's draft p_min.
 - spec_sampling: "match" in the library, "rejection" on the command line. The drop-in keeps plain Llama's
   text for every seed (what a one-line change must not break); the CLI draws the target's distribution with
-  more drafts kept (README, rejection sampling).
+  more drafts kept (docs/drafting-policy.md, sampling above temperature 0).
 - draft_topk / draft_nodes: `generate` with the adaptive policy caps trees at ADAPTIVE_TREE (4 / 8): the policy
   adds a head runner-up beside its chain only where the row is expected to pay, so on 2 CPU cores it verifies
   no tree and runs as fast as chains (bench/NOTES.md, tree-default), and where rows are nearly free (a GPU) it

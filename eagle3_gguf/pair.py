@@ -35,7 +35,7 @@ class PairConfig:
     # accumulator (f16 V accumulates in f16), and costs ~4% of target-only speed here (96 vs 100 tok/s).
     cache_type_k: str = "f16"
     cache_type_v: str = "bf16"
-    flash_attn: bool = True  # batch-invariant rows need it on CPU (README, exactness)
+    flash_attn: bool = True  # batch-invariant rows need it on CPU (docs/exactness.md)
     # llama.cpp repacks some weight types for its CPU kernels; Q4_K's (q4_K_8x8 here) then compute a verify
     # row differently from a lone row (Gemma 3 270M Q4_K_M: logits off by 0.5-1.2), while Q4_0's stay exact and
     # are twice as fast in batches. None: repack where the target's types are keys.REPACK_EXACT_TYPES, else
