@@ -258,6 +258,8 @@ def test_the_demo_says_what_it_shows():
     cheap = SpecStats(n_generated=10, policy=PolicyStats("adaptive", cost_curve=[1.0, 1.05], draft_step_cost=0.05))
     assert "kept over 10% of the time" in demo_line(cheap, None) and "a head that good gains there too" in \
         demo_line(cheap, None) and "(--baseline adds the speedup)" in demo_line(cheap, None)
+    dear = SpecStats(n_generated=10, policy=PolicyStats("adaptive", cost_curve=[1.0, 2.0], draft_step_cost=0.05))
+    assert "a head draft cannot pay here even when always kept (2 verify rows cost 2.00x one row" in demo_line(dear, 1.2)
 
 
 @pytest.mark.slow

@@ -191,10 +191,12 @@ def demo_line(st, speedup: float | None) -> str:
     speed = f", {speedup:.2f}x target-only" if speedup is not None else " (--baseline adds the speedup)"
     chat = ("expect about target-only's speed there on this machine (the adaptive policy then decodes plainly)"
             if need > 0.5 else "a head that good gains there too")
+    verdict = f"pays here only where it is kept over {need:.0%} of the time" if need < 1.0 else \
+        "cannot pay here even when always kept"
     return (f"what you see: a code edit, whose answer repeats its prompt: {st.lookup_accepted} of the {st.n_generated} "
             f"tokens came from lookup drafts (copies of the text so far, no draft step), "
             f"{st.n_accepted - st.lookup_accepted} from the head's drafts{speed}. Chat text has little to copy, and a "
-            f"head draft pays here only where it is kept over {min(need, 1.0):.0%} of the time (2 verify rows cost "
+            f"head draft {verdict} (2 verify rows cost "
             f"{c2:.2f}x one row, a draft step {step:.2f}x): {chat}; where verify rows are nearly free (a GPU) far "
             "more pays. `eagle3-gguf bench` measures chat, code and edit text on this machine.")
 
