@@ -273,3 +273,24 @@ def test_the_main_command_runs_the_demo():
     assert "identical output   yes" in r.stderr and "\nwhat you see: a code edit" in r.stderr, r.stderr
     lookups = re.search(r"of them from lookup\s+(\d+) / (\d+)", r.stderr)
     assert lookups and f": {lookups.group(2)} of the 48 tokens came from lookup drafts" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["bench", "--nope"], "No such option: --nope (Possible options: --model) (see eagle3-gguf bench --help)"),
+    (["generate", "extra"], "Got unexpected extra argument(s) (extra) (see eagle3-gguf generate --help)"),
+    (["convert"], "Missing argument 'src'. (see eagle3-gguf convert --help)"),
+    (["generate", "-n", "x"], "Invalid value for '-n' / '--n-predict': * (see eagle3-gguf generate --help)"),
+    (["nosuch"], "No such command 'nosuch'. (see eagle3-gguf --help)"),
+])
+def test_usage_errors_are_one_line(args, expected):
+    """What click itself refuses (an unknown flag or command, a stray argument, a value of the wrong type) is one
+    line and exit 2 from the installed command, as our own checks are, not click's boxed usage screen."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "eagle3_gguf.cli.main", *args], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout)
+    lines = r.stderr.strip().splitlines()
+    head, _, tail = f"error: {expected}".partition(" * ")  # * : the type's own words, which vary with typer
+    assert len(lines) == 1 and lines[0].startswith(head) and lines[0].endswith(tail), r.stderr

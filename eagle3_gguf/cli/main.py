@@ -8,6 +8,11 @@ import sys
 
 import typer
 
+try:  # typer 0.2x carries its own click; older typers use click's
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+except ImportError:  # pragma: no cover
+    from click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+
 from ..errors import Eagle3Error
 from . import bench, convert, generate, info, serve, train
 from .common import EXIT_INTERRUPTED, EXIT_TERMINATED, TERMINATION
@@ -32,7 +37,20 @@ def main() -> None:
     termination.install()
     try:
         try:
-            app(standalone_mode=True)
+            code = app(prog_name="eagle3-gguf", standalone_mode=False)  # usage errors come here, not to a boxed screen
+            sys.exit(code if isinstance(code, int) else 0)  # a command's typer.Exit(code), or 0
+        except NoArgsIsHelpError:  # `eagle3-gguf` alone: typer has shown the help; click's exit code
+            sys.exit(2)
+        except UsageError as e:  # an unknown flag, a bad value, a missing argument
+            where = e.ctx.command_path if e.ctx is not None else "eagle3-gguf"
+            typer.echo(f"error: {' '.join(e.format_message().split())} (see {where} --help)", err=True)
+            sys.exit(2)
+        except ClickException as e:
+            typer.echo(f"error: {' '.join(e.format_message().split())}", err=True)
+            sys.exit(e.exit_code)
+        except typer.Abort:  # end of input at a prompt
+            typer.echo("Aborted!", err=True)
+            sys.exit(1)
         except Eagle3Error as e:  # commands normally catch these themselves; this is the last net
             typer.echo(f"error: {e}", err=True)
             sys.exit(2)
