@@ -9,7 +9,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .bench import TARGET, PromptRun, Setup, per_prompt_ratio
+from .bench import TARGET, PromptRun, Setup, fastest, per_prompt_ratio
 from .errors import Eagle3Error
 
 
@@ -63,9 +63,7 @@ def summarize(runs: list[PromptRun], contenders: list[str]) -> list[Row]:
                 ratios = list(_noise(rs).values())
             else:
                 ratios = list(per_prompt_ratio(rs, base).values())
-            speed = {}
-            for r in rs:
-                speed[r.prompt_id] = max(speed.get(r.prompt_id, 0.0), r.tok_s)
+            speed = fastest(rs)
             same = [r.identical for r in rs if r.identical is not None]
             kept = sum(r.accepted for r in rs)
             rows.append(Row(w, name, len(speed), Spread.of(ratios), statistics.median(speed.values()),
@@ -159,13 +157,23 @@ def _caveats(rows: list[Row]) -> str:
     return text
 
 
+def head_break_even(verify_2: float, draft_step: float) -> float:
+    """How often a one-draft cycle's draft must be kept to pay, from what 2 verify rows and a draft step cost in
+    one-row units: it pays where 1 + p > c(2) + d."""
+    return max(verify_2 + draft_step - 1.0, 0.0)
+
+
+def head_verdict(need: float, where: str = "") -> str:
+    """What a head draft with break-even `need` (head_break_even) can do, `where` ("here") in the sentence."""
+    return (f"pays{where} only where it is kept over {need:.0%} of the time" if need < 1.0 else
+            f"cannot pay{where} even when always kept")
+
+
 def _why(rows: list[Row], setup: Setup) -> str:
     """The costs and acceptance that decide it: a head draft pays where 1 + p1 > c(2) + d."""
     c = setup.verify_cost
     c2 = c[1] if len(c) > 1 else float("nan")
-    need = max(c2 + setup.draft_step - 1.0, 0.0)
-    verdict = (f"pays only where it is kept over {need:.0%} of the time" if need < 1.0 else
-               "cannot pay even when always kept")
+    verdict = head_verdict(head_break_even(c2, setup.draft_step))
     text = (f"here 2 verify rows cost {c2:.2f}x one row and a draft step {setup.draft_step:.2f}x, so a head draft "
             f"{verdict}")
     # the head's first drafts as drafted: a fixed policy's (every cycle drafts) before an adaptive one's

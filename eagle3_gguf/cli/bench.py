@@ -89,10 +89,9 @@ def _names(value: str | None, default: str) -> list[str]:
 
 def _check_flags(n_predict: int, limit: int, repeat: int, time_limit: float, n_ctx: int, threads: int | None,
                  plot: Path | None, exact: str) -> None:
-    from ..config import EXACT_MODES
+    from ..config import DraftConfig
 
-    if exact not in EXACT_MODES:
-        raise Eagle3Error(f"--exact must be {', '.join(EXACT_MODES)} (got {exact})")
+    DraftConfig.from_flags(exact=exact)  # its own check, naming the flag
     if n_predict < 1:
         raise Eagle3Error(f"-n must be at least 1 (got {n_predict})")
     if limit < 0:

@@ -185,14 +185,15 @@ def merge_intervals(intervals):
 
 def demo_line(st, speedup: float | None) -> str:
     """What the demo shows, from its own figures: which drafts carried it, and why chat text gains less here."""
+    from ..benchreport import head_break_even, head_verdict
+
     curve, step = st.policy.cost_curve, st.policy.draft_step_cost
     c2 = curve[1] if len(curve) > 1 else curve[0]
-    need = c2 + step - 1.0  # a one-draft cycle pays where 1 + p > c(2) + d
+    need = head_break_even(c2, step)
     speed = f", {speedup:.2f}x target-only" if speedup is not None else " (--baseline adds the speedup)"
     chat = ("expect about target-only's speed there on this machine (the adaptive policy then decodes plainly)"
             if need > 0.5 else "a head that good gains there too")
-    verdict = f"pays here only where it is kept over {need:.0%} of the time" if need < 1.0 else \
-        "cannot pay here even when always kept"
+    verdict = head_verdict(need, " here")
     return (f"what you see: a code edit, whose answer repeats its prompt: {st.lookup_accepted} of the {st.n_generated} "
             f"tokens came from lookup drafts (copies of the text so far, no draft step), "
             f"{st.n_accepted - st.lookup_accepted} from the head's drafts{speed}. Chat text has little to copy, and a "

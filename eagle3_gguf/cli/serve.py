@@ -10,9 +10,9 @@ import typer
 
 from ..errors import Eagle3Error
 from ..server import ServeConfig, build_app, configure_heap
-from .common import (SERVE_RPC_TIMEOUT_HELP, TERMINATION, check_context_flags, check_rpc_timeout, draft_option,
-                     drafting_from_flags, fail, gpu_layers, gpu_layers_option, rpc_backend_option, rpc_option,
-                     rpc_servers, rpc_stalled, setup_logging)
+from .common import (SERVE_RPC_TIMEOUT_HELP, TERMINATION, check_context_flags, check_rpc_timeout, ctx_option,
+                     draft_option, drafting_from_flags, fail, gpu_layers, gpu_layers_option, rpc_backend_option,
+                     rpc_option, rpc_servers, rpc_stalled, setup_logging)
 
 
 MAX_PARALLEL = 64
@@ -61,7 +61,7 @@ def register(app: typer.Typer) -> None:
         port: int = typer.Option(8000, "--port", help="Listen port."),
         draft_max: int = draft_option("draft_max"),
         draft_p_min: float = draft_option("draft_p_min"),
-        n_ctx: int = typer.Option(4096, "-c", "--ctx-size", help="Context size (tokens)."),
+        n_ctx: int = ctx_option(),
         threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads."),
         n_gpu_layers: str = gpu_layers_option("The target", "-ngl", "--n-gpu-layers", "--gpu-layers"),
         n_gpu_layers_draft: str = gpu_layers_option("The head", "-ngld", "--n-gpu-layers-draft", "--gpu-layers-draft"),
