@@ -21,7 +21,7 @@ with a trim every 100 return to the same RSS each time). Raw RSS is reported too
 Pass criteria (exit 0 only if all hold): every compared answer equals its alone-answer; memory held at the
 floor (the lowest sample) in the second half of the run after warm-up (every distinct request once, or the
 first --warmup fraction of the requests if more) is within --rss-tolerance (5%) of its floor in the first half
-(caches that fill and empty again move single samples by 5% and more; a leak lifts the floor); open fds
+(a swing between samples does not move a floor; a leak lifts it); open fds
 and threads do not grow after warm-up (medians of three samples; against serve by at most two: the server's
 worker threads and connections come and go with how requests overlap). Samples are taken between requests: the
 clients pause until the ones in flight have finished. Figures go to stdout and, with --json, to a file.
@@ -304,9 +304,8 @@ def run_requests(reqs: list[Request], answer, want: dict[Request, str], pid: int
     report.seconds = round(time.monotonic() - t0, 1)
     after = [s for s in report.samples if s.done >= n_warm]
     warm, end = after[:3], after[-3:]  # medians of three samples: fds and threads come and go between samples
-    # memory: the floor (lowest sample) of each half after warm-up. Held memory swings between samples as
-    # caches fill and empty again (serve --parallel 4, 1,000 requests: 155-190 MiB, back to 156 at request
-    # 753), which can put any one sample 5% off; a leak lifts the floor.
+    # memory: the floor (lowest sample) of each half after warm-up: a leak lifts the floor, a swing between
+    # samples (garbage waiting for a collection, caches filling) does not.
     first, second = after[:max(1, len(after) // 2)], after[len(after) // 2:]
 
     def median(samples: list[Sample], what: str) -> float:
