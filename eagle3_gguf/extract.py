@@ -30,7 +30,6 @@ class TargetFeatures:
                 target.set_nextn(True, masked=False)
             else:
                 raise Eagle3Error(f"target layer id {lid} is outside 0..{self.n_layer} for this target")
-        self.enabled = True  # the layer inputs are extracted on every decode (enable())
         self.row0 = 0  # where this sequence's rows start in the last decode (slots share a target batch)
         # per layer: where its rows come from and which columns of a feature row they fill (gather() runs
         # once a cycle, right after the target's graph: it looks up as little as it can)
@@ -42,13 +41,18 @@ class TargetFeatures:
         where the target's layers sit on RPC servers (each one is fetched over the network: 1-row decodes
         3-8% faster at 1 ms per message, 0.6% locally), and switching costs llama.cpp one graph reservation
         (~4.5 ms locally, ~12 ms at 1 ms per message), so a run switches at its start only. The final hidden
-        state (nextn) stays: llama.cpp sizes its buffer per decode."""
+        state (nextn) stays: llama.cpp sizes its buffer per decode. The target holds the state: another
+        session on it (a benchmark's contenders) may have switched it."""
         if on == self.enabled:
             return
         for lid in self.layers:
             if lid < self.n_layer:
                 self.target.set_layer_inp(lid, on)
-        self.enabled = on
+
+    @property
+    def enabled(self) -> bool:
+        """The layer inputs are extracted on every decode (enable())."""
+        return all(self.target.extracts_layer_inp(lid) for lid in self.layers if lid < self.n_layer)
 
     @property
     def width(self) -> int:

@@ -686,6 +686,10 @@ class Context(_Owner):
         (self._layer_inp.add if enabled else self._layer_inp.discard)(lid)
         self._decoded = False
 
+    def extracts_layer_inp(self, lid: int) -> bool:
+        """Whether decodes extract layer `lid`'s input (set_layer_inp)."""
+        return lid in self._layer_inp
+
     def layer_inp(self, lid: int, n_tokens: int) -> np.ndarray:
         """Layer `lid`'s input rows of the last decode.  # [n_tokens, n_embd] (view)"""
         return self._view(self._layer_inp_addr(lid), (n_tokens, self.model.n_embd))
