@@ -10,8 +10,9 @@ summarises and renders what it measures. The method:
   as everywhere in bench/). Its ratio to target-only is, in each round, the contender's fastest run against
   target-only's fastest run of that round (another process or a clock dip only ever slows a run down, as
   timeit takes the best of its repeats), then the median over rounds (`per_prompt_ratio`).
-- Each contender decodes with its own Runner (sharing the contexts and the head session), so what its policy
-  learns carries over from prompt to prompt as in a long-lived process, and interleaving does not reset it.
+- Each contender decodes with its own Runner (sharing the contexts and the head session, unless it brings a
+  session of its own), so what its policy learns carries over from prompt to prompt as in a long-lived process,
+  and interleaving does not reset it. With `rotate` the contenders' order turns by one each prompt.
 - Greedy runs are compared token for token with the round's first target-only run (`identical`).
 """
 
@@ -36,7 +37,7 @@ from .errors import Eagle3Error
 from .pair import Pair, PairConfig, load_pair
 from .policy import CostCurve, cpu_model
 from .session import Eagle3Session
-from .stats import ExactReport, SpecStats
+from .stats import ExactReport, RunResult, SpecStats
 from .tokens import Message, apply_chat_template, tokenize
 
 
@@ -51,6 +52,9 @@ class Contender:
     seed: int = 0
     # a contender outside this process (scripts/bench.py's upstream llama.cpp): the prompt → its statistics
     external: Callable[["BenchPrompt"], SpecStats] | None = None
+    # a head session of its own, made on the loaded pair (scripts/replay.py's replayed acceptance); None: the
+    # bench's session
+    session: Callable[[Pair], Eagle3Session] | None = None
 
     @property
     def speculative(self) -> bool:
@@ -262,12 +266,27 @@ class Setup:
                    costs.draft_step_s / one, costs.draft_fixed_s / one, 1e3 * one)
 
 
+class RunHooks:
+    """What a benchmark does around each run in this process; these do nothing. scripts/bench_scale.py
+    replays acceptance: before a run it hands the contender's session the round's target-only text, after it
+    leaves the replay's own time out of the run."""
+
+    def before(self, c: Contender, p: BenchPrompt, index: int, reference: list[int]) -> None:
+        """Before contender c runs prompt p (the `index`-th); `reference`: the round's target-only tokens."""
+
+    def after(self, c: Contender, p: BenchPrompt, run: PromptRun, result: RunResult) -> PromptRun:
+        """The record of the run that just ended (`result`: the Runner's); what measure() yields."""
+        return run
+
+
+NO_HOOKS = RunHooks()
+
+
 class Bench:
     """A loaded pair and a Runner per contender: prepare() once, then measure() prompts."""
 
     def __init__(self, target_path: Path, head_path: Path, pair_config: PairConfig, contenders: list[Contender]):
         seqs = max((c.config.tree_sequences for c in contenders if c.config is not None), default=1)
-        self.contenders = contenders
         self.chat = True  # every prompt so far went through the chat template
         self.stopped = ""  # why measure() stopped before the last prompt
         self.setup: Setup | None = None  # prepare()'s
@@ -276,11 +295,24 @@ class Bench:
             self.pair = opening.enter_context(load_pair(target_path, head_path, dataclasses.replace(
                 pair_config, n_seq_max=max(pair_config.n_seq_max, seqs))))
             self.session = opening.enter_context(Eagle3Session(self.pair.target, self.pair.head))
-            # target-only decodes through a runner with the session too: it turns the head's feature
-            # extraction off for plain runs, so target-only pays exactly what plain decoding costs
-            self.runners = {c.name: opening.enter_context(Runner(self.pair.target, self.session))
-                            for c in [TARGET, *contenders] if c.external is None}
+            self.sessions: dict[str, Eagle3Session] = {}  # the contenders' own (Contender.session)
+            self.runners: dict[str, Runner] = {}
+            self.contenders: list[Contender] = []
+            self.add([TARGET, *contenders])  # into `opening` (self._open until the next line)
             self._open = opening.pop_all()
+
+    def add(self, contenders: list[Contender]) -> None:
+        """More contenders, before prepare(): a Runner each (target-only decodes through one with the session
+        too: it turns the head's feature extraction off for plain runs, so target-only pays exactly what plain
+        decoding costs)."""
+        for c in contenders:
+            if c.external is None:
+                session = self.session
+                if c.session is not None:
+                    session = self.sessions[c.name] = self._open.enter_context(c.session(self.pair))
+                self.runners[c.name] = self._open.enter_context(Runner(self.pair.target, session))
+            if c.name != TARGET.name:
+                self.contenders.append(c)
 
     def close(self) -> None:
         self._open.close()
@@ -314,10 +346,11 @@ class Bench:
         return self.setup
 
     def measure(self, prompts: list[BenchPrompt], repeat: int = 1, n_predict: int = 128,
-                deadline: float | None = None) -> Iterator[PromptRun]:
+                deadline: float | None = None, hooks: RunHooks = NO_HOOKS, rotate: bool = False) -> Iterator[PromptRun]:
         """Every prompt's runs in order (target-only, each contender, target-only; `repeat` rounds), one at a
         time, after prepare() where it has not run. `deadline` (time.monotonic()): no prompt starts that would be
-        expected to end past it (at least one runs); `stopped` then says so."""
+        expected to end past it (at least one runs); `stopped` then says so. `rotate`: the i-th prompt's
+        contenders start at the i-th (order effects spread over all)."""
         if self.setup is None:
             self.prepare(n_predict)
         per_prompt: list[float] = []
@@ -327,20 +360,21 @@ class Bench:
                 self.stopped = f"time limit: {i} of {len(prompts)} prompts measured"
                 return
             t0 = time.monotonic()
+            turn = i % len(self.contenders) if rotate and self.contenders else 0
+            order = [TARGET, *self.contenders[turn:], *self.contenders[:turn], TARGET]
             for rnd in range(repeat):
-                reference: list[int] | None = None
-                for c in (TARGET, *self.contenders, TARGET):
+                reference: list[int] = []  # the round's first target-only run: what the others are compared with
+                for n, c in enumerate(order):
                     if c.external is not None:
                         yield PromptRun.of(c.external(p), p, c.name, rnd, None)
                         continue
+                    hooks.before(c, p, i, reference)
                     sampler = Sampler(c.temperature, c.seed + i)
                     r = self.runners[c.name].generate(p.tokens, c.config or plain, sampler, speculative=c.speculative)
-                    if reference is None:  # the round's first target-only run: what the others are compared with
+                    if n == 0:
                         reference = r.tokens
-                        yield PromptRun.of(r.stats, p, c.name, rnd, None)
-                        continue
-                    same = r.tokens == reference if c.temperature == 0.0 else None
-                    yield PromptRun.of(r.stats, p, c.name, rnd, same)
+                    same = r.tokens == reference if c.temperature == 0.0 and n > 0 else None
+                    yield hooks.after(c, p, PromptRun.of(r.stats, p, c.name, rnd, same), r)
             per_prompt.append(time.monotonic() - t0)
 
     def runs_per_prompt(self, repeat: int) -> int:

@@ -224,14 +224,14 @@ DENSE_ROWS = 8  # measure() times every verify size up to this many rows
 
 
 def measure(run_verify: Callable[[int], float], run_draft: Callable[[int], float], k_max: int,
-            reps: int = 5) -> CostCurve:
+            reps: int = 5, dense_rows: int = DENSE_ROWS) -> CostCurve:
     """Minima of run_verify(n) (seconds to verify n = 1..k_max+1 rows) and of run_draft(steps) (seconds of
     a draft of that many steps, the head's catch-up included) for 1 and max(k_max, 2) steps, after one
-    warm-up each (graph allocation), the sizes interleaved so that drift hits all alike. Past DENSE_ROWS
-    rows (long lookup drafts) every DENSE_ROWS // 2-th size down from the last is timed and the rest
+    warm-up each (graph allocation), the sizes interleaved so that drift hits all alike. Past `dense_rows`
+    rows (long lookup drafts) every dense_rows // 2-th size down from the last is timed and the rest
     interpolated: there the curve is close to a line, and each size costs a graph allocation. The step
     cost is the slope of the draft time, the fixed cost its intercept."""
-    sizes = sorted({*range(1, min(k_max + 1, DENSE_ROWS) + 1), *range(k_max + 1, DENSE_ROWS, -(DENSE_ROWS // 2))})
+    sizes = sorted({*range(1, min(k_max + 1, dense_rows) + 1), *range(k_max + 1, dense_rows, -(dense_rows // 2))})
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for n in sizes:
         run_verify(n)

@@ -355,7 +355,7 @@ class SlotSpeculator(Speculator):
         raise Eagle3Error(f"a parallel slot verifies at most {self.exact.probed if self.exact else 0} rows (the "
                           f"exactness probe at setup): set draft_max before making the SlotPool")
 
-    def calibrate(self, k_max: int):
+    def calibrate(self, k_max: int, dense_rows: int = 0):
         raise Eagle3Error(f"a parallel slot drafts at most {self.costs.k_max if self.costs else 0} tokens (the "
                           f"cost curve measured at setup): set draft_max before making the SlotPool")
 

@@ -26,7 +26,8 @@ from .config import DraftConfig
 from .errors import Eagle3Error
 from .exactness import ExactWidths, load_exact, probe, save_exact
 from .native import Batch, Context
-from .policy import AdaptivePolicy, CostCurve, CostKey, DraftPolicy, FixedPolicy, load_costs, measure, save_costs
+from .policy import (DENSE_ROWS, AdaptivePolicy, CostCurve, CostKey, DraftPolicy, FixedPolicy, load_costs, measure,
+                     save_costs)
 from .lookup import Lookup, LookupIndex
 from .draft import Draft
 from .session import Eagle3Session
@@ -242,8 +243,9 @@ class Speculator:
                               f"with {n} sequences (these have {have}): PairConfig(n_seq_max={n}), as "
                               "`generate --draft-topk` opens them; Eagle3Llama and serve draft chains (draft_topk=1)")
 
-    def calibrate(self, k_max: int) -> CostCurve:
-        """The cost curve from the cache, or measured now (a fraction of a second) and cached."""
+    def calibrate(self, k_max: int, dense_rows: int = DENSE_ROWS) -> CostCurve:
+        """The cost curve from the cache, or measured now (a fraction of a second) and cached; every verify
+        size up to `dense_rows` rows timed (policy.measure)."""
         target, session = self.target, self.session
         session.extract.enable(True)  # verify rows as a cycle decodes them
         key = CostKey.for_contexts(target, session.draft_ctx, self.batch.capacity)
@@ -281,7 +283,7 @@ class Speculator:
 
         target.clear()
         try:
-            curve = measure(run_verify, run_draft, k_max)
+            curve = measure(run_verify, run_draft, k_max, dense_rows=dense_rows)
         finally:
             target.clear()
             session.reset()

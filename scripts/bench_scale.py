@@ -21,7 +21,7 @@ Where a goal is missed (the default policy at the 3.09 profile: 2x target-only, 
 
 A table (markdown) on stdout; --out DIR writes results.md and results.json after every shape, so that a run cut
 short keeps what finished. Prompts are seeded token ids (the synthetic text is noise; acceptance is replayed).
-The contenders' speeds come from measure_speeds, one function, to give way to eagle3_gguf's benchmark runner.
+The runs are eagle3_gguf.bench's (Bench, per_prompt_ratio), with replaying heads as the contenders' sessions.
 """
 
 from __future__ import annotations
@@ -48,26 +48,23 @@ import llama_cpp  # noqa: E402,F401  before gguf: on the lent GPU's image gguf's
 
 import replay  # noqa: E402
 import synthetic  # noqa: E402
-from eagle3_gguf import policy as policy_mod  # noqa: E402
+from eagle3_gguf.bench import (TARGET, Bench, BenchPrompt, Contender, PromptRun, RunHooks, fastest,  # noqa: E402
+                                per_prompt_ratio)
 from eagle3_gguf.decode import GenerateConfig, Runner  # noqa: E402
 from eagle3_gguf.errors import Eagle3Error  # noqa: E402
 from eagle3_gguf.gguf_file import read_gguf  # noqa: E402
 from eagle3_gguf.native import Context, enable_llama_log, install_log_callback  # noqa: E402
-from eagle3_gguf.pair import Pair, PairConfig, load_pair  # noqa: E402
+from eagle3_gguf.pair import Pair, PairConfig  # noqa: E402
 from eagle3_gguf.session import Eagle3Session  # noqa: E402
 from eagle3_gguf.speculator import Speculator  # noqa: E402
+from eagle3_gguf.stats import SpecStats  # noqa: E402
 
 ROWS = 17  # verify widths measured: 1..17
 TREE_ROWS = 9  # the default's widest head draft: a chain of 4 and 4 runner-ups, after id_last
 GOAL_SPEEDUP, GOAL_CEILING, GOAL_PYTHON = 2.0, 0.80, 0.03
 GOAL_PROFILE, GOAL_CONTENDER = "vllm-8b", "adaptive (default)"
+LOGITS_READ = "target-only, logits read"
 DEFAULT_SHAPES = ("llama-8b:q4_k_m", "llama-8b:q4_0", "qwen-1.5b:q4_k_m")
-
-
-@dataclass(frozen=True)
-class Contender:
-    name: str
-    config: GenerateConfig
 
 
 def contenders(n_predict: int, exact: str) -> list[Contender]:
@@ -78,6 +75,12 @@ def contenders(n_predict: int, exact: str) -> list[Contender]:
             Contender("fixed K=2", g(draft_policy="fixed", draft_max=2)),
             Contender("fixed K=4", g(draft_policy="fixed", draft_max=4)),
             Contender("tree 4x4x8", g(draft_policy="fixed", draft_max=4, draft_topk=4, draft_nodes=8))]
+
+
+def logits_read(n_predict: int) -> Contender:
+    """Target-only reading the logits (what a tree-capable run does; TARGET has llama.cpp's graph choose the token,
+    as a chain run does: on a CPU the graph's choice cost more, 2.3 against 1.7 ms a token on the tiny shape)."""
+    return Contender(LOGITS_READ, GenerateConfig(n_predict=n_predict, draft_max=0, draft_topk=4, draft_nodes=8))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -171,21 +174,14 @@ class ShapeResult:
 # Measuring
 # ------------------------------------------------------------------------------------------------
 
-def measure_physics(pair: Pair, exact: str) -> Physics:
-    """The curve for 1..ROWS rows, every size timed (measure() interpolates past 8 by default), and the probe."""
-    spec = Speculator(pair.target, Eagle3Session(pair.target, pair.head))
-    try:
-        t = time.perf_counter()
-        dense, policy_mod.DENSE_ROWS = policy_mod.DENSE_ROWS, ROWS
-        try:
-            curve = spec.calibrate(ROWS - 1)
-        finally:
-            policy_mod.DENSE_ROWS = dense
-        calibrate_s = time.perf_counter() - t
-        found = spec.prepare(GenerateConfig(draft_policy="fixed", draft_max=ROWS - 1, draft_lookup=False,
-                                            exact="auto" if exact == "off" else exact))
-    finally:
-        spec.close()
+def measure_physics(spec: Speculator, exact: str) -> Physics:
+    """The curve for 1..ROWS rows, every size timed (calibrate interpolates past 8 by default), and the probe, on
+    target-only's speculator (a second session on the target would take the layer extraction away when closed)."""
+    t = time.perf_counter()
+    curve = spec.calibrate(ROWS - 1, dense_rows=ROWS)
+    calibrate_s = time.perf_counter() - t
+    found = spec.prepare(GenerateConfig(draft_policy="fixed", draft_max=ROWS - 1, draft_lookup=False,
+                                        exact="auto" if exact == "off" else exact))
     return Physics([1e3 * s for s in curve.verify_s], 1e3 * curve.draft_step_s, 1e3 * curve.draft_fixed_s,
                    found.exact, found.probed, found.seconds, calibrate_s)
 
@@ -226,71 +222,103 @@ class Resync:
             self.ctx.close()
 
 
-def measure_speeds(pair: Pair, prompts: list[list[int]], runs: list[Contender], profiles: list[replay.Profile],
-                   rounds: int, physics: Physics, n_ctx: int, threads: int) -> list[Outcome]:
-    """Target-only and every contender at every profile, interleaved per prompt: target-only first and last, the
-    contenders between in an order that rotates with the prompt. Target-only runs once with the greedy choice made in
-    llama.cpp's graph (what a chain run does) and once reading the logits (what a tree-capable run does: on a CPU the
-    graph's choice cost more, 2.3 against 1.7 ms a token on the tiny shape); a prompt's ratio is a contender's fastest
-    run against the faster of them. To give way to eagle3_gguf's benchmark runner once it has replayed heads."""
+@dataclass
+class ScaleRun(PromptRun):
+    """A run as bench.Bench records it (its seconds without the replay's own), with what the ceiling takes."""
+
+    stats: SpecStats | None = None
+    rows: list[int] = field(default_factory=list)  # its verify batches' rows
+    steps: int = 0  # the head's decoder runs in drafts
+    cycles: int = 0  # drafting cycles (each with a catch-up)
+    t_replay: float = 0.0
+    resyncs: int = 0
+
+
+class ReplayHooks(RunHooks):
+    """Bench's hooks for replayed heads: before a run, its session replays the profile against the prompt and the
+    round's target-only text; after it, the replay's own time leaves the run's and its rows and steps are kept."""
+
+    def __init__(self, n_ctx: int, threads: int):
+        self.n_ctx, self.threads = n_ctx, threads
+        self.resync: Resync | None = None
+        self.sessions: dict[str, replay.ReplaySession] = {}
+        self.logs: dict[str, RowLog] = {}
+
+    def session(self, profile: replay.Profile):
+        """Contender.session: a replaying head for `profile` on the bench's pair."""
+        def make(pair: Pair) -> replay.ReplaySession:
+            if self.resync is None:
+                self.resync = Resync(pair, self.n_ctx, self.threads)
+            return replay.ReplaySession(pair.target, pair.head, truth=[], profile=profile, resync=self.resync)
+        return make
+
+    def attach(self, bench: Bench) -> None:
+        self.sessions = bench.sessions
+        self.logs = {name: RowLog(bench.runners[name]) for name in bench.sessions}
+
+    def before(self, c: Contender, p: BenchPrompt, index: int, reference: list[int]) -> None:
+        if c.name in self.sessions:
+            self.sessions[c.name].replay(p.tokens + reference, seed=index)
+            self.logs[c.name].rows.clear()
+
+    def after(self, c: Contender, p: BenchPrompt, run: PromptRun, result) -> ScaleRun:
+        fields = {f.name: getattr(run, f.name) for f in dataclasses.fields(PromptRun)}
+        s = self.sessions.get(c.name)
+        if s is None:
+            return ScaleRun(**fields, stats=result.stats)
+        fields["seconds"] = run.seconds - s.t_replay
+        return ScaleRun(**fields, stats=result.stats, rows=list(self.logs[c.name].rows[1:]), steps=s.steps,
+                        cycles=s.cycles, t_replay=s.t_replay, resyncs=s.resyncs)
+
+    def close(self) -> None:
+        if self.resync is not None:
+            self.resync.close()
+
+
+def measure_speeds(bench: Bench, hooks: ReplayHooks, prompts: list[list[int]], runs: list[Contender],
+                   profiles: list[replay.Profile], rounds: int, physics: Physics) -> list[Outcome]:
+    """Target-only and every contender at every profile through eagle3_gguf's benchmark runner (bench.Bench):
+    interleaved per prompt, target-only first and last, the contenders between in an order that rotates with the
+    prompt. Target-only runs with the greedy choice made in llama.cpp's graph and, as a contender, reading the
+    logits; a prompt's ratio is a contender's fastest run against the faster of them (bench.per_prompt_ratio)."""
+    n_predict = runs[0].config.n_predict
+    named = {f"{p.name} | {c.name}": (p.name, c.name) for p in profiles for c in runs}
+    bench.add([logits_read(n_predict)] + [dataclasses.replace(c, name=name, session=hooks.session(p))
+                                          for p in profiles for c in runs
+                                          for name in [f"{p.name} | {c.name}"]])
+    hooks.attach(bench)
+    items = [BenchPrompt("synthetic", str(i), "", tokens) for i, tokens in enumerate(prompts)]
+    per_prompt = bench.runs_per_prompt(rounds)
+    done: list[ScaleRun] = []
+    for r in bench.measure(items, repeat=rounds, n_predict=n_predict, hooks=hooks, rotate=True):
+        done.append(r)
+        if len(done) % per_prompt == 0:
+            mine = done[-per_prompt:]
+            base = fastest(x for x in mine if x.contender in (TARGET.name, LOGITS_READ))[r.prompt_id]
+            print(f"prompt {r.prompt_id}: target-only {base:.1f} tok/s; " + "; ".join(
+                f"{name} {v / base:.2f}x" for name, v in fastest(mine, key=lambda x: x.contender).items()
+                if name in named), file=sys.stderr)
+    base = [r for r in done if r.contender in (TARGET.name, LOGITS_READ)]
     verify_s = [ms / 1e3 for ms in physics.verify_ms]
     step_s, catch_s = physics.draft_step_ms / 1e3, physics.catch_up_ms / 1e3
-    resync = Resync(pair, n_ctx, threads)
-    n_predict = runs[0].config.n_predict
-    plain_modes = [("target-only", GenerateConfig(n_predict=n_predict)),  # sampled in the graph
-                   ("target-only, logits read", GenerateConfig(n_predict=n_predict, draft_topk=4, draft_nodes=8))]
-    base_outs = {name: Outcome(name, "") for name, _ in plain_modes}
-    outs = {(p.name, c.name): Outcome(c.name, p.name) for p in profiles for c in runs}
-    sessions = {p.name: replay.ReplaySession(pair.target, pair.head, truth=[], profile=p, resync=resync)
-                for p in profiles}
-    runners = {p.name: Runner(pair.target, s) for p, s in zip(profiles, sessions.values())}
-    logs = {name: RowLog(r) for name, r in runners.items()}
-    plain = next(iter(runners.values()))  # speculative=False: extraction off, as target-only decoding has it
-    try:
-        for i, prompt in enumerate(prompts):
-            base = [plain.generate(prompt, plain_modes[0][1], speculative=False)]
-            order = [(p, c) for p in profiles for c in runs]
-            order = order[i % len(order):] + order[:i % len(order)]
-            best: dict[tuple[str, str], tuple] = {}
-            for _ in range(rounds):
-                for p, c in order:
-                    session, log = sessions[p.name], logs[p.name]
-                    session.replay(prompt + base[0].tokens, seed=i)
-                    log.rows.clear()
-                    r = runners[p.name].generate(prompt, c.config)
-                    t = r.stats.t_total - session.t_replay
-                    if (p.name, c.name) not in best or t < best[p.name, c.name][1]:
-                        best[p.name, c.name] = (r, t, list(log.rows[1:]), session.steps, session.cycles,
-                                                session.t_replay, session.resyncs)
-            base.append(plain.generate(prompt, plain_modes[1][1], speculative=False))
-            for (name, _), r in zip(plain_modes, base):
-                _add(base_outs[name], r, r.stats.t_total, 1.0, r.tokens == base[0].tokens, [], 0, 0, 0.0, 0,
-                     verify_s, step_s, catch_s)
-            fastest = max(r.stats.tokens_per_second for r in base)
-            for name, r in zip(base_outs, base):
-                base_outs[name].speedup[-1] = r.stats.tokens_per_second / fastest
-            for (pname, cname), (r, t, rows, steps, cycles, t_replay, resyncs) in best.items():
-                ratio = (r.stats.n_generated / t) / fastest if t > 0 else 0.0
-                _add(outs[pname, cname], r, t, ratio, r.tokens == base[0].tokens, rows, steps, cycles, t_replay,
-                     resyncs, verify_s, step_s, catch_s)
-            print(f"prompt {i}: target-only {fastest:.1f} tok/s; " + "; ".join(
-                f"{o.profile} {o.contender} {o.speedup[-1]:.2f}x" for o in outs.values()), file=sys.stderr)
-    finally:
-        for r in runners.values():
-            r.close()
-        for s in sessions.values():
-            s.close()
-        resync.close()
-    return [*base_outs.values(), *outs.values()]
+    outs = [Outcome("target-only", ""), Outcome(LOGITS_READ, "")]
+    outs += [Outcome(c, p) for p, c in named.values()]
+    for o, name in zip(outs, [TARGET.name, LOGITS_READ, *named]):
+        mine = [r for r in done if r.contender == name]
+        ratios = per_prompt_ratio(mine, base)
+        for p in items:
+            of_prompt = [r for r in mine if r.prompt_id == p.id]
+            best = max(of_prompt, key=lambda r: r.tok_s)
+            _add(o, best, ratios[p.id], all(r.identical is not False for r in of_prompt), verify_s, step_s, catch_s)
+    return outs
 
 
-def _add(o: Outcome, r, t: float, ratio: float, identical: bool, rows: list[int], steps: int, cycles: int,
-         t_replay: float, resyncs: int, verify_s: list[float], step_s: float, catch_s: float) -> None:
-    """One prompt's fastest run into its Outcome; `rows`: its verify batches' rows, `steps` / `cycles`: the head's
-    decoder runs and drafting cycles."""
+def _add(o: Outcome, r: ScaleRun, ratio: float, identical: bool, verify_s: list[float], step_s: float,
+         catch_s: float) -> None:
+    """One prompt's fastest run into its Outcome (its seconds and draft time without the replay's)."""
     st = r.stats
     o.speedup.append(ratio)
-    o.tok_s.append(st.n_generated / t if t > 0 else 0.0)
+    o.tok_s.append(r.tok_s)
     o.tokens += st.n_generated - 1
     o.cycles += st.n_target_forwards - 1
     k = len(st.drafted_by_pos)
@@ -301,16 +329,17 @@ def _add(o: Outcome, r, t: float, ratio: float, identical: bool, rows: list[int]
         o.drafted_by_pos[i] += st.drafted_by_pos[i]
         o.accepted_by_pos[i] += st.accepted_by_pos[i]
     o.identical += identical
-    o.resyncs += resyncs
+    o.resyncs += r.resyncs
     o.tree_cycles += st.tree_cycles
     o.lookup_cycles += st.lookup_cycles
-    o.t_total += t
+    o.t_total += r.seconds
     o.t_target += st.t_target
-    o.t_draft += st.t_draft - t_replay
+    o.t_draft += st.t_draft - r.t_replay
     o.t_process += st.t_process
-    o.t_python += max(st.t_python - t_replay, 0.0)
-    plain = (st.n_target_forwards - 1) * verify_s[0] if not rows else 0.0
-    o.curve_s += plain + sum(verify_s[min(n, len(verify_s)) - 1] for n in rows) + steps * step_s + cycles * catch_s
+    o.t_python += max(st.t_python - r.t_replay, 0.0)
+    plain = (st.n_target_forwards - 1) * verify_s[0] if not r.rows else 0.0
+    o.curve_s += plain + sum(verify_s[min(n, len(verify_s)) - 1] for n in r.rows) + r.steps * step_s \
+        + r.cycles * catch_s
 
 
 def prompt_tokens(target: Path, n: int, length: int, seed: int) -> list[list[int]]:
@@ -324,23 +353,28 @@ def prompt_tokens(target: Path, n: int, length: int, seed: int) -> list[list[int
 def bench_shape(target: Path, head: Path, shape: str, qtype: str, made_s: float, args) -> ShapeResult:
     runs = contenders(args.n_predict, args.exact)
     profiles = [replay.parse_profile(p) for p in args.profiles.split(",")]
-    n_seq = max(c.config.tree_sequences for c in runs)
+    n_seq = max(c.config.tree_sequences for c in [*runs, logits_read(args.n_predict)])
     n_ctx = max(1024, args.prompt_len + args.n_predict + 64)  # the probe reaches 257 + 17 rows deep
     config = PairConfig(n_ctx=n_ctx, n_threads=args.threads, n_gpu_layers=args.ngl, n_gpu_layers_draft=args.ngl,
                         n_seq_max=n_seq)
+    hooks = ReplayHooks(n_ctx, args.threads)
     t = time.perf_counter()
-    with load_pair(target, head, config) as pair:
-        load_s = time.perf_counter() - t
-        res = ShapeResult(shape, qtype, str(target), str(head), target.stat().st_size / 2**20,
-                          head.stat().st_size / 2**20, made_s, load_s, str(pair.target_model.placement),
-                          pair.target.n_threads)
-        res.physics = measure_physics(pair, args.exact)
-        if args.exact == "auto" and res.physics.exact_widths < TREE_ROWS:
-            # the probe caps the default's trees and K=4's chains: what speculating past it would give, beside
-            runs += [Contender(f"{c.name}, --exact off", dataclasses.replace(c.config, exact="off"))
-                     for c in runs if c.name in (GOAL_CONTENDER, "fixed K=4")]
-        prompts = prompt_tokens(target, args.prompts, args.prompt_len, args.seed)
-        res.outcomes = measure_speeds(pair, prompts, runs, profiles, args.rounds, res.physics, n_ctx, args.threads)
+    with Bench(target, head, config, []) as bench:
+        try:
+            load_s = time.perf_counter() - t
+            pair = bench.pair
+            res = ShapeResult(shape, qtype, str(target), str(head), target.stat().st_size / 2**20,
+                              head.stat().st_size / 2**20, made_s, load_s, str(pair.target_model.placement),
+                              pair.target.n_threads)
+            res.physics = measure_physics(bench.runners[TARGET.name].spec, args.exact)
+            if args.exact == "auto" and res.physics.exact_widths < TREE_ROWS:
+                # the probe caps the default's trees and K=4's chains: what speculating past it would give, beside
+                runs += [Contender(f"{c.name}, --exact off", dataclasses.replace(c.config, exact="off"))
+                         for c in runs if c.name in (GOAL_CONTENDER, "fixed K=4")]
+            prompts = prompt_tokens(target, args.prompts, args.prompt_len, args.seed)
+            res.outcomes = measure_speeds(bench, hooks, prompts, runs, profiles, args.rounds, res.physics)
+        finally:
+            hooks.close()  # its context before the pair's
     res.goals = goals(res)
     return res
 
