@@ -18,6 +18,10 @@ requests at once from N threads on a SlotPool of N slots, interleaved per round.
 of both, their ratio per round, whether every answer equals its alone-answer, and how many sequences the
 shared batches held.
 
+Every round's figures are eagle3_gguf.bench's records (a PromptRun per setting and round: the round's requests
+as one prompt) and the ratios its per_prompt_ratio (the median over rounds of each round's ratio), as
+`eagle3-gguf bench` computes a contender's; what is measured here (several sequences at once) it does not.
+
 --serve N: `eagle3-gguf serve --parallel N` against `serve --parallel 1`, the same N chat requests sent to
 each at once (every other one streamed), interleaved per round: aggregate tok/s of both and their ratio.
 """
@@ -39,6 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eagle3_gguf.assets import smollm2_path  # noqa: E402
+from eagle3_gguf.bench import PromptRun, per_prompt_ratio  # noqa: E402
 from eagle3_gguf.native import CACHE_TYPES, Batch, Context, Model, install_log_callback  # noqa: E402
 from eagle3_gguf.tokens import chat_tokens  # noqa: E402
 
@@ -94,28 +99,46 @@ def at_once(one: Callable[[int], tuple[str, int]], n: int) -> tuple[float, list]
     return time.perf_counter() - t, got
 
 
-def interleave(first, second, keys: tuple[str, str], rounds: int) -> tuple[list[dict], bool]:
-    """first() then second() (each: seconds, answers) every round: each one's aggregate tok/s (the tokens of
-    first's answers) under its key, first's time over second's as the ratio; and whether they always agreed."""
+def record(setting: str, rnd: int, tokens: int, seconds: float) -> PromptRun:
+    """One round of one setting, as the benchmark runner records a run: the round's requests are one prompt."""
+    return PromptRun("parallel", "all", setting, rnd, 0, tokens, seconds, 0)
+
+
+def interleave(first, second, keys: tuple[str, str], rounds: int) -> tuple[list[PromptRun], bool]:
+    """first() then second() (each: seconds, answers) every round, recorded under their keys with the tokens of
+    first's answers; and whether they always agreed."""
     out, equal = [], True
     for r in range(rounds):
         (t_first, want), (t_second, got) = first(), second()
         equal = equal and got == want
         tokens = sum(k for _, k in want)
-        out.append({keys[0]: tokens / t_first, keys[1]: tokens / t_second, "ratio": t_first / t_second})
-        print(f"round {r + 1}/{rounds}: {out[-1]['ratio']:.2f}x", file=sys.stderr)
+        out += [record(keys[0], r, tokens, t_first), record(keys[1], r, tokens, t_second)]
+        print(f"round {r + 1}/{rounds}: {t_first / t_second:.2f}x", file=sys.stderr)
     return out, equal
 
 
-def contest_lines(rounds: list[dict], keys: tuple[str, str], labels: tuple[str, str], column: str,
+def of(runs: list[PromptRun], setting: str) -> list[PromptRun]:
+    return [r for r in runs if r.contender == setting]
+
+
+def contest_lines(runs: list[PromptRun], keys: tuple[str, str], labels: tuple[str, str], column: str,
                   versus: str, agreed: str, equal: bool) -> list[str]:
-    """The table of both contenders' median aggregate tok/s and the sentence on their per-round ratios."""
-    ratio = statistics.median(x["ratio"] for x in rounds)
+    """The table of both settings' median aggregate tok/s and the sentence on their per-round ratios (the second
+    against the first)."""
+    second, first = of(runs, keys[1]), of(runs, keys[0])
+    ratio = per_prompt_ratio(second, first)["all"]
+    per_round = [b.tok_s / a.tok_s for a, b in zip(first, second)]
     return [f"|{f' {column}' if column else ''} | aggregate tok/s (median) |", "|---|---|",
-            *(f"| {label} | {statistics.median(x[key] for x in rounds):.1f} |" for key, label in zip(keys, labels)),
+            *(f"| {label} | {statistics.median(r.tok_s for r in of(runs, key)):.1f} |"
+              for key, label in zip(keys, labels)),
             "", f"{versus}, median of per-round ratios: **{ratio:.2f}x** "
-            f"(rounds: {', '.join(format(x['ratio'], '.2f') for x in rounds)}). Every answer {agreed}: "
+            f"(rounds: {', '.join(format(x, '.2f') for x in per_round)}). Every answer {agreed}: "
             f"{'yes' if equal else 'NO'}."]
+
+
+def payload(runs: list[PromptRun]) -> list[dict]:
+    return [{"setting": r.contender, "round": r.round, "tokens": r.tokens, "seconds": r.seconds, "tok_s": r.tok_s}
+            for r in runs]
 
 
 def publish(args, name: str, lines: list[str], payload: dict) -> None:
@@ -174,7 +197,8 @@ def run_slots(args) -> None:
              f"Shared batches: {st.decodes} decodes of {st.rows} rows, {st.sequences / max(st.decodes, 1):.2f} "
              f"sequences per decode (decodes by sequences: {dict(sorted(st.by_sequences.items()))}); "
              f"{st.seconds:.2f} s in them."]
-    publish(args, "slots", lines, {"command": command(), "rounds": rounds, "equal": equal, "joint": vars(st)})
+    publish(args, "slots", lines, {"command": command(), "rounds": payload(rounds), "equal": equal,
+                                   "joint": vars(st)})
     pool.close()
     engine.call(llm.close)
     engine.close()
@@ -232,7 +256,7 @@ def run_serve(args) -> None:
              f"{args.rounds} interleaved rounds; a slot's context is 1,024 either way.", "",
              *contest_lines(rounds, keys, ("--parallel 1 (requests queue)", f"--parallel {n}"), "server",
                             f"--parallel {n} against --parallel 1", "the same from both", equal)]
-    publish(args, "serve", lines, {"command": command(), "rounds": rounds, "equal": equal})
+    publish(args, "serve", lines, {"command": command(), "rounds": payload(rounds), "equal": equal})
 
 
 def main() -> None:
@@ -261,32 +285,36 @@ def main() -> None:
                   kv_unified=False, type_v=CACHE_TYPES["bf16"])
     batch = Batch(512)
     prompts = [chat_tokens(model, p) for p in PROMPTS]
-    seconds: dict[int, list[float]] = {n: [] for n in ns}
+    runs: list[PromptRun] = []
     try:
         for n in ns:  # warm-up: llama.cpp sizes its graphs for each batch shape once
             run(ctx, batch, prompts[:n], 4)
         for r in range(args.rounds):
             for n in ns:
-                seconds[n].append(run(ctx, batch, [prompts[(r + i) % len(prompts)] for i in range(n)], args.steps))
+                t = run(ctx, batch, [prompts[(r + i) % len(prompts)] for i in range(n)], args.steps)
+                runs.append(record(f"{n} sequences", r, n * args.steps, t))
             print(f"round {r + 1}/{args.rounds}", file=sys.stderr)
     finally:
         batch.close()
         ctx.close()
         model.close()
-    one = statistics.median(args.steps / s for s in seconds[ns[0]])
+    one = of(runs, f"{ns[0]} sequences")
     rows = []
     for n in ns:
-        per_seq = statistics.median(args.steps / s for s in seconds[n])
+        mine = of(runs, f"{n} sequences")
+        per_seq = statistics.median(r.tok_s / n for r in mine)
+        aggregate_vs_one = per_prompt_ratio(mine, one)["all"]
         rows.append({"n": n, "per_sequence_tok_s": per_seq, "aggregate_tok_s": n * per_seq,
-                     "aggregate_vs_one": n * per_seq / one, "step_cost_vs_one": one / per_seq})
+                     "aggregate_vs_one": aggregate_vs_one, "step_cost_vs_one": n / aggregate_vs_one})
     lines = [f"# Parallel sequences in one batch: `{command()}`", "",
-             f"{platform.machine()}, {args.threads} threads, {target.name}, {args.steps} greedy steps, median of "
-             f"{args.rounds} interleaved rounds.", "",
+             f"{platform.machine()}, {args.threads} threads, {target.name}, {args.steps} greedy steps, "
+             f"{args.rounds} interleaved rounds: tok/s the median over rounds, ratios to {ns[0]} sequence(s) the "
+             f"median of per-round ratios.", "",
              "| sequences | step cost (x one) | per sequence tok/s | aggregate tok/s | aggregate (x one) |",
              "|---|---|---|---|---|"]
     lines += [f"| {r['n']} | {r['step_cost_vs_one']:.2f} | {r['per_sequence_tok_s']:.1f} | {r['aggregate_tok_s']:.1f} "
               f"| {r['aggregate_vs_one']:.2f}x |" for r in rows]
-    publish(args, "results", lines, {"command": command(), "rows": rows, "seconds": seconds})
+    publish(args, "results", lines, {"command": command(), "rows": rows, "rounds": payload(runs)})
 
 
 if __name__ == "__main__":
