@@ -290,7 +290,7 @@ class Bench:
         self.chat = True  # every prompt so far went through the chat template
         self.stopped = ""  # why measure() stopped before the last prompt
         self.setup: Setup | None = None  # prepare()'s
-        self._open = ExitStack()  # closes the runners, the session and the pair, in that order
+        self._open = ExitStack()  # closes the runners (each before its own session), the session, the pair
         with self._open as opening:  # a failure half-way closes what was opened
             self.pair = opening.enter_context(load_pair(target_path, head_path, dataclasses.replace(
                 pair_config, n_seq_max=max(pair_config.n_seq_max, seqs))))
@@ -304,8 +304,13 @@ class Bench:
     def add(self, contenders: list[Contender]) -> None:
         """More contenders, before prepare(): a Runner each (target-only decodes through one with the session
         too: it turns the head's feature extraction off for plain runs, so target-only pays exactly what plain
-        decoding costs)."""
+        decoding costs). Their trees must fit the sequences the pair was loaded with."""
+        if self.setup is not None:
+            raise Eagle3Error("Bench.add: contenders join before prepare() (their probes and costs come first)")
         for c in contenders:
+            if c.config is not None and c.config.tree_sequences > self.pair.target.n_seq_max:
+                raise Eagle3Error(f"Bench.add: contender {c.name} needs {c.config.tree_sequences} sequences, the pair "
+                                  f"was loaded with {self.pair.target.n_seq_max}")
             if c.external is None:
                 session = self.session
                 if c.session is not None:

@@ -43,10 +43,8 @@ class TargetFeatures:
         (~4.5 ms locally, ~12 ms at 1 ms per message), so a run switches at its start only. The final hidden
         state (nextn) stays: llama.cpp sizes its buffer per decode. The target holds the state: another
         session on it (a benchmark's contenders) may have switched it."""
-        if on == self.enabled:
-            return
         for lid in self.layers:
-            if lid < self.n_layer:
+            if lid < self.n_layer and self.target.extracts_layer_inp(lid) != on:
                 self.target.set_layer_inp(lid, on)
 
     @property

@@ -231,6 +231,8 @@ def measure(run_verify: Callable[[int], float], run_draft: Callable[[int], float
     rows (long lookup drafts) every dense_rows // 2-th size down from the last is timed and the rest
     interpolated: there the curve is close to a line, and each size costs a graph allocation. The step
     cost is the slope of the draft time, the fixed cost its intercept."""
+    if dense_rows < 2:
+        raise ValueError(f"dense_rows must be at least 2 (got {dense_rows})")
     sizes = sorted({*range(1, min(k_max + 1, dense_rows) + 1), *range(k_max + 1, dense_rows, -(dense_rows // 2))})
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for n in sizes:

@@ -43,6 +43,7 @@ from . import rpc
 from .errors import Eagle3Error
 from .llama import Eagle3Llama
 from .native import Batch, Context
+from .policy import DENSE_ROWS
 from .session import Eagle3Session
 from .speculator import Speculator
 from .stats import SpecStats
@@ -355,7 +356,7 @@ class SlotSpeculator(Speculator):
         raise Eagle3Error(f"a parallel slot verifies at most {self.exact.probed if self.exact else 0} rows (the "
                           f"exactness probe at setup): set draft_max before making the SlotPool")
 
-    def calibrate(self, k_max: int, dense_rows: int = 0):
+    def calibrate(self, k_max: int, dense_rows: int = DENSE_ROWS):
         raise Eagle3Error(f"a parallel slot drafts at most {self.costs.k_max if self.costs else 0} tokens (the "
                           f"cost curve measured at setup): set draft_max before making the SlotPool")
 

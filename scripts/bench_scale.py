@@ -10,8 +10,10 @@ Per shape (scripts/synthetic.py makes the pair into --work unless it is there al
   step and catch-up (Speculator.calibrate), and the exact verify widths (the exactness probe, 1..17 rows);
 - the speed of target-only and each contender (the default adaptive policy as `generate` runs it, fixed K = 2 and
   4, a 4x4x8 tree) at each replayed acceptance profile (scripts/replay.py: the head's real draft steps run, its
-  tokens are the profile's; verification is the target's), interleaved per prompt: target-only before and after
-  the contenders; a prompt's ratio is each contender's fastest run against target-only's fastest;
+  tokens are the profile's; verification is the target's), interleaved per prompt through eagle3_gguf.bench:
+  target-only first and last in every round (the argmax in llama.cpp's graph) and, as a contender, reading the
+  logits; a prompt's ratio is, per round, each contender's fastest run against the faster target-only mode's, the
+  median over rounds (bench.per_prompt_ratio), the replay's own time left out;
 - the ceiling from the curve: what the contender's own cycles would give if each cost exactly the curve's price
   (its verify rows, draft steps and catch-ups) and nothing else, against target-only at one row's price a token:
   tokens x t(1 row) / sum over cycles of (t(verify rows) + steps x draft step + catch-up); achieved/ceiling is the
@@ -55,7 +57,6 @@ from eagle3_gguf.errors import Eagle3Error  # noqa: E402
 from eagle3_gguf.gguf_file import read_gguf  # noqa: E402
 from eagle3_gguf.native import Context, enable_llama_log, install_log_callback  # noqa: E402
 from eagle3_gguf.pair import Pair, PairConfig  # noqa: E402
-from eagle3_gguf.session import Eagle3Session  # noqa: E402
 from eagle3_gguf.speculator import Speculator  # noqa: E402
 from eagle3_gguf.stats import SpecStats  # noqa: E402
 
@@ -176,7 +177,7 @@ class ShapeResult:
 
 def measure_physics(spec: Speculator, exact: str) -> Physics:
     """The curve for 1..ROWS rows, every size timed (calibrate interpolates past 8 by default), and the probe, on
-    target-only's speculator (a second session on the target would take the layer extraction away when closed)."""
+    target-only's speculator (the bench's session)."""
     t = time.perf_counter()
     curve = spec.calibrate(ROWS - 1, dense_rows=ROWS)
     calibrate_s = time.perf_counter() - t

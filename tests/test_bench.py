@@ -206,3 +206,35 @@ def test_default_bench_on_smollm2_prints_the_table_and_advice():
     assert lines[-1].startswith("advice: ")
     identical = [ln.split()[-1].split("/") for ln in lines if ln.split()[:1] in (["chat"], ["edit"])]
     assert all(n == m != "0" for n, m in identical), identical  # greedy: every text target-only's
+
+
+def test_bench_hooks_rotation_and_late_contenders(tiny_target, tiny_head):
+    """Bench's hooks see every run in this process in order (target-only first and last, the contenders between,
+    turned by one each prompt with rotate), after() decides what measure() yields; contenders join before
+    prepare() and within the pair's sequences, else one-line errors."""
+    from eagle3_gguf.errors import Eagle3Error
+    from eagle3_gguf.pair import PairConfig
+
+    seen: list[tuple[str, str, int]] = []
+
+    class Hooks(lib.RunHooks):
+        def before(self, c, p, index, reference):
+            seen.append((p.id, c.name, len(reference)))
+
+        def after(self, c, p, run, result):
+            assert run.tokens == result.stats.n_generated
+            return PromptRun(**{**run.__dict__, "seconds": run.seconds + 1.0})
+
+    contenders = lib.contenders_from(["k1", "k2"], 8)
+    with lib.Bench(tiny_target, tiny_head, PairConfig(n_ctx=256, n_threads=1), contenders[:1]) as b:
+        with pytest.raises(Eagle3Error, match="needs 9 sequences"):
+            b.add(lib.contenders_from(["tree"], 8))
+        b.add(contenders[1:])
+        prompts = [lib.BenchPrompt("w", str(i), "", [1, 2 + i, 3]) for i in range(2)]
+        runs = list(b.measure(prompts, n_predict=8, hooks=Hooks(), rotate=True))
+        with pytest.raises(Eagle3Error, match="before prepare"):
+            b.add(lib.contenders_from(["k4"], 8))
+    assert [(p, c) for p, c, _ in seen] == [("0", "target"), ("0", "k1"), ("0", "k2"), ("0", "target"),
+                                            ("1", "target"), ("1", "k2"), ("1", "k1"), ("1", "target")]
+    assert [n for _, _, n in seen] == [0, 8, 8, 8, 0, 8, 8, 8]  # the round's target-only tokens, once it ran
+    assert all(r.seconds > 1.0 for r in runs) and [r.contender for r in runs][:4] == ["target", "k1", "k2", "target"]

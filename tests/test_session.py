@@ -65,6 +65,7 @@ def test_a_plain_run_extracts_nothing_and_the_next_speculative_run_does(smollm2_
         assert s.extract.enabled and again.tokens == first.tokens == base.tokens
         assert again.stats.accepted_by_pos == first.stats.accepted_by_pos and again.stats.n_accepted >= 10, again.stats.n_accepted
 
+
 def test_a_session_extracts_after_another_on_the_target_turned_extraction_off(tiny_pair):
     """Two sessions on one target (a benchmark's contenders, each with its own head session): a plain run
     through the first turns the target's extraction off, and the second's next speculative run turns it on again
@@ -78,7 +79,6 @@ def test_a_session_extracts_after_another_on_the_target_turned_extraction_off(ti
         assert not a.extract.enabled and not b.extract.enabled
         again = spec.generate(prompt, cfg)
         assert b.extract.enabled and again.tokens == first.tokens == base.tokens and again.stats.n_drafted > 0
-
 
 
 def test_forced_acceptance_every_length(tiny_pair):
