@@ -283,10 +283,9 @@ def measure_speeds(bench: Bench, hooks: ReplayHooks, prompts: list[list[int]], r
     prompt. Target-only runs with the greedy choice made in llama.cpp's graph and, as a contender, reading the
     logits; a prompt's ratio is a contender's fastest run against the faster of them (bench.per_prompt_ratio)."""
     n_predict = runs[0].config.n_predict
-    named = {f"{p.name} | {c.name}": (p.name, c.name) for p in profiles for c in runs}
+    named = {f"{p.name} | {c.name}": (p, c) for p in profiles for c in runs}  # the bench's contender names
     bench.add([logits_read(n_predict)] + [dataclasses.replace(c, name=name, session=hooks.session(p))
-                                          for p in profiles for c in runs
-                                          for name in [f"{p.name} | {c.name}"]])
+                                          for name, (p, c) in named.items()])
     hooks.attach(bench)
     items = [BenchPrompt("synthetic", str(i), "", tokens) for i, tokens in enumerate(prompts)]
     per_prompt = bench.runs_per_prompt(rounds)
@@ -303,7 +302,7 @@ def measure_speeds(bench: Bench, hooks: ReplayHooks, prompts: list[list[int]], r
     verify_s = [ms / 1e3 for ms in physics.verify_ms]
     step_s, catch_s = physics.draft_step_ms / 1e3, physics.catch_up_ms / 1e3
     outs = [Outcome("target-only", ""), Outcome(LOGITS_READ, "")]
-    outs += [Outcome(c, p) for p, c in named.values()]
+    outs += [Outcome(c.name, p.name) for p, c in named.values()]
     for o, name in zip(outs, [TARGET.name, LOGITS_READ, *named]):
         mine = [r for r in done if r.contender == name]
         ratios = per_prompt_ratio(mine, base)
