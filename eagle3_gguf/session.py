@@ -359,11 +359,18 @@ class Eagle3Session:
         # copy nobody reads after; the whole-vocab row is llama.cpp's buffer, and the sampler still needs z
         e = np.subtract(z, z[j], out=z if ids is not None and sampler is None else None)
         conf = float(1.0 / np.exp(e, out=e).sum())
-        if n_alt:  # e holds exp(z - z_max): the runner-ups are its next largest entries
-            top = np.argpartition(e, -(n_alt + 1))[-(n_alt + 1):]
-            top = [int(t) for t in top[np.argsort(-e[top], kind="stable")] if t != j][:n_alt]
-            alts.alt_tokens.append([int(ids[t]) if ids is not None else t for t in top])
-            alts.alt_probs.append([float(e[t]) * conf for t in top])
+        if n_alt:  # e holds exp(z - z_max), ours to overwrite: the runner-ups are its next largest entries
+            # argmax after argmax, each found one struck out: ~2 us a runner-up at a 32k draft vocab, where
+            # np.argpartition and a sort took ~50 us a step (bench/NOTES.md, "Python at real vocab sizes")
+            top, probs = [], []
+            e[j] = -1.0
+            for _ in range(min(n_alt, e.size - 1)):
+                t = int(e.argmax())
+                top.append(int(ids[t]) if ids is not None else t)
+                probs.append(float(e[t]) * conf)
+                e[t] = -1.0
+            alts.alt_tokens.append(top)
+            alts.alt_probs.append(probs)
         if sampler is None:
             return (int(ids[j]) if ids is not None else j), conf
         token, q = sampler.draft(z, ids)

@@ -98,6 +98,9 @@ SHAPES = {
     "qwen-1.5b": Shape("qwen-1.5b", 28, 1536, 12, 2, 8960, 151936, True, 1000000.0),
     # the tests' and the dry run's: every row length a multiple of 256 (a K-quant super-block), a padded vocab
     "tiny": Shape("tiny", 6, 256, 4, 2, 512, 49664, False, 10000.0, draft_vocab=2048, n_ctx_train=4096),
+    # tiny's body with Llama-3.1-8B's vocab and a 32,000-token draft vocab: what the loop's Python costs at a real
+    # vocab, measurable on a CPU (bench/NOTES.md, "Python at real vocab sizes")
+    "vocab-8b": Shape("vocab-8b", 6, 256, 4, 2, 512, 128256, False, 10000.0, n_ctx_train=4096),
 }
 
 

@@ -168,6 +168,28 @@ class SecondChoice(Eagle3Session):
         return [(true + 1) % 49152, true], [0.5, 0.5]
 
 
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_a_steps_likeliest_tokens_are_those_a_full_sort_gives(pair, k):
+    """_top (a tree's children, a chain step's runner-ups) on a row of the shipped head's own logits shuffled:
+    the k likeliest draft-vocab tokens, likeliest first, with their softmax probabilities over the draft vocab."""
+    with Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
+        prompt = chat_tokens(pair.target_model, PROMPT)
+        d.generate(prompt, GenerateConfig(n_predict=8, draft_max=2, draft_policy="fixed"))
+        real = s.draft_ctx.logits_ith(0).copy()  # [n_vocab], -inf outside the draft vocab
+        ids = np.flatnonzero(np.isfinite(real))  # [n_draft_vocab]
+        assert 0 < ids.size < real.size
+        rng = np.random.default_rng(k)
+        for _ in range(3):
+            row = np.full_like(real, -np.inf)
+            row[ids] = rng.permutation(real[ids])
+            tokens, probs = s._top(row.copy(), k)
+            z = row[ids].astype(np.float64)
+            p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+            order = np.argsort(-p, kind="stable")[:k]
+            assert tokens == ids[order].tolist()
+            assert np.allclose(probs, p[order], rtol=1e-5, atol=0)
+
+
 def test_a_runner_up_is_kept_through_a_tree_and_never_through_a_chain(pair):
     prompt = chat_tokens(pair.target_model, PROMPT)
     chain = GenerateConfig(n_predict=60, draft_max=3, draft_policy="fixed")
