@@ -73,6 +73,16 @@ def spec_sampling_label(temperature: float, spec_sampling: str, draft_temp_scale
     return f"match (rejection needs a closed-form sampler; this one has {fallback})" if fallback else "match"
 
 
+def greedy_in_graph(target: Context) -> bool:
+    """Whether greedy runs take the argmax in the target's graph (llama.cpp's backend sampling) rather than from
+    the logits: where the output layer runs on a local GPU, which then copies no verify row's logits to the host.
+    Not on a CPU, where ggml's argmax is a scalar loop: a row cost 0.6 ms more at a 128k vocab and 0.2 ms at
+    SmolLM2's 49k than reading the logits (bench/NOTES.md, "Python at real vocab sizes"); nor over RPC, where
+    each sampled row is read back with a round trip of its own, the logits with one for all rows."""
+    p = target.model.placement
+    return p.offloaded == p.n_layers and not p.remote
+
+
 class _RunnerHooks(RunHooks):
     """How a Runner picks tokens (the graph's argmax, or its Sampler) and where it stops."""
 
@@ -131,10 +141,9 @@ class Runner:
             raise Eagle3Error(f"the prompt has {len(prompt)} tokens, the context only {self.target.n_ctx}: raise -c")
         speculative = speculative and self.session is not None and config.draft_max > 0
         target = self.target
-        # (a draft tree's rows belong to several sequences, which llama.cpp's per-sequence sampler does not take;
-        # over RPC each sampled row is read back with its own round trip, the logits with one for all rows)
+        # (a draft tree's rows belong to several sequences, which llama.cpp's per-sequence sampler does not take)
         target.set_greedy_sampling(sampler.temperature <= 0.0 and target.owned and config.draft_topk == 1
-                                   and not target.model.placement.remote)
+                                   and greedy_in_graph(target))
         sampler.reset()
         rejection = None
         if speculative and sampler.temperature > 0.0 and config.spec_sampling == "rejection":

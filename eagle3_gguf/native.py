@@ -614,8 +614,8 @@ class Context(_Owner):
     def set_greedy_sampling(self, enabled: bool) -> bool:
         """Let the graph take each output row's argmax (llama.cpp's backend sampling, sequence 0) instead of
         handing the logits back: the rows' logits are then neither copied out nor read (logits() raises), and
-        sampled_token(i) gives the choices. Saves a cycle the 196 KB copy per row and numpy's cache-cold argmax
-        (~30 us a cycle on a 2-core CPU); on a GPU, the device-to-host copy of every verify row. Only on a
+        sampled_token(i) gives the choices. On a GPU it saves the device-to-host copy of every verify row; on a
+        CPU ggml's argmax costs more than the copy and numpy's argmax (decode.greedy_in_graph decides). Only on a
         context made here: a borrowed one's owner reads the logits itself. Returns whether it is on: False
         where the backend cannot run the sampler (llama.cpp then keeps handing back logits)."""
         if enabled == self.greedy_sampling:

@@ -11,7 +11,8 @@ Per shape (scripts/synthetic.py makes the pair into --work unless it is there al
 - the speed of target-only and each contender (the default adaptive policy as `generate` runs it, fixed K = 2 and
   4, a 4x4x8 tree) at each replayed acceptance profile (scripts/replay.py: the head's real draft steps run, its
   tokens are the profile's; verification is the target's), interleaved per prompt through eagle3_gguf.bench:
-  target-only first and last in every round (the argmax in llama.cpp's graph) and, as a contender, reading the
+  target-only first and last in every round (as a chain run picks: the argmax in llama.cpp's graph on a GPU, from
+  the logits on a CPU, decode.greedy_in_graph) and, as a contender, reading the
   logits; a prompt's ratio is, per round, each contender's fastest run against the faster target-only mode's, the
   median over rounds (bench.per_prompt_ratio), the replay's own time left out;
 - the ceiling from the curve: what the contender's own cycles would give if each cost exactly the curve's price
@@ -79,8 +80,8 @@ def contenders(n_predict: int, exact: str) -> list[Contender]:
 
 
 def logits_read(n_predict: int) -> Contender:
-    """Target-only reading the logits (what a tree-capable run does; TARGET has llama.cpp's graph choose the token,
-    as a chain run does: on a CPU the graph's choice cost more, 2.3 against 1.7 ms a token on the tiny shape)."""
+    """Target-only reading the logits (what a tree-capable run does; TARGET picks as a chain run does, in llama.cpp's
+    graph where the output layer is on a GPU: decode.greedy_in_graph)."""
     return Contender(LOGITS_READ, GenerateConfig(n_predict=n_predict, draft_max=0, draft_topk=4, draft_nodes=8))
 
 
@@ -280,7 +281,7 @@ def measure_speeds(bench: Bench, hooks: ReplayHooks, prompts: list[list[int]], r
                    profiles: list[replay.Profile], rounds: int, physics: Physics) -> list[Outcome]:
     """Target-only and every contender at every profile through eagle3_gguf's benchmark runner (bench.Bench):
     interleaved per prompt, target-only first and last, the contenders between in an order that rotates with the
-    prompt. Target-only runs with the greedy choice made in llama.cpp's graph and, as a contender, reading the
+    prompt. Target-only runs as a chain run picks (decode.greedy_in_graph) and, as a contender, reading the
     logits; a prompt's ratio is a contender's fastest run against the faster of them (bench.per_prompt_ratio)."""
     n_predict = runs[0].config.n_predict
     named = {f"{p.name} | {c.name}": (p, c) for p in profiles for c in runs}  # the bench's contender names

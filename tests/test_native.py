@@ -126,8 +126,10 @@ def test_greedy_sampling_in_the_graph_picks_the_argmax_of_every_row(smollm2_path
 def test_greedy_sampling_the_backend_refuses_leaves_the_logits(smollm2_path, monkeypatch):
     """Where llama.cpp cannot run the sampler on the context's backend, set_greedy_sampling says so and the
     context keeps handing back logits: a Runner then takes numpy's argmax, with the same tokens."""
+    from eagle3_gguf import decode
     from eagle3_gguf.decode import GenerateConfig, Runner
 
+    monkeypatch.setattr(decode, "greedy_in_graph", lambda target: True)  # as on a GPU
     prompt = [1, 504, 3458, 314, 260]
     with Model(smollm2_path) as tm, Context(tm, n_ctx=128, n_batch=16, n_threads=2) as tc, Runner(tc) as d:
         want = d.generate(prompt, GenerateConfig(n_predict=12), speculative=False).tokens

@@ -539,17 +539,22 @@ def test_greedy_is_unchanged_by_rejection(tiny_pair):
             assert spec.stats.spec_sampling == "greedy"
 
 
-def test_decoder_switches_between_graph_argmax_and_logits(smollm2_path):
-    """Greedy runs take the argmax in the target's graph and sampled runs read the logits, on one Runner in
-    any order: each run gives what it gives alone, with drafts kept."""
+def test_decoder_switches_between_graph_argmax_and_logits(smollm2_path, monkeypatch):
+    """Greedy runs take the argmax in the target's graph where its output layer is on a GPU (forced here: this
+    is the CPU) and sampled runs read the logits, on one Runner in any order: each run gives what it gives alone,
+    with drafts kept; on the CPU, greedy runs read the logits too."""
+    from eagle3_gguf import decode
     from eagle3_gguf.assets import default_head_path
 
     cfg = GenerateConfig(n_predict=40, draft_max=4, draft_policy="fixed")
     with load_pair(smollm2_path, default_head_path(), PairConfig(n_ctx=512, n_threads=2)) as pair, \
             Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
         prompt = tokenize(pair.target_model, "Count from 1 to 50: 1, 2, 3, 4, 5,")
+        on_cpu = d.generate(prompt, cfg)
+        assert not decode.greedy_in_graph(pair.target) and not pair.target.greedy_sampling
+        monkeypatch.setattr(decode, "greedy_in_graph", lambda target: True)
         greedy = d.generate(prompt, cfg)
-        assert pair.target.greedy_sampling and greedy.stats.n_accepted > 0
+        assert pair.target.greedy_sampling and greedy.stats.n_accepted > 0 and greedy.tokens == on_cpu.tokens
         sampled = d.generate(prompt, cfg, Sampler(temperature=0.8, seed=7))
         assert not pair.target.greedy_sampling and sampled.stats.n_accepted > 0
         assert d.generate(prompt, cfg).tokens == greedy.tokens
