@@ -379,6 +379,7 @@ class Speculator:
             t_verify = time.perf_counter() - t
             st.t_target += t_verify
             st.n_target_forwards += 1
+            st.record_rows(1)
             if session is not None:
                 st.accept_hist[0] += 1  # st.record_cycle(0, 0)
                 t = time.perf_counter()
@@ -437,6 +438,8 @@ class Speculator:
         t_verify = time.perf_counter() - t
         st.t_target += t_verify
         st.n_target_forwards += 1
+        n_rows = o + 1 + (tree.n_nodes if tree is not None else len(drafts))
+        st.record_rows(n_rows)
         if session is not None:
             st.record_cycle(len(drafts) if tree is None else max(tree.depths), n_acc)  # a tree: the depths drafted
             if tree is not None:
@@ -450,7 +453,6 @@ class Speculator:
             else:
                 session.skip(kept, pos)
             st.t_process += time.perf_counter() - t
-            n_rows = o + 1 + (tree.n_nodes if tree is not None else len(drafts))
             if found is not None:
                 st.record_lookup(len(drafts), n_acc)
                 policy.observe_lookup(found.n, len(drafts), n_acc, t_verify, len(out), n_rows)

@@ -60,6 +60,7 @@ class SpecStats:
     tree_cycles: int = 0  # of the cycles above: those that verified a draft tree (tree.py)
     tree_nodes: int = 0  # the draft tokens those trees held (chains and branches)
     tree_branch_kept: int = 0  # tree cycles whose kept path left the chain for a branch
+    verify_rows: list[int] = field(default_factory=list)  # [rows_max + 1]: verify cycles by the rows decoded (1: plain)
     t_prefill: float = 0.0
     t_target: float = 0.0  # verify decodes + choosing tokens
     t_draft: float = 0.0  # Eagle3Session.draft
@@ -88,6 +89,12 @@ class SpecStats:
             self.drafted_by_pos[i] += 1
         for i in range(n_accepted):
             self.accepted_by_pos[i] += 1
+
+    def record_rows(self, n: int) -> None:
+        """A verify cycle decoded n rows (id_last, its drafts or tree, and a tree's kept branch redone)."""
+        if n >= len(self.verify_rows):
+            self.verify_rows += [0] * (n + 1 - len(self.verify_rows))
+        self.verify_rows[n] += 1
 
     def record_lookup(self, n_drafted: int, n_accepted: int) -> None:
         """The cycle just recorded verified a lookup draft."""

@@ -188,20 +188,6 @@ def measure_physics(spec: Speculator, exact: str) -> Physics:
                    found.exact, found.probed, found.seconds, calibrate_s)
 
 
-class RowLog:
-    """Records the rows of every target decode a Runner's speculator makes (prefill included)."""
-
-    def __init__(self, runner: Runner):
-        self.rows: list[int] = []
-        decode = runner.spec.decode
-
-        def logged(batch) -> None:
-            self.rows.append(batch.n_rows)
-            decode(batch)
-
-        runner.spec.decode = logged
-
-
 class Resync:
     """Target-only's text after a context the run reached where its text parted from the truth (a verify width
     that is not exact): plain decoding on a second context of the same target, made the first time it is needed."""
@@ -229,7 +215,6 @@ class ScaleRun(PromptRun):
     """A run as bench.Bench records it (its seconds without the replay's own), with what the ceiling takes."""
 
     stats: SpecStats | None = None
-    rows: list[int] = field(default_factory=list)  # its verify batches' rows
     steps: int = 0  # the head's decoder runs in drafts
     cycles: int = 0  # drafting cycles (each with a catch-up)
     t_replay: float = 0.0
@@ -238,13 +223,12 @@ class ScaleRun(PromptRun):
 
 class ReplayHooks(RunHooks):
     """Bench's hooks for replayed heads: before a run, its session replays the profile against the prompt and the
-    round's target-only text; after it, the replay's own time leaves the run's and its rows and steps are kept."""
+    round's target-only text; after it, the replay's own time leaves the run's and its head steps are kept."""
 
     def __init__(self, n_ctx: int, threads: int):
         self.n_ctx, self.threads = n_ctx, threads
         self.resync: Resync | None = None
         self.sessions: dict[str, replay.ReplaySession] = {}
-        self.logs: dict[str, RowLog] = {}
 
     def session(self, profile: replay.Profile):
         """Contender.session: a replaying head for `profile` on the bench's pair."""
@@ -256,12 +240,10 @@ class ReplayHooks(RunHooks):
 
     def attach(self, bench: Bench) -> None:
         self.sessions = bench.sessions
-        self.logs = {name: RowLog(bench.runners[name]) for name in bench.sessions}
 
     def before(self, c: Contender, p: BenchPrompt, index: int, reference: list[int]) -> None:
         if c.name in self.sessions:
             self.sessions[c.name].replay(p.tokens + reference, seed=index)
-            self.logs[c.name].rows.clear()
 
     def after(self, c: Contender, p: BenchPrompt, run: PromptRun, result) -> ScaleRun:
         fields = {f.name: getattr(run, f.name) for f in dataclasses.fields(PromptRun)}
@@ -269,8 +251,8 @@ class ReplayHooks(RunHooks):
         if s is None:
             return ScaleRun(**fields, stats=result.stats)
         fields["seconds"] = run.seconds - s.t_replay
-        return ScaleRun(**fields, stats=result.stats, rows=list(self.logs[c.name].rows[1:]), steps=s.steps,
-                        cycles=s.cycles, t_replay=s.t_replay, resyncs=s.resyncs)
+        return ScaleRun(**fields, stats=result.stats, steps=s.steps, cycles=s.cycles, t_replay=s.t_replay,
+                        resyncs=s.resyncs)
 
     def close(self) -> None:
         if self.resync is not None:
@@ -338,9 +320,8 @@ def _add(o: Outcome, r: ScaleRun, ratio: float, identical: bool, verify_s: list[
     o.t_draft += st.t_draft - r.t_replay
     o.t_process += st.t_process
     o.t_python += max(st.t_python - r.t_replay, 0.0)
-    plain = (st.n_target_forwards - 1) * verify_s[0] if not r.rows else 0.0
-    o.curve_s += plain + sum(verify_s[min(n, len(verify_s)) - 1] for n in r.rows) + r.steps * step_s \
-        + r.cycles * catch_s
+    o.curve_s += sum(c * verify_s[min(n, len(verify_s)) - 1] for n, c in enumerate(st.verify_rows) if c) \
+        + r.steps * step_s + r.cycles * catch_s
 
 
 def prompt_tokens(target: Path, n: int, length: int, seed: int) -> list[list[int]]:

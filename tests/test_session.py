@@ -21,6 +21,9 @@ def check_stats_add_up(st, n_tokens: int) -> None:
     assert st.n_generated == n_tokens + (1 if st.stop_reason == "eos" else 0)
     assert sum(st.accept_hist) == st.n_target_forwards - 1
     assert sum(st.accepted_by_pos) == st.n_accepted and sum(st.drafted_by_pos) == st.n_drafted
+    # a cycle decodes id_last and the drafts it verifies (chains: no tree nodes, no kept branch redone)
+    assert sum(st.verify_rows) == st.n_target_forwards - 1 and st.tree_cycles == 0
+    assert sum((n - 1) * c for n, c in enumerate(st.verify_rows)) == st.n_drafted
 
 
 @pytest.fixture(scope="module")

@@ -205,6 +205,10 @@ def test_a_runner_up_is_kept_through_a_tree_and_never_through_a_chain(pair):
     st = by_tree.stats
     # every tree cycle keeps the depth-1 branch (and the head's tokens under it, now and then)
     assert st.tree_cycles > 10 and st.tree_branch_kept == st.tree_cycles <= st.n_accepted
+    # a tree cycle decodes id_last and its nodes, after the branch the cycle before kept (at most 3 deep) again
+    rows = st.verify_rows
+    assert sum(rows) == st.n_target_forwards - 1 and len(rows) <= 1 + 3 + 1 + 5
+    assert sum(n * c for n, c in enumerate(rows)) >= st.tree_nodes + st.tree_cycles + st.tree_branch_kept - 1
     assert 4 * st.tree_cycles < st.tree_nodes <= 5 * st.tree_cycles  # (the last cycles draft what n_predict leaves)
     assert st.n_accepted + st.n_target_forwards == st.n_generated
 
