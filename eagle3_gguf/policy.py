@@ -166,14 +166,15 @@ class CostKey:
                    f"{os.uname().machine}:{os.cpu_count()}:{cpu_model()}:{backend_fingerprint()}")
 
     @classmethod
-    def for_contexts(cls, target, head, n_batch: int) -> "CostKey":
+    def for_contexts(cls, target, head, n_batch: int, reads: str = "") -> "CostKey":
         """The key of a target context and a head context (native.Context) verifying n_batch rows at most:
-        the same set-up gives the same key on every surface."""
+        the same set-up gives the same key on every surface. `reads`: what a verify reads back where it matters
+        to the key (a cost curve: "graph" choices or "logits"; the graph's argmax costs more on a CPU)."""
         # ggml's switches in the environment pick kernels too (GGML_CPU_TILED_MM=0: K-quants without the tiled matmul)
         ggml = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("GGML_"))
         setup = (f"kv {target.kv_types[0]}/{target.kv_types[1]} fa {target.flash_attn} repack {target.model.repack} "
                  f"on {target.model.placement} / {head.model.placement}"  # the devices and layers offloaded
-                 + (f" env {ggml}" if ggml else ""))
+                 + (f" env {ggml}" if ggml else "") + (f" reads {reads}" if reads else ""))
         return cls.for_files(target.model.path, head.model.path, target.n_threads, setup, n_batch)
 
     def path(self) -> Path:

@@ -248,7 +248,8 @@ class Speculator:
         size up to `dense_rows` rows timed (policy.measure)."""
         target, session = self.target, self.session
         session.extract.enable(True)  # verify rows as a cycle decodes them
-        key = CostKey.for_contexts(target, session.draft_ctx, self.batch.capacity)
+        key = CostKey.for_contexts(target, session.draft_ctx, self.batch.capacity,
+                                   reads="graph" if target.greedy_sampling else "logits")
         cached = load_costs(key, k_max)
         if cached is not None:
             return cached

@@ -562,6 +562,47 @@ def test_decoder_switches_between_graph_argmax_and_logits(smollm2_path, monkeypa
         assert d.generate(prompt, cfg, speculative=False).tokens == greedy.tokens
 
 
+def test_greedy_runs_take_the_graphs_argmax_where_the_output_layer_is_on_a_local_gpu():
+    from types import SimpleNamespace
+
+    from eagle3_gguf.decode import greedy_in_graph
+    from eagle3_gguf.native import Placement
+
+    def on(devices, offloaded, n_layers=31):
+        return greedy_in_graph(SimpleNamespace(model=SimpleNamespace(placement=Placement(devices, offloaded, n_layers))))
+
+    assert on(("CUDA0 (NVIDIA H200)",), 31)
+    assert not on(("CUDA0 (NVIDIA H200)",), 30)  # the output layer on the CPU
+    assert not on((), 0)
+    assert not on(("RPC0 (127.0.0.1:50052)",), 31)  # each sampled row read back with a round trip of its own
+
+
+def test_a_cost_curve_is_measured_and_cached_for_what_the_cycles_read(smollm2_path, monkeypatch, tmp_path):
+    """Calibration times a verify as the run's cycles read it back: the graph's choices (forced here: the GPU's
+    path) and the logits (the CPU's) each get a curve of their own, measured and cached; the exactness probe,
+    which compares logits, leaves the graph's argmax on behind it."""
+    import json
+
+    from eagle3_gguf import decode
+    from eagle3_gguf.assets import default_head_path
+
+    monkeypatch.setenv("EAGLE3_GGUF_CACHE", str(tmp_path))
+    cfg = GenerateConfig(n_predict=40, draft_max=4)  # the adaptive policy, chains (draft_topk 1)
+    with load_pair(smollm2_path, default_head_path(), PairConfig(n_ctx=512, n_threads=2)) as pair:
+        prompt = tokenize(pair.target_model, "Count from 1 to 50: 1, 2, 3, 4, 5,")
+        with Runner(pair.target) as plain:
+            base = plain.generate(prompt, cfg, speculative=False)
+        for reads, in_graph in (("graph", True), ("logits", False)):
+            monkeypatch.setattr(decode, "greedy_in_graph", lambda target, g=in_graph: g)
+            with Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
+                run = d.generate(prompt, cfg)
+            assert pair.target.greedy_sampling == in_graph and run.tokens == base.tokens, reads
+            assert run.stats.policy.cost_source == "measured" and run.stats.exact.source == ("probed" if in_graph
+                                                                                          else "cache"), reads
+    saved = [json.loads(p.read_text())["key"]["setup"] for p in (tmp_path / "costs").glob("*.json")]
+    assert sorted(k.rsplit(" reads ", 1)[1] for k in saved if " reads " in k) == ["graph", "logits"]
+
+
 def test_generate_config_checks():
     with pytest.raises(Eagle3Error, match="spec_sampling must be rejection or match \\(got typical\\)"):
         GenerateConfig(spec_sampling="typical")
