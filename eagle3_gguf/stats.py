@@ -186,6 +186,7 @@ class SpecStats:
                 ("tau (tokens/forward)", f"{self.tau:.2f}"),
                 (f"accepted 0..{len(self.accept_hist) - 1} (cycles)", " ".join(str(x) for x in self.accept_hist)),
                 ("acceptance by position", " ".join(f"{x:.2f}" for x in self.acceptance_by_pos())),
+                ("verify rows (cycles)", "  ".join(f"{n}: {c}" for n, c in enumerate(self.verify_rows) if c)),
             ]
             if self.tree_cycles:
                 rows.append(("draft trees", f"{self.tree_cycles} cycles, {self.tree_nodes / self.tree_cycles:.1f} "

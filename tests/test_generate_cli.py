@@ -164,6 +164,9 @@ def test_generate_streams_text_and_prints_stats(tiny_target, tiny_head):
     assert r.exit_code == 0, r.output
     assert "identical output   yes" in r.stderr
     assert "tau (tokens/forward)" in r.stderr and "acceptance by position" in r.stderr
+    rows = re.search(r"verify rows \(cycles\) +(.+)", r.stderr)[1]  # "1: 5  3: 2": each cycle after the prefill
+    forwards = int(re.search(r"target forwards +(\d+)", r.stderr)[1])
+    assert sum(int(c) for c in re.findall(r"\d+: (\d+)", rows)) == forwards - 1
     assert r.stdout.endswith("\n") and len(r.stdout.strip()) > 0
 
 

@@ -569,7 +569,8 @@ def test_greedy_runs_take_the_graphs_argmax_where_the_output_layer_is_on_a_local
     from eagle3_gguf.native import Placement
 
     def on(devices, offloaded, n_layers=31):
-        return greedy_in_graph(SimpleNamespace(model=SimpleNamespace(placement=Placement(devices, offloaded, n_layers))))
+        placement = Placement(devices, offloaded, n_layers)
+        return greedy_in_graph(SimpleNamespace(model=SimpleNamespace(placement=placement)))
 
     assert on(("CUDA0 (NVIDIA H200)",), 31)
     assert not on(("CUDA0 (NVIDIA H200)",), 30)  # the output layer on the CPU
