@@ -64,6 +64,7 @@ class SpecStats:
     t_prefill: float = 0.0
     t_target: float = 0.0  # verify decodes + choosing tokens
     t_draft: float = 0.0  # Eagle3Session.draft
+    t_draft_native: float = 0.0  # of t_draft: inside llama.cpp (the head's graphs; the rest is choosing tokens)
     t_lookup: float = 0.0  # lookup proposals and the policy's choice over them
     t_process: float = 0.0  # Eagle3Session.accept + process (encoder + decoder on kept rows)
     t_total: float = 0.0  # generation after the prompt, everything included
@@ -145,6 +146,11 @@ class SpecStats:
         cycles = max(self.n_target_forwards - 1, 1)
         return 1e3 * self.t_python / cycles
 
+    @property
+    def t_draft_python(self) -> float:
+        """Of t_python, the part inside drafting: choosing each draft step's token from the head's logits."""
+        return max(self.t_draft - self.t_draft_native, 0.0)
+
     def policy_rows(self) -> list[tuple[str, str]]:
         p = self.policy
         rows = [("draft policy", p.name),
@@ -165,6 +171,7 @@ class SpecStats:
         d = asdict(self)
         d.update(acceptance_rate=self.acceptance_rate, tau=self.tau, tokens_per_second=self.tokens_per_second,
                  t_overhead=self.t_overhead, t_python=self.t_python, python_per_cycle_ms=self.python_per_cycle_ms,
+                 t_draft_python=self.t_draft_python,
                  acceptance_by_pos=self.acceptance_by_pos())
         return d
 
@@ -200,7 +207,9 @@ class SpecStats:
             ("time: target / draft / process / other",
              f"{self.t_target:.2f}s {self.t_draft:.2f}s {self.t_process:.2f}s {self.t_overhead:.2f}s "
              f"({self.t_target / t:.0%} {self.t_draft / t:.0%} {self.t_process / t:.0%} {self.t_overhead / t:.0%})"),
-            ("python per cycle", f"{self.python_per_cycle_ms:.2f} ms (outside llama.cpp)"),
+            ("python per cycle", f"{self.python_per_cycle_ms:.2f} ms (outside llama.cpp"
+             + (f"; {1e3 * self.t_draft_python / max(self.n_target_forwards - 1, 1):.2f} ms of it drafting)"
+                if self.t_draft else ")")),
             ("prompt time", f"{self.t_prefill:.2f}s"),
             ("speed", f"{self.tokens_per_second:.1f} tok/s"),
             ("stopped by", self.stop_reason),

@@ -121,6 +121,7 @@ class Outcome:
     t_draft: float = 0.0
     t_process: float = 0.0
     t_python: float = 0.0
+    t_draft_python: float = 0.0  # of t_python: choosing the drafts' tokens (the replay's own left out)
     curve_s: float = 0.0  # what the cycles cost at the curve's prices
 
     @property
@@ -152,7 +153,7 @@ class Outcome:
         other = self.t_total - self.t_target - self.t_draft - self.t_process
         return {"verify": 1e3 * self.t_target / n, "draft": 1e3 * self.t_draft / n,
                 "process": 1e3 * self.t_process / n, "other": 1e3 * max(other, 0.0) / n,
-                "python": 1e3 * self.t_python / n}
+                "python": 1e3 * self.t_python / n, "python drafting": 1e3 * self.t_draft_python / n}
 
 
 @dataclass
@@ -320,6 +321,7 @@ def _add(o: Outcome, r: ScaleRun, ratio: float, identical: bool, verify_s: list[
     o.t_draft += st.t_draft - r.t_replay
     o.t_process += st.t_process
     o.t_python += max(st.t_python - r.t_replay, 0.0)
+    o.t_draft_python += max(st.t_draft_python - r.t_replay, 0.0)
     o.curve_s += sum(c * verify_s[min(n, len(verify_s)) - 1] for n, c in enumerate(st.verify_rows) if c) \
         + r.steps * step_s + r.cycles * catch_s
 
@@ -402,7 +404,7 @@ def table(results: list[ShapeResult]) -> str:
                       f"- exact verify widths: 1..{ph.exact_widths} of 1..{ph.probed} (probed in {ph.probe_s:.1f} s)"]
         lines += ["", "| profile | contender | tok/s | speedup, median (min) | tau | kept by position, conditional "
                   "| identical | resyncs | ceiling | achieved / ceiling | Python ms / cycle (share) "
-                  "| per cycle ms: verify / draft / process / other |", "|" + "---|" * 12]
+                  "| of it drafting | per cycle ms: verify / draft / process / other |", "|" + "---|" * 13]
         t1 = ph.verify_ms[0] / 1e3 if ph else 0.0
         n = len(res.outcomes[0].speedup) if res.outcomes else 0
         for o in res.outcomes:
@@ -414,6 +416,7 @@ def table(results: list[ShapeResult]) -> str:
                 f"{' '.join(f'{a:.2f}' for a in o.acceptance())} | {o.identical}/{n} | {o.resyncs} | "
                 + (f"{ceil:.2f}x | {o.median / ceil:.0%}" if ceil else " | ")
                 + f" | {ms['python']:.3f} ({o.t_python / o.t_total if o.t_total else 0:.1%}) | "
+                f"{ms['python drafting']:.3f} | "
                 f"{ms['verify']:.2f} / {ms['draft']:.2f} / {ms['process']:.2f} / {ms['other']:.2f} |")
         if res.goals:
             lines += ["", f"Goals ({GOAL_CONTENDER} at {GOAL_PROFILE}; stated for llama-8b on an H100/H200):", ""]
