@@ -136,7 +136,8 @@ class ReplaySession(Eagle3Session):
             raise Eagle3Error("a replayed head drafts for greedy verification only (temperature 0)")
         prof = self.profile
         inner = judge if judge is not None else lambda confs, n: judge_p_min(confs, n, p_min)  # noqa: E731
-        calibrated = lambda confs, n: inner([prof.p(i) for i in range(len(confs))], n)  # noqa: E731
+        ps = [prof.p(i) for i in range(n_max)]  # once a draft: the judge runs inside every step, in the run's Python
+        calibrated = lambda confs, n: inner(ps[:len(confs)], n)  # noqa: E731
         real = super().draft(id_last, n_max, calibrated, p_min, None, n_alt)
         t0 = time.perf_counter()
         start = self._follow(id_last)
