@@ -146,10 +146,15 @@ class Speculator:
         return min(config.draft_lookup_max, self.k_limit if limit is None else limit) if lookup else 0
 
     def _drafts_max(self, config: DraftConfig, limit: int | None = None) -> int:
-        """The most drafts a cycle may verify with config (head, lookup or tree), at most `limit` (default:
-        k_limit): the cost curve's length."""
+        """The most rows after id_last a cycle may verify with config (head, lookup or tree), at most `limit`
+        (default: k_limit): the cost curve's length and the probe's widest width less one. A tree cycle after one
+        that kept a branch decodes that branch again first, then a whole tree: a fixed tree's branch reaches as deep
+        as the tree, the adaptive policy's are leaves beside its chain (tree.py)."""
         limit = self.k_limit if limit is None else limit
-        head = max(min(config.draft_max, limit), min(config.tree_nodes, limit)) if config.draft_head else 0
+        redo = 0 if config.draft_topk == 1 else \
+            min(config.draft_max, config.tree_nodes) if config.draft_policy == "fixed" else 1
+        tree = config.tree_nodes + redo
+        head = max(min(config.draft_max, limit), min(tree, limit)) if config.draft_head else 0
         return max(head, self._lookup_max(config, limit))
 
     def _needs_probe(self, config: DraftConfig) -> bool:

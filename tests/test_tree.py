@@ -201,9 +201,8 @@ def test_a_steps_likeliest_tokens_are_those_a_full_sort_gives(pair, tiny_target,
 
 def test_a_runner_up_is_kept_through_a_tree_and_never_through_a_chain(pair):
     prompt = chat_tokens(pair.target_model, PROMPT)
-    # exact off: a probe cached for a narrower run (6 widths) would cap a tree after a kept branch, which its next
-    # cycle decodes again first (SmolLM2 on this CPU is exact through 17 rows: the texts are compared below)
-    chain = GenerateConfig(n_predict=60, draft_max=3, draft_policy="fixed", exact="off")
+    # (the probe covers a tree after a kept branch, which its cycle decodes again first: 1 + 3 + 5 rows)
+    chain = GenerateConfig(n_predict=60, draft_max=3, draft_policy="fixed")
     tree = dataclasses.replace(chain, draft_topk=2, draft_nodes=5)
     with Runner(pair.target) as plain:
         base = plain.generate(prompt, chain, speculative=False)
@@ -222,6 +221,20 @@ def test_a_runner_up_is_kept_through_a_tree_and_never_through_a_chain(pair):
     assert sum(n * c for n, c in enumerate(rows)) >= st.tree_nodes + st.tree_cycles + st.tree_branch_kept - 1
     assert 4 * st.tree_cycles < st.tree_nodes <= 5 * st.tree_cycles  # (the last cycles draft what n_predict leaves)
     assert st.n_accepted + st.n_target_forwards == st.n_generated
+
+
+@pytest.mark.parametrize("cfg, rows", [
+    (GenerateConfig(draft_max=3, draft_policy="fixed", draft_topk=2, draft_nodes=5), 1 + 3 + 5),  # a branch 3 deep
+    (GenerateConfig(draft_max=4, draft_topk=4, draft_nodes=8, draft_lookup=False), 1 + 1 + 8),  # a leaf
+    (GenerateConfig(draft_max=4, draft_policy="fixed"), 1 + 4),  # a chain: nothing decoded again
+])
+def test_the_probe_covers_a_tree_after_a_kept_branch(pair, monkeypatch, tmp_path, cfg, rows):
+    """A tree cycle after one that kept a branch decodes that branch again before its tree: the exactness probe
+    covers that batch too, so such a cycle keeps its whole tree (SmolLM2 on this CPU is exact at every width)."""
+    monkeypatch.setenv("EAGLE3_GGUF_CACHE", str(tmp_path))  # probed now, not answered by a wider run's probe
+    with Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
+        found = d.spec.prepare(cfg)
+    assert (found.source, found.probed, found.rows_max) == ("probed", rows, rows)
 
 
 def test_the_head_drafts_a_chain_as_a_tree_of_one_token_a_depth(pair):
