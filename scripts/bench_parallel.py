@@ -38,6 +38,7 @@ import time
 from typing import Callable
 from pathlib import Path
 
+import llama_cpp  # noqa: F401,I001  before numpy: see scripts/bench_scale.py
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -41,14 +41,16 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
+# llama.cpp's library before numpy, gguf and the rest: on the lent GPU's image a process that had loaded numpy (or
+# sentencepiece, or tokenizers) first segfaulted in llama.cpp's tokenizer set-up at model load (bench/NOTES.md)
+import llama_cpp  # noqa: F401,I001
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
-import llama_cpp  # noqa: E402,F401  before gguf: on the lent GPU's image gguf's sentencepiece first crashed llama.cpp
-
 import replay  # noqa: E402
 import synthetic  # noqa: E402
 from eagle3_gguf.bench import (TARGET, Bench, BenchPrompt, Contender, PromptRun, RunHooks, fastest,  # noqa: E402
@@ -171,6 +173,9 @@ class ShapeResult:
     physics: Physics | None = None
     outcomes: list[Outcome] = field(default_factory=list)
     goals: list[str] = field(default_factory=list)
+    prompts: int = 0  # prompts measured (every contender ran on each)
+    first_s: float = 0.0  # seconds from loading to the first prompt measured: --budget's guess for the next shape
+    stopped: str = ""  # why fewer than --prompts were (the time budget, an interrupt)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -261,11 +266,14 @@ class ReplayHooks(RunHooks):
 
 
 def measure_speeds(bench: Bench, hooks: ReplayHooks, prompts: list[list[int]], runs: list[Contender],
-                   profiles: list[replay.Profile], rounds: int, physics: Physics) -> list[Outcome]:
+                   profiles: list[replay.Profile], rounds: int, res: ShapeResult, deadline: float | None,
+                   on_prompt: Callable[[], None]) -> None:
     """Target-only and every contender at every profile through eagle3_gguf's benchmark runner (bench.Bench):
     interleaved per prompt, target-only first and last, the contenders between in an order that rotates with the
     prompt. Target-only runs as a chain run picks (decode.greedy_in_graph) and, as a contender, reading the
-    logits; a prompt's ratio is a contender's fastest run against the faster of them (bench.per_prompt_ratio)."""
+    logits; a prompt's ratio is a contender's fastest run against the faster of them (bench.per_prompt_ratio).
+    res.outcomes holds the prompts measured so far, on_prompt() is called after each; no prompt starts that would
+    end past `deadline` (time.monotonic()), and an interrupt (Ctrl-C, SIGINT) drops the prompt it cut."""
     n_predict = runs[0].config.n_predict
     named = {f"{p.name} | {c.name}": (p, c) for p in profiles for c in runs}  # the bench's contender names
     bench.add([logits_read(n_predict)] + [dataclasses.replace(c, name=name, session=hooks.session(p))
@@ -274,14 +282,26 @@ def measure_speeds(bench: Bench, hooks: ReplayHooks, prompts: list[list[int]], r
     items = [BenchPrompt("synthetic", str(i), "", tokens) for i, tokens in enumerate(prompts)]
     per_prompt = bench.runs_per_prompt(rounds)
     done: list[ScaleRun] = []
-    for r in bench.measure(items, repeat=rounds, n_predict=n_predict, hooks=hooks, rotate=True):
-        done.append(r)
-        if len(done) % per_prompt == 0:
-            mine = done[-per_prompt:]
-            base = fastest(x for x in mine if x.contender in (TARGET.name, LOGITS_READ))[r.prompt_id]
-            print(f"prompt {r.prompt_id}: target-only {base:.1f} tok/s; " + "; ".join(
-                f"{name} {v / base:.2f}x" for name, v in fastest(mine, key=lambda x: x.contender).items()
-                if name in named), file=sys.stderr)
+    try:
+        for r in bench.measure(items, repeat=rounds, n_predict=n_predict, deadline=deadline, hooks=hooks,
+                               rotate=True):
+            done.append(r)
+            if len(done) % per_prompt == 0:
+                mine = done[-per_prompt:]
+                base = fastest(x for x in mine if x.contender in (TARGET.name, LOGITS_READ))[r.prompt_id]
+                print(f"prompt {r.prompt_id}: target-only {base:.1f} tok/s; " + "; ".join(
+                    f"{name} {v / base:.2f}x" for name, v in fastest(mine, key=lambda x: x.contender).items()
+                    if name in named), file=sys.stderr, flush=True)
+                res.prompts = len(done) // per_prompt
+                res.outcomes = outcomes(done, items[:res.prompts], named, res.physics)
+                on_prompt()
+        res.stopped = bench.stopped
+    except KeyboardInterrupt:  # decode's PartialResult too: the prompt it cut is left out
+        res.stopped = f"interrupted: {res.prompts} of {len(items)} prompts measured"
+
+
+def outcomes(done: list[ScaleRun], items: list[BenchPrompt], named: dict, physics: Physics) -> list[Outcome]:
+    """Each contender's Outcome over the prompts in `items` (every run of them in `done`)."""
     base = [r for r in done if r.contender in (TARGET.name, LOGITS_READ)]
     verify_s = [ms / 1e3 for ms in physics.verify_ms]
     step_s, catch_s = physics.draft_step_ms / 1e3, physics.catch_up_ms / 1e3
@@ -334,7 +354,9 @@ def prompt_tokens(target: Path, n: int, length: int, seed: int) -> list[list[int
     return [rng.choice(normal, length).tolist() for _ in range(n)]
 
 
-def bench_shape(target: Path, head: Path, shape: str, qtype: str, made_s: float, args) -> ShapeResult:
+def bench_shape(target: Path, head: Path, shape: str, qtype: str, made_s: float, args,
+                results: list[ShapeResult], deadline: float | None) -> ShapeResult:
+    """One shape's physics and speeds, appended to `results` (written after each prompt where --out is given)."""
     runs = contenders(args.n_predict, args.exact)
     profiles = [replay.parse_profile(p) for p in args.profiles.split(",")]
     n_seq = max(c.config.tree_sequences for c in [*runs, logits_read(args.n_predict)])
@@ -350,13 +372,22 @@ def bench_shape(target: Path, head: Path, shape: str, qtype: str, made_s: float,
             res = ShapeResult(shape, qtype, str(target), str(head), target.stat().st_size / 2**20,
                               head.stat().st_size / 2**20, made_s, load_s, str(pair.target_model.placement),
                               pair.target.n_threads)
+            results.append(res)
             res.physics = measure_physics(bench.runners[TARGET.name].spec, args.exact)
+            print(physics_lines(res.physics), file=sys.stderr, flush=True)
+            write(results, args)
             if args.exact == "auto" and res.physics.exact_widths < TREE_ROWS:
                 # the probe caps the default's trees and K=4's chains: what speculating past it would give, beside
                 runs += [Contender(f"{c.name}, --exact off", dataclasses.replace(c.config, exact="off"))
                          for c in runs if c.name in (GOAL_CONTENDER, "fixed K=4")]
             prompts = prompt_tokens(target, args.prompts, args.prompt_len, args.seed)
-            res.outcomes = measure_speeds(bench, hooks, prompts, runs, profiles, args.rounds, res.physics)
+
+            def on_prompt() -> None:
+                res.first_s = res.first_s or time.perf_counter() - t
+                res.goals = goals(res)
+                write(results, args)
+
+            measure_speeds(bench, hooks, prompts, runs, profiles, args.rounds, res, deadline, on_prompt)
         finally:
             hooks.close()  # its context before the pair's
     res.goals = goals(res)
@@ -387,6 +418,15 @@ def goals(res: ShapeResult) -> list[str]:
     return out
 
 
+def physics_lines(ph: Physics) -> str:
+    rel = " ".join(f"{t / ph.verify_ms[0]:.2f}" for t in ph.verify_ms)
+    return "\n".join([f"- verify cost, 1..{ROWS} rows: {' '.join(f'{t:.2f}' for t in ph.verify_ms)} ms",
+                      f"  ({rel} x one row; {ph.calibrate_s:.1f} s to measure)",
+                      f"- head: draft step {ph.draft_step_ms:.3f} ms ({ph.draft_step_ms / ph.verify_ms[0]:.2f} x one "
+                      f"row), catch-up {ph.catch_up_ms:.3f} ms",
+                      f"- exact verify widths: 1..{ph.exact_widths} of 1..{ph.probed} (probed in {ph.probe_s:.1f} s)"])
+
+
 def table(results: list[ShapeResult]) -> str:
     lines = ["# Benchmark at scale: synthetic targets, replayed acceptance", ""]
     for res in results:
@@ -396,12 +436,8 @@ def table(results: list[ShapeResult]) -> str:
                   + (f", made in {res.made_s:.1f} s" if res.made_s else ", made before")
                   + f"; loaded in {res.load_s:.1f} s"]
         if ph is not None:
-            rel = " ".join(f"{t / ph.verify_ms[0]:.2f}" for t in ph.verify_ms)
-            lines += [f"- verify cost, 1..{ROWS} rows: {' '.join(f'{t:.2f}' for t in ph.verify_ms)} ms",
-                      f"  ({rel} x one row; {ph.calibrate_s:.1f} s to measure)",
-                      f"- head: draft step {ph.draft_step_ms:.3f} ms ({ph.draft_step_ms / ph.verify_ms[0]:.2f} x one "
-                      f"row), catch-up {ph.catch_up_ms:.3f} ms",
-                      f"- exact verify widths: 1..{ph.exact_widths} of 1..{ph.probed} (probed in {ph.probe_s:.1f} s)"]
+            lines.append(physics_lines(ph))
+        lines.append(f"- prompts measured: {res.prompts}" + (f" ({res.stopped})" if res.stopped else ""))
         lines += ["", "| profile | contender | tok/s | speedup, median (min) | tau | kept by position, conditional "
                   "| identical | resyncs | ceiling | achieved / ceiling | Python ms / cycle (share) "
                   "| of it drafting | per cycle ms: verify / draft / process / other |", "|" + "---|" * 13]
@@ -483,7 +519,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--exact", default="auto", choices=("auto", "strict", "off"), help="the contenders' --exact")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="threads writing synthetic models")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", help="write results.md and results.json here")
+    ap.add_argument("--out", help="write results.md and results.json here (after every prompt)")
+    ap.add_argument("--budget", type=float, default=0, help="seconds for the whole run: no prompt starts that would "
+                    "end past them, no shape that would not reach its first prompt (0: no limit)")
     ap.add_argument("-v", "--verbose", action="store_true", help="let llama.cpp's log through (stderr)")
     args = ap.parse_args(argv)
     if args.tiny:
@@ -508,6 +546,8 @@ def check_args(args) -> str | None:
                     f"{', '.join(synthetic.TYPES)}")
     if min(args.prompts, args.n_predict, args.prompt_len, args.rounds, args.jobs) < 1 or args.n_predict < 8:
         return "--prompts, --prompt-len, --rounds and --jobs must be at least 1, -n at least 8"
+    if args.budget < 0:
+        return "--budget: seconds, at least 0 (0: no limit)"
     try:
         args.ngl = -1 if args.ngl == "all" else int(args.ngl)
         for p in args.profiles.split(","):
@@ -534,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     # cost curves and probes measured here (every size of the curve timed), not a run's from the user's cache
     os.environ["EAGLE3_GGUF_CACHE"] = str(work / "cache")
     results: list[ShapeResult] = []
+    deadline = time.monotonic() + args.budget if args.budget else None
     try:
         if args.target:
             pairs = [("given", Path(args.target).stem, lambda: (Path(args.target), Path(args.head), 0.0))]
@@ -541,10 +582,20 @@ def main(argv: list[str] | None = None) -> int:
             pairs = [(s, q, lambda s=s, q=q: ensure_pair(work, s, q, args))
                      for s, _, q in (item.partition(":") for item in args.shapes.split(","))]
         for shape, qtype, make in pairs:
+            need = results[-1].first_s if results else 0.0  # to load, measure the physics and one prompt
+            if deadline is not None and time.monotonic() + need > deadline:
+                print(f"{shape} {qtype}: not measured, {max(deadline - time.monotonic(), 0):.0f} s of --budget left "
+                      f"(the last shape's first prompt came after {need:.0f} s)", file=sys.stderr)
+                continue
             target, head, made_s = make()
-            results.append(bench_shape(target, head, shape, qtype, made_s, args))
+            res = bench_shape(target, head, shape, qtype, made_s, args, results, deadline)
             write(results, args)
-            print(table(results[-1:]), flush=True)
+            print(table([res]), flush=True)
+            if res.stopped.startswith("interrupted"):
+                return 130
+    except KeyboardInterrupt:  # outside a prompt (loading, the physics): what finished is written already
+        print("interrupted", file=sys.stderr)
+        return 130
     except Eagle3Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 54's lent GPU call (device tool), run from the repository root there with carry ['.gpu/scale'] (packed by
-# scripts/pack_scale.py), in one command of at most 10 minutes: check the pack, install the gguf wheel, build
+# scripts/pack_scale.py), in one command of at most 10 minutes: check the pack, install its wheels, build
 # llama-cpp-python with CUDA for the card (in the background, time-boxed) while the synthetic models are made, then
-# run scripts/bench_scale.py on Llama-3.1-8B's shape (Q4_K_M, then Q4_0), then Qwen2.5-1.5B's, until the budget
-# ends; results.md / results.json are rewritten after every shape, so a cut run keeps what finished. Everything
+# run scripts/bench_scale.py on Llama-3.1-8B's shape in Q4_K_M, then Qwen2.5-1.5B's, then the 8B in Q4_0, at the
+# vllm-8b profile (the goals'), within the budget (its --budget: no prompt starts that would end past it);
+# results.md / results.json are rewritten after every prompt, so a cut run keeps what finished. Everything
 # lands in $OUT: results.md, results.json, scale.log (this script's log), build.log and make.log (their tails).
 #   usage: bash scripts/gpu_scale.sh [--dry-run] [--budget SECONDS]
 # --dry-run: the same steps on this machine's CPU without the pack or a build (the installed llama-cpp-python and
@@ -44,21 +45,22 @@ fi
 make_path=${PYTHONPATH:-}
 if [ "$dry" = 1 ]; then
     shapes="tiny:q4_k_m,tiny:q4_0"
-    bench=(--tiny --shapes "$shapes")
+    bench=(--tiny --shapes "$shapes" --profiles vllm-8b,shipped)
     jobs=2
     say "dry run: the CPU, the installed llama-cpp-python ($("$py" -c 'import llama_cpp; print(llama_cpp.__version__)'))"
 else
-    shapes="llama-8b:q4_k_m,llama-8b:q4_0,qwen-1.5b:q4_k_m"
-    bench=(-ngl all --shapes "$shapes" --prompts 8 -n 128)
+    shapes="llama-8b:q4_k_m,qwen-1.5b:q4_k_m,llama-8b:q4_0"
+    bench=(-ngl all --shapes "$shapes" --profiles vllm-8b --prompts 5 -n 128)
     jobs=6  # beside a 16-way build: the models are mostly memory traffic
     say "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1)"
     (cd "$pack" && sha256sum -c --quiet SHA256SUMS) || { say "error: the pack's sha256 differ"; exit 2; }
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/gguf-site "$pack"/gguf-*.whl \
-        || { say "error: installing the gguf wheel failed"; exit 2; }
+    # what the image lacks (pack_scale.WHEELS): gguf, and llama-cpp-python's diskcache
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/deps-site "$pack"/*.whl \
+        || { say "error: installing the pack's wheels failed"; exit 2; }
     mkdir -p /tmp/llama-src && tar -xzf "$pack/llama_cpp_python-trimmed.tar.gz" -C /tmp/llama-src --strip-components 1 \
         || { say "error: unpacking the sdist failed"; exit 2; }
-    make_path=/tmp/gguf-site  # not /tmp/site: the build fills it meanwhile
-    export PYTHONPATH=/tmp/site:/tmp/gguf-site
+    make_path=/tmp/deps-site  # not /tmp/site: the build fills it meanwhile
+    export PYTHONPATH=/tmp/site:/tmp/deps-site
     say "building llama-cpp-python with CUDA (sm_90) in the background"
     ( CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF -DCMAKE_PROJECT_INCLUDE=$PWD/scripts/amx_guard.cmake" \
       CMAKE_BUILD_PARALLEL_LEVEL=16 timeout 360 "$py" -m pip install -v --no-deps --no-build-isolation --no-cache-dir \
@@ -85,11 +87,12 @@ if [ "$dry" = 0 ]; then
     say "built: $("$py" -c 'import llama_cpp; print(llama_cpp.__version__, "gpu offload", llama_cpp.llama_supports_gpu_offload())' 2>&1)"
 fi
 
-# shapes in order; results written after each, the run cut before the budget ends
+# shapes in order; results written after every prompt, the run ended by the budget
 if [ "$(left)" -lt 60 ]; then say "error: $(left) s left, too little for a shape"; exit 1; fi
 say "bench_scale with $(left) s left"
+# its own --budget ends it; the timeout (SIGINT: it writes what finished) is for a prompt far slower than the others
 PYTHONUNBUFFERED=1 timeout --signal=INT --kill-after=10 "$(( $(left) - 15 ))" "$py" scripts/bench_scale.py \
-    "${bench[@]}" --work "$work/models" --out "$out" --jobs "$jobs" 2>&1 | tee -a "$log"
+    "${bench[@]}" --work "$work/models" --out "$out" --jobs "$jobs" --budget "$(( $(left) - 30 ))" 2>&1 | tee -a "$log"
 rc=${PIPESTATUS[0]}
 say "bench_scale exited $rc; $(ls "$out" | tr '\n' ' ')"
 exit "$rc"

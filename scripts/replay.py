@@ -61,6 +61,7 @@ class Profile:
 # (top-1 39.3%, top-2 49.9%, top-3 54.8%, top-4 57.1% on 12 explanation prompts; ../shared/REFERENCE.md), as
 # conditional rates. No published 8B head gives its runner-ups' rates, so both profiles take these.
 SHIPPED_ALTS = (0.175, 0.098, 0.051)
+RESYNC_CHUNK = 32  # target-only's tokens asked of a resync at a time: a cycle reads at most 17 positions
 
 PROFILES = {
     "vllm-8b": Profile("vllm-8b", (0.80, 0.75, 0.70, 0.65), SHIPPED_ALTS,
@@ -107,6 +108,7 @@ class ReplaySession(Eagle3Session):
     def replay(self, truth: list[int], seed: int = 0) -> None:
         """Start over against a new truth (the next prompt's), the counters at zero."""
         self.truth = list(truth)
+        self.goal = len(self.truth)  # the truth's length: a resynced one is extended up to it as it is read
         self.rng = np.random.default_rng(seed)
         self.steps = 0  # the head's decoder runs in drafts (a tree: one per depth)
         self.cycles = 0  # drafts made (each with a catch-up)
@@ -117,14 +119,25 @@ class ReplaySession(Eagle3Session):
         """Where the first draft goes (a target position), after checking that the run's text is still the truth's
         there: all it emitted passed as id_last or as a draft equal to the truth, so a part shows at id_last."""
         at = self.pending_pos + self.shift + 1  # id_last's target position
-        if self.resync is not None and at < len(self.truth) and self.truth[at] != id_last:
-            head = self.truth[:at] + [id_last]
-            self.truth = head + self.resync(head, len(self.truth) - at - 1)
+        if self.resync is not None and at < self.goal and self._true(at) != id_last:
+            self.truth = self.truth[:at] + [id_last]
+            self._extend()
             self.resyncs += 1
         return at + 1
 
+    def _extend(self) -> None:
+        """RESYNC_CHUNK more of target-only's tokens after the truth so far (a resynced truth grows as the run
+        reads it: the run may part again soon, and a plain decode of the whole rest took ~0.5 s at 8B's shape)."""
+        n = min(RESYNC_CHUNK, self.goal - len(self.truth))
+        more = self.resync(self.truth, n) if n > 0 else []
+        self.truth += more
+        if len(more) < n:  # target-only ended there (an end token)
+            self.goal = len(self.truth)
+
     def _true(self, pos: int) -> int | None:
         """The token target-only put at target position pos (None past the truth given)."""
+        while self.resync is not None and len(self.truth) <= pos < self.goal:
+            self._extend()
         return self.truth[pos] if 0 <= pos < len(self.truth) else None
 
     def _wrong(self, true: int | None, k: int) -> int:

@@ -24,11 +24,13 @@ from eagle3_gguf.policy import CostCurve
 ROOT = Path(__file__).resolve().parent.parent
 VLLM = replay.PROFILES["vllm-8b"]
 N_PREDICT = 160
+made_pairs: list[synthetic.Made] = []  # the pair fixture's files (test_a_budget_... measures them again)
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory, smollm2_path):
     made = synthetic.make_pair(tmp_path_factory.mktemp("scale"), "tiny", "q4_0", smollm2_path, jobs=2)
+    made_pairs.append(made)
     # probes and cost curves of their own; one thread: two on two busy cores spin at llama.cpp's barriers
     with pytest.MonkeyPatch.context() as mp, \
             load_pair(made.target, made.head, PairConfig(n_ctx=1024, n_threads=1, n_seq_max=9)) as p:
@@ -124,12 +126,19 @@ def test_a_text_that_parts_from_the_truth_is_followed_again(pair, prompts):
         wrong[at:] = [(t + 7) % pair.target_model.n_vocab for t in truth[at:]]  # a truth that parts at token 20
         bent.append((p, wrong))
     resync = bench_scale.Resync(pair, 1024, 1)
+    asked: list[int] = []
+
+    def counted(tokens: list[int], n: int) -> list[int]:
+        asked.append(n)
+        return resync(tokens, n)
     try:
-        runs = replayed(pair, bent, config, resync=resync)
+        runs = replayed(pair, bent, config, resync=counted)
     finally:
         resync.close()
     assert all(r.tokens == truth[len(p):] for (r, _), (p, truth) in zip(runs, prompts))
     assert all(n >= 1 for _, n in runs)
+    # target-only's text after a part is asked as the run reads it, a chunk at a time, not all of the rest at once
+    assert max(asked) == replay.RESYNC_CHUNK and len(asked) > sum(n for _, n in runs)
     rates, _ = conditional(runs)
     assert rates[0] > 0.6  # without the resync nothing after token 20 would be kept
 
@@ -139,6 +148,48 @@ def test_bench_scale_refuses_bad_inputs_in_one_line():
         r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_scale.py"), *argv],
                            capture_output=True, text=True)
         assert r.returncode == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_budget_ends_the_run_with_what_finished(pair, tmp_path):
+    """--budget: the first prompt runs however short the budget, no prompt starts past it, a shape that would not
+    reach its first prompt is not begun; results.md says how many prompts were measured and why not more."""
+    made = made_pairs[0]
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_scale.py"), "--tiny", "--work",
+                        str(made.target.parent), "--shapes", "tiny:q4_0,tiny:q4_k_m", "--profiles", "vllm-8b",
+                        "--budget", "0.001", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "tiny q4_k_m: not measured" in r.stderr
+    data = json.loads((tmp_path / "results.json").read_text())
+    [shape] = data["shapes"]
+    assert shape["prompts"] == 1 and shape["stopped"] == "time limit: 1 of 4 prompts measured"
+    assert all(len(o["speedup"]) == 1 for o in shape["outcomes"])
+    assert "- prompts measured: 1 (time limit: 1 of 4 prompts measured)" in (tmp_path / "results.md").read_text()
+
+
+def test_the_lent_calls_scripts_load_llama_cpp_before_numpy():
+    """On the lent GPU's image a process that loaded numpy before llama.cpp's library segfaulted at model load."""
+    for script in ("bench_scale.py", "bench_parallel.py"):
+        r = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "scripts" / script), "--help"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        done = [line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")]
+        assert done.index("llama_cpp.llama_cpp") < done.index("numpy"), script
+
+
+def test_the_pack_and_the_image_hold_what_the_lent_call_imports():
+    """The lent machine's image (pack_scale.IMAGE_HAS) and the wheels the pack carries cover what llama-cpp-python,
+    gguf and eagle3-gguf require (llama-cpp-python itself is built there)."""
+    import pack_scale
+    from importlib import metadata
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    have = {canonicalize_name(n) for n in (*pack_scale.IMAGE_HAS, *pack_scale.WHEELS, "llama-cpp-python")}
+    for dist in ("eagle3-gguf", "llama-cpp-python", *pack_scale.WHEELS):
+        for text in metadata.requires(dist) or []:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                assert canonicalize_name(req.name) in have, f"{dist} requires {req.name}: add it to WHEELS"
 
 
 def test_the_lent_calls_dry_run(tmp_path, smollm2_path):
