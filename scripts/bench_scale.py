@@ -67,6 +67,8 @@ ROWS = 17  # verify widths measured: 1..17
 TREE_ROWS = 9  # the default's widest head draft: a chain of 4 and 4 runner-ups, after id_last
 GOAL_SPEEDUP, GOAL_CEILING, GOAL_PYTHON = 2.0, 0.80, 0.03
 GOAL_PROFILE, GOAL_CONTENDER = "vllm-8b", "adaptive (default)"
+LLAMA_LINES = ("graph: nodes", "layers to GPU", "model buffer size", "compute buffer size", "sched copies",
+               "cannot be used with preferred buffer type")
 LOGITS_READ = "target-only, logits read"
 DEFAULT_SHAPES = ("llama-8b:q4_k_m", "llama-8b:q4_0", "qwen-1.5b:q4_k_m")
 
@@ -125,6 +127,7 @@ class Outcome:
     t_python: float = 0.0
     t_draft_python: float = 0.0  # of t_python: choosing the drafts' tokens (the replay's own left out)
     curve_s: float = 0.0  # what the cycles cost at the curve's prices
+    head_runs: int = 0  # the head's decoder runs: draft steps and catch-ups (the replayed sessions')
 
     @property
     def median(self) -> float:
@@ -155,7 +158,8 @@ class Outcome:
         other = self.t_total - self.t_target - self.t_draft - self.t_process
         return {"verify": 1e3 * self.t_target / n, "draft": 1e3 * self.t_draft / n,
                 "process": 1e3 * self.t_process / n, "other": 1e3 * max(other, 0.0) / n,
-                "python": 1e3 * self.t_python / n, "python drafting": 1e3 * self.t_draft_python / n}
+                "python": 1e3 * self.t_python / n, "python drafting": 1e3 * self.t_draft_python / n,
+                "draft per head run": 1e3 * self.t_draft / self.head_runs if self.head_runs else 0.0}
 
 
 @dataclass
@@ -170,6 +174,8 @@ class ShapeResult:
     load_s: float
     device: str
     threads: int
+    head_device: str = ""
+    llama_log: list[str] = field(default_factory=list)  # llama.cpp's lines on where the graphs run (LLAMA_LINES)
     physics: Physics | None = None
     outcomes: list[Outcome] = field(default_factory=list)
     goals: list[str] = field(default_factory=list)
@@ -192,6 +198,32 @@ def measure_physics(spec: Speculator, exact: str) -> Physics:
                                         exact="auto" if exact == "off" else exact))
     return Physics([1e3 * s for s in curve.verify_s], 1e3 * curve.draft_step_s, 1e3 * curve.draft_fixed_s,
                    found.exact, found.probed, found.seconds, calibrate_s)
+
+
+class LlamaLines(logging.Handler):
+    """llama.cpp's log lines that say where the graphs run (LLAMA_LINES), kept while a pair loads: the number of
+    graph splits shows an op that fell back to the CPU."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+        self.logger = logging.getLogger("eagle3_gguf.llama_cpp")  # eagle3_gguf.native's (install_log_callback)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage().strip()
+        if any(k in text for k in LLAMA_LINES):
+            self.lines.append(text)
+
+    def __enter__(self) -> "LlamaLines":
+        self.level = self.logger.level
+        if not self.logger.isEnabledFor(logging.INFO):
+            self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level)
 
 
 class Resync:
@@ -344,6 +376,7 @@ def _add(o: Outcome, r: ScaleRun, ratio: float, identical: bool, verify_s: list[
     o.t_draft_python += max(st.t_draft_python - r.t_replay, 0.0)
     o.curve_s += sum(c * verify_s[min(n, len(verify_s)) - 1] for n, c in enumerate(st.verify_rows) if c) \
         + r.steps * step_s + r.cycles * catch_s
+    o.head_runs += r.steps + r.cycles
 
 
 def prompt_tokens(target: Path, n: int, length: int, seed: int) -> list[list[int]]:
@@ -365,13 +398,15 @@ def bench_shape(target: Path, head: Path, shape: str, qtype: str, made_s: float,
                         n_seq_max=n_seq)
     hooks = ReplayHooks(n_ctx, args.threads)
     t = time.perf_counter()
-    with Bench(target, head, config, []) as bench:
+    with LlamaLines() as llama_lines:
+        bench = Bench(target, head, config, [])
+    with bench:
         try:
             load_s = time.perf_counter() - t
             pair = bench.pair
             res = ShapeResult(shape, qtype, str(target), str(head), target.stat().st_size / 2**20,
                               head.stat().st_size / 2**20, made_s, load_s, str(pair.target_model.placement),
-                              pair.target.n_threads)
+                              pair.target.n_threads, str(pair.head_model.placement), llama_lines.lines)
             results.append(res)
             res.physics = measure_physics(bench.runners[TARGET.name].spec, args.exact)
             print(physics_lines(res.physics), file=sys.stderr, flush=True)
@@ -434,13 +469,14 @@ def table(results: list[ShapeResult]) -> str:
         lines += [f"## {res.shape} {res.qtype} on {res.device} ({res.threads} threads)", "",
                   f"- files: target {res.target_mib:.0f} MiB, head {res.head_mib:.0f} MiB"
                   + (f", made in {res.made_s:.1f} s" if res.made_s else ", made before")
-                  + f"; loaded in {res.load_s:.1f} s"]
+                  + f"; loaded in {res.load_s:.1f} s; the head on {res.head_device or '?'}"]
+        lines += [f"- llama.cpp: {line}" for line in res.llama_log]
         if ph is not None:
             lines.append(physics_lines(ph))
         lines.append(f"- prompts measured: {res.prompts}" + (f" ({res.stopped})" if res.stopped else ""))
         lines += ["", "| profile | contender | tok/s | speedup, median (min) | tau | kept by position, conditional "
                   "| identical | resyncs | ceiling | achieved / ceiling | Python ms / cycle (share) "
-                  "| of it drafting | per cycle ms: verify / draft / process / other |", "|" + "---|" * 13]
+                  "| of it drafting | per cycle ms: verify / draft / process / other | draft ms per head run |", "|" + "---|" * 14]
         t1 = ph.verify_ms[0] / 1e3 if ph else 0.0
         n = len(res.outcomes[0].speedup) if res.outcomes else 0
         for o in res.outcomes:
@@ -453,7 +489,8 @@ def table(results: list[ShapeResult]) -> str:
                 + (f"{ceil:.2f}x | {o.median / ceil:.0%}" if ceil else " | ")
                 + f" | {ms['python']:.3f} ({o.t_python / o.t_total if o.t_total else 0:.1%}) | "
                 f"{ms['python drafting']:.3f} | "
-                f"{ms['verify']:.2f} / {ms['draft']:.2f} / {ms['process']:.2f} / {ms['other']:.2f} |")
+                f"{ms['verify']:.2f} / {ms['draft']:.2f} / {ms['process']:.2f} / {ms['other']:.2f} | "
+                f"{ms['draft per head run']:.3f} |")
         if res.goals:
             lines += ["", f"Goals ({GOAL_CONTENDER} at {GOAL_PROFILE}; stated for llama-8b on an H100/H200):", ""]
             lines += [f"- {g}" for g in res.goals]
