@@ -58,12 +58,13 @@ from eagle3_gguf.bench import (TARGET, Bench, BenchPrompt, Contender, PromptRun,
 from eagle3_gguf.decode import GenerateConfig, Runner  # noqa: E402
 from eagle3_gguf.errors import Eagle3Error  # noqa: E402
 from eagle3_gguf.gguf_file import read_gguf  # noqa: E402
-from eagle3_gguf.native import Context, enable_llama_log, install_log_callback  # noqa: E402
+from eagle3_gguf.native import Batch, Context, enable_llama_log, install_log_callback  # noqa: E402
 from eagle3_gguf.pair import Pair, PairConfig  # noqa: E402
 from eagle3_gguf.speculator import Speculator  # noqa: E402
 from eagle3_gguf.stats import SpecStats  # noqa: E402
 
 ROWS = 17  # verify widths measured: 1..17
+PART_RUNS = 24  # Parts: runs of each graph timed alone
 TREE_ROWS = 9  # the default's widest head draft: a chain of 4 and 4 runner-ups, after id_last
 GOAL_SPEEDUP, GOAL_CEILING, GOAL_PYTHON = 2.0, 0.80, 0.03
 GOAL_PROFILE, GOAL_CONTENDER = "vllm-8b", "adaptive (default)"
@@ -102,6 +103,18 @@ class Physics:
     probed: int
     probe_s: float
     calibrate_s: float
+    parts: Parts | None = None
+
+
+@dataclass
+class Parts:
+    """A cycle's graphs each timed alone (medians of PART_RUNS, run and synchronised): set beside the draft step and
+    the per-run times, they tell llama.cpp's cost of a graph from what the loop around it adds."""
+
+    head_decode_ms: float  # a 1-row decoder graph on the head, the same graph each time
+    head_encode_ms: float  # the head's encoder (fc) on 2 rows of features
+    target_row_ms: float  # a 1-row target decode with the head's features extracted (a cycle's)
+    target_plain_ms: float  # the same without them (target-only's)
 
 
 @dataclass
@@ -197,7 +210,54 @@ def measure_physics(spec: Speculator, exact: str) -> Physics:
     found = spec.prepare(GenerateConfig(draft_policy="fixed", draft_max=ROWS - 1, draft_lookup=False,
                                         exact="auto" if exact == "off" else exact))
     return Physics([1e3 * s for s in curve.verify_s], 1e3 * curve.draft_step_s, 1e3 * curve.draft_fixed_s,
-                   found.exact, found.probed, found.seconds, calibrate_s)
+                   found.exact, found.probed, found.seconds, calibrate_s, time_parts(spec))
+
+
+def time_parts(spec: Speculator) -> Parts:
+    """Parts: each graph PART_RUNS times at successive positions, the caches cleared after."""
+    target, session = spec.target, spec.session
+    head, extract = session.draft_ctx, session.extract
+    dec, enc, one = Batch(1, session.n_embd), Batch(2, extract.width), Batch(1)
+    g = np.zeros(session.n_embd, np.float32)  # [n_embd]
+    feats = np.zeros((2, extract.width), np.float32)  # [2, 3 * n_embd_tgt]
+    was = extract.enabled
+
+    def median_ms(run: Callable[[int], None], clear: Callable[[], None]) -> float:
+        took = []
+        for i in range(PART_RUNS):
+            t = time.perf_counter()
+            run(i)
+            took.append(time.perf_counter() - t)
+        clear()
+        return 1e3 * statistics.median(took)
+
+    def head_step(i: int) -> None:
+        dec.set_embd_one(g, i, 0)
+        head.decode(dec)
+
+    def encode(i: int) -> None:
+        enc.set_embd(feats, np.arange(2, dtype=np.int32))  # the encoder writes no cache: any positions
+        head.encode(enc)
+
+    def target_row(i: int) -> None:
+        one.set([0], i)
+        target.decode(one)
+
+    try:
+        session.reset()
+        target.clear()
+        step = median_ms(head_step, head.clear)
+        fc = median_ms(encode, head.clear)
+        extract.enable(True)
+        row = median_ms(target_row, target.clear)
+        extract.enable(False)
+        plain = median_ms(target_row, target.clear)
+    finally:
+        extract.enable(was)
+        session.reset()
+        for b in (dec, enc, one):
+            b.close()
+    return Parts(step, fc, row, plain)
 
 
 class LlamaLines(logging.Handler):
@@ -459,7 +519,11 @@ def physics_lines(ph: Physics) -> str:
                       f"  ({rel} x one row; {ph.calibrate_s:.1f} s to measure)",
                       f"- head: draft step {ph.draft_step_ms:.3f} ms ({ph.draft_step_ms / ph.verify_ms[0]:.2f} x one "
                       f"row), catch-up {ph.catch_up_ms:.3f} ms",
-                      f"- exact verify widths: 1..{ph.exact_widths} of 1..{ph.probed} (probed in {ph.probe_s:.1f} s)"])
+                      f"- exact verify widths: 1..{ph.exact_widths} of 1..{ph.probed} (probed in {ph.probe_s:.1f} s)"]
+                     + ([f"- each graph alone: the head's 1-row decoder {ph.parts.head_decode_ms:.3f} ms, its encoder "
+                         f"on 2 rows {ph.parts.head_encode_ms:.3f} ms; a 1-row target decode "
+                         f"{ph.parts.target_row_ms:.3f} ms with the features extracted, "
+                         f"{ph.parts.target_plain_ms:.3f} ms without"] if ph.parts else []))
 
 
 def table(results: list[ShapeResult]) -> str:
