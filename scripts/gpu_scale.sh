@@ -6,18 +6,23 @@
 # vllm-8b profile (the goals'), within the budget (its --budget: no prompt starts that would end past it);
 # results.md / results.json are rewritten after every prompt, so a cut run keeps what finished. Everything
 # lands in $OUT: results.md, results.json, scale.log (this script's log), build.log and make.log (their tails).
-#   usage: bash scripts/gpu_scale.sh [--dry-run] [--budget SECONDS]
+#   usage: bash scripts/gpu_scale.sh [--dry-run] [--budget SECONDS] [--shapes SHAPE:TYPE,...]
 # --dry-run: the same steps on this machine's CPU without the pack or a build (the installed llama-cpp-python and
 # gguf), the tiny shape (tests/test_scale.py runs it); $PYTHON names the interpreter (default python3), $SCALE_PACK
-# the folder holding smollm2-vocab.gguf (default .gpu/scale).
+# the folder holding smollm2-vocab.gguf (default .gpu/scale), $SCALE_SITE the build's folder (default /tmp/site).
+# A call that follows on a machine still warm reuses the build a call before it finished there (its folder holds
+# .built-ok): the first lent call of 2026-11-27 lost 250 s of its second try to building again.
 set -uo pipefail
 dry=0
 budget=570  # seconds: the call's 600 less the time to copy the logs
+shapes=""
+usage="usage: bash scripts/gpu_scale.sh [--dry-run] [--budget SECONDS] [--shapes SHAPE:TYPE,...]"
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) dry=1 ;;
         --budget) budget=${2:?--budget SECONDS}; shift ;;
-        *) echo "error: unknown argument $1 (usage: bash scripts/gpu_scale.sh [--dry-run] [--budget SECONDS])" >&2
+        --shapes) shapes=${2:?--shapes SHAPE:TYPE,...}; shift ;;
+        *) echo "error: unknown argument $1 ($usage)" >&2
            exit 2 ;;
     esac
     shift
@@ -27,6 +32,7 @@ left() { echo $(( budget - ($(date +%s) - start) )); }
 out=${OUT:-/tmp/out}
 pack=${SCALE_PACK:-.gpu/scale}
 py=${PYTHON:-python3}
+site=${SCALE_SITE:-/tmp/site}
 work=$(mktemp -d /tmp/scale-work.XXXXXX)
 mkdir -p "$out"
 log="$out/scale.log"
@@ -44,12 +50,12 @@ if [ ! -f "$pack/smollm2-vocab.gguf" ]; then
 fi
 make_path=${PYTHONPATH:-}
 if [ "$dry" = 1 ]; then
-    shapes="tiny:q4_k_m,tiny:q4_0"
+    shapes=${shapes:-tiny:q4_k_m,tiny:q4_0}
     bench=(--tiny --shapes "$shapes" --profiles vllm-8b,shipped)
     jobs=2
     say "dry run: the CPU, the installed llama-cpp-python ($("$py" -c 'import llama_cpp; print(llama_cpp.__version__)'))"
 else
-    shapes="llama-8b:q4_k_m,qwen-1.5b:q4_k_m,llama-8b:q4_0"
+    shapes=${shapes:-llama-8b:q4_k_m,qwen-1.5b:q4_k_m,llama-8b:q4_0}
     bench=(-ngl all --shapes "$shapes" --profiles vllm-8b --prompts 5 -n 128)
     jobs=6  # beside a 16-way build: the models are mostly memory traffic
     say "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1)"
@@ -57,15 +63,21 @@ else
     # what the image lacks (pack_scale.WHEELS): gguf, and llama-cpp-python's diskcache
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/deps-site "$pack"/*.whl \
         || { say "error: installing the pack's wheels failed"; exit 2; }
-    mkdir -p /tmp/llama-src && tar -xzf "$pack/llama_cpp_python-trimmed.tar.gz" -C /tmp/llama-src --strip-components 1 \
-        || { say "error: unpacking the sdist failed"; exit 2; }
-    make_path=/tmp/deps-site  # not /tmp/site: the build fills it meanwhile
-    export PYTHONPATH=/tmp/site:/tmp/deps-site
-    say "building llama-cpp-python with CUDA (sm_90) in the background"
-    ( CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF -DCMAKE_PROJECT_INCLUDE=$PWD/scripts/amx_guard.cmake" \
-      CMAKE_BUILD_PARALLEL_LEVEL=16 timeout 360 "$py" -m pip install -v --no-deps --no-build-isolation --no-cache-dir \
-      --target /tmp/site /tmp/llama-src > "$work/build.log" 2>&1 ) &
-    build_pid=$!
+    make_path=/tmp/deps-site  # not $site: the build fills it meanwhile
+    export PYTHONPATH=$site:/tmp/deps-site
+    if [ -f "$site/.built-ok" ]; then
+        say "reusing the build in $site (a call before this one made it)"
+        build_pid=""
+    else
+        rm -rf "$site" /tmp/llama-src && mkdir -p /tmp/llama-src
+        tar -xzf "$pack/llama_cpp_python-trimmed.tar.gz" -C /tmp/llama-src --strip-components 1 \
+            || { say "error: unpacking the sdist failed"; exit 2; }
+        say "building llama-cpp-python with CUDA (sm_90) in the background"
+        ( CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF -DCMAKE_PROJECT_INCLUDE=$PWD/scripts/amx_guard.cmake" \
+          CMAKE_BUILD_PARALLEL_LEVEL=16 timeout 360 "$py" -m pip install -v --no-deps --no-build-isolation --no-cache-dir \
+          --target "$site" /tmp/llama-src > "$work/build.log" 2>&1 ) &
+        build_pid=$!
+    fi
 fi
 
 # the synthetic models, all shapes, while the build runs (they need gguf and numpy only)
@@ -83,8 +95,12 @@ make_pid=$!
 if ! wait "$make_pid"; then say "error: making the models failed (make.log)"; exit 1; fi
 say "$(tr '\n' ' ' < "$work/make.log")"
 if [ "$dry" = 0 ]; then
-    if ! wait "$build_pid"; then say "error: the build failed or ran out of time (build.log)"; exit 1; fi
-    say "built: $("$py" -c 'import llama_cpp; print(llama_cpp.__version__, "gpu offload", llama_cpp.llama_supports_gpu_offload())' 2>&1)"
+    if [ -n "$build_pid" ] && ! wait "$build_pid"; then say "error: the build failed or ran out of time (build.log)"; exit 1; fi
+    if ! built=$("$py" -c 'import llama_cpp; print(llama_cpp.__version__, "gpu offload", llama_cpp.llama_supports_gpu_offload())' 2>&1); then
+        say "error: the build does not import: $built"; exit 1
+    fi
+    say "built: $built"
+    touch "$site/.built-ok"
 fi
 
 # shapes in order; results written after every prompt, the run ended by the budget
