@@ -338,8 +338,9 @@ def trim_heap() -> None:
     frozen the objects alive at start-up: it then takes ~0.7 ms, against ~55 ms over a whole heap."""
     if gc.get_freeze_count():
         gc.collect()
-    if _libc() is not None:
-        _libc().malloc_trim(0)
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def configure_heap() -> None:
@@ -352,8 +353,9 @@ def configure_heap() -> None:
     noise (±3%) with one. The arena setting is a no-op on other C libraries."""
     gc.collect()
     gc.freeze()
-    if _libc() is not None:
-        _libc().mallopt(M_ARENA_MAX, 1)
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(M_ARENA_MAX, 1)
 
 
 async def event_publisher(request, inner_send_chan, body, body_model, llama_call, kwargs):

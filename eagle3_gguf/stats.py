@@ -141,10 +141,13 @@ class SpecStats:
         """Wall time outside llama.cpp calls: the Python cost of the loop."""
         return max(self.t_total - self.t_native, 0.0)
 
+    def per_cycle_ms(self, seconds: float) -> float:
+        """`seconds` spread over the verify cycles (the prompt's forward left out), in ms."""
+        return 1e3 * seconds / max(self.n_target_forwards - 1, 1)
+
     @property
     def python_per_cycle_ms(self) -> float:
-        cycles = max(self.n_target_forwards - 1, 1)
-        return 1e3 * self.t_python / cycles
+        return self.per_cycle_ms(self.t_python)
 
     @property
     def t_draft_python(self) -> float:
@@ -208,7 +211,7 @@ class SpecStats:
              f"{self.t_target:.2f}s {self.t_draft:.2f}s {self.t_process:.2f}s {self.t_overhead:.2f}s "
              f"({self.t_target / t:.0%} {self.t_draft / t:.0%} {self.t_process / t:.0%} {self.t_overhead / t:.0%})"),
             ("python per cycle", f"{self.python_per_cycle_ms:.2f} ms (outside llama.cpp"
-             + (f"; {1e3 * self.t_draft_python / max(self.n_target_forwards - 1, 1):.2f} ms of it drafting)"
+             + (f"; {self.per_cycle_ms(self.t_draft_python):.2f} ms of it drafting)"
                 if self.t_draft else ")")),
             ("prompt time", f"{self.t_prefill:.2f}s"),
             ("speed", f"{self.tokens_per_second:.1f} tok/s"),

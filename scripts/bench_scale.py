@@ -540,7 +540,8 @@ def table(results: list[ShapeResult]) -> str:
         lines.append(f"- prompts measured: {res.prompts}" + (f" ({res.stopped})" if res.stopped else ""))
         lines += ["", "| profile | contender | tok/s | speedup, median (min) | tau | kept by position, conditional "
                   "| identical | resyncs | ceiling | achieved / ceiling | Python ms / cycle (share) "
-                  "| of it drafting | per cycle ms: verify / draft / process / other | draft ms per head run |", "|" + "---|" * 14]
+                  "| of it drafting | per cycle ms: verify / draft / process / other | draft ms per head run |",
+                  "|" + "---|" * 14]
         t1 = ph.verify_ms[0] / 1e3 if ph else 0.0
         n = len(res.outcomes[0].speedup) if res.outcomes else 0
         for o in res.outcomes:

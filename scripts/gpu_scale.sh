@@ -95,8 +95,11 @@ make_pid=$!
 if ! wait "$make_pid"; then say "error: making the models failed (make.log)"; exit 1; fi
 say "$(tr '\n' ' ' < "$work/make.log")"
 if [ "$dry" = 0 ]; then
-    if [ -n "$build_pid" ] && ! wait "$build_pid"; then say "error: the build failed or ran out of time (build.log)"; exit 1; fi
-    if ! built=$("$py" -c 'import llama_cpp; print(llama_cpp.__version__, "gpu offload", llama_cpp.llama_supports_gpu_offload())' 2>&1); then
+    if [ -n "$build_pid" ] && ! wait "$build_pid"; then
+        say "error: the build failed or ran out of time (build.log)"; exit 1
+    fi
+    probe='import llama_cpp; print(llama_cpp.__version__, "gpu offload", llama_cpp.llama_supports_gpu_offload())'
+    if ! built=$("$py" -c "$probe" 2>&1); then
         say "error: the build does not import: $built"; exit 1
     fi
     say "built: $built"

@@ -109,7 +109,8 @@ def pack() -> None:
     carried = sum(f.stat().st_size for f in PACK.iterdir())
     tree = tree_bytes()
     print(f"{PACK.relative_to(ROOT)}: sdist {(PACK / SDIST).stat().st_size / 2**20:.1f} MiB ({kept} members kept, "
-          f"{dropped} dropped), {', '.join(w.name for w in wheels)}, {VOCAB} {(PACK / VOCAB).stat().st_size / 2**20:.1f} MiB")
+          f"{dropped} dropped), {', '.join(w.name for w in wheels)}, "
+          f"{VOCAB} {(PACK / VOCAB).stat().st_size / 2**20:.1f} MiB")
     if tree + carried > CALL_LIMIT:
         raise PackError(f"the call would carry {(tree + carried) / 2**20:.1f} MiB, over 64 MiB: carry less")
     print(f"the call carries {(tree + carried) / 2**20:.1f} MiB (working tree {tree / 2**20:.1f} MiB):\n"
