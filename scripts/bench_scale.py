@@ -115,6 +115,11 @@ class Parts:
     head_encode_ms: float  # the head's encoder (fc) on 2 rows of features
     target_row_ms: float  # a 1-row target decode with the head's features extracted (a cycle's)
     target_plain_ms: float  # the same without them (target-only's)
+    # The same 1-row graphs, each run right after one of 2 rows, as a cycle runs them: ggml-cuda replays a captured
+    # CUDA graph only while the graph's shapes repeat (warm-up, ggml_backend_cuda_graph_compute), so on CUDA the
+    # gap to the figures above is what changing shapes costs; on a CPU the two should match.
+    head_decode_after_ms: float = 0.0
+    target_row_after_ms: float = 0.0
 
 
 @dataclass
@@ -218,13 +223,18 @@ def time_parts(spec: Speculator) -> Parts:
     target, session = spec.target, spec.session
     head, extract = session.draft_ctx, session.extract
     dec, enc, one = Batch(1, session.n_embd), Batch(2, extract.width), Batch(1)
+    two, pair = Batch(2, session.n_embd), Batch(2)
     g = np.zeros(session.n_embd, np.float32)  # [n_embd]
     feats = np.zeros((2, extract.width), np.float32)  # [2, 3 * n_embd_tgt]
     was = extract.enabled
 
-    def median_ms(run: Callable[[int], None], clear: Callable[[], None]) -> float:
+    def median_ms(run: Callable[[int], None], clear: Callable[[], None],
+                  before: Callable[[int], None] | None = None) -> float:
+        """The median time of run(i); before(i), where given, runs untimed ahead of each."""
         took = []
         for i in range(PART_RUNS):
+            if before is not None:
+                before(i)
             t = time.perf_counter()
             run(i)
             took.append(time.perf_counter() - t)
@@ -243,21 +253,40 @@ def time_parts(spec: Speculator) -> Parts:
         one.set([0], i)
         target.decode(one)
 
+    # the interleaved runs: 2 rows at positions 3i, 3i + 1, then the timed row at 3i + 2 (a cache's positions must
+    # follow on)
+    def head_pair(i: int) -> None:
+        two.set_embd(np.zeros((2, session.n_embd), np.float32), np.array([3 * i, 3 * i + 1], np.int32),
+                     np.zeros(2, np.int32))
+        head.decode(two)
+
+    def head_step_after(i: int) -> None:
+        head_step(3 * i + 2)
+
+    def target_pair(i: int) -> None:
+        pair.set([0, 0], 3 * i)
+        target.decode(pair)
+
+    def target_row_after(i: int) -> None:
+        target_row(3 * i + 2)
+
     try:
         session.reset()
         target.clear()
         step = median_ms(head_step, head.clear)
+        step_after = median_ms(head_step_after, head.clear, head_pair)
         fc = median_ms(encode, head.clear)
         extract.enable(True)
         row = median_ms(target_row, target.clear)
+        row_after = median_ms(target_row_after, target.clear, target_pair)
         extract.enable(False)
         plain = median_ms(target_row, target.clear)
     finally:
         extract.enable(was)
         session.reset()
-        for b in (dec, enc, one):
+        for b in (dec, enc, one, two, pair):
             b.close()
-    return Parts(step, fc, row, plain)
+    return Parts(step, fc, row, plain, step_after, row_after)
 
 
 class LlamaLines(logging.Handler):
@@ -523,7 +552,10 @@ def physics_lines(ph: Physics) -> str:
                      + ([f"- each graph alone: the head's 1-row decoder {ph.parts.head_decode_ms:.3f} ms, its encoder "
                          f"on 2 rows {ph.parts.head_encode_ms:.3f} ms; a 1-row target decode "
                          f"{ph.parts.target_row_ms:.3f} ms with the features extracted, "
-                         f"{ph.parts.target_plain_ms:.3f} ms without"] if ph.parts else []))
+                         f"{ph.parts.target_plain_ms:.3f} ms without",
+                         f"- the same 1-row graphs right after one of 2 rows (a cycle's order): the head's "
+                         f"{ph.parts.head_decode_after_ms:.3f} ms, the target's {ph.parts.target_row_after_ms:.3f} ms"]
+                        if ph.parts else []))
 
 
 def table(results: list[ShapeResult]) -> str:
