@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Issue 54's lent GPU call (device tool), run from the repository root there with carry ['.gpu/scale'] (packed by
-# scripts/pack_scale.py), in one command of at most 10 minutes: check the pack, install its wheels, build
-# llama-cpp-python with CUDA for the card (in the background, time-boxed) while the synthetic models are made, then
-# run scripts/bench_scale.py on Llama-3.1-8B's shape in Q4_K_M, then Qwen2.5-1.5B's, then the 8B in Q4_0, at the
-# vllm-8b profile (the goals'), within the budget (its --budget: no prompt starts that would end past it);
-# results.md / results.json are rewritten after every prompt, so a cut run keeps what finished. Everything
-# lands in $OUT: results.md, results.json, scale.log (this script's log), build.log and make.log (their tails).
+# scripts/pack_scale.py), in one command of at most 10 minutes: check the pack, install its wheels, unpack the
+# CUDA llama-cpp-python that scripts/cuda_wheel.py built off the device where the pack holds it and it loads there,
+# else build one for the card (in the background, time-boxed) while the synthetic models are made, then run
+# scripts/bench_scale.py on Llama-3.1-8B's shape in Q4_K_M, then Qwen2.5-1.5B's, then the 8B in Q4_0, at the
+# vllm-8b profile (the goals'), within the budget (its --budget: no prompt starts that would end past it), and last
+# the first shape again with CUDA graphs off; results.md / results.json are rewritten after every prompt, so a cut
+# run keeps what finished. Everything lands in $OUT: results.md, results.json, graphs-off/ (the same two),
+# scale.log (this script's log), build.log and make.log (their tails).
 #   usage: bash scripts/gpu_scale.sh [--dry-run] [--budget SECONDS] [--shapes SHAPE:TYPE,...]
 # --dry-run: the same steps on this machine's CPU without the pack or a build (the installed llama-cpp-python and
 # gguf), the tiny shape (tests/test_scale.py runs it); $PYTHON names the interpreter (default python3), $SCALE_PACK
@@ -61,14 +63,43 @@ else
     say "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1)"
     (cd "$pack" && sha256sum -c --quiet SHA256SUMS) || { say "error: the pack's sha256 differ"; exit 2; }
     # what the image lacks (pack_scale.WHEELS): gguf, and llama-cpp-python's diskcache
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/deps-site "$pack"/*.whl \
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/deps-site \
+        "$pack"/*.whl \
         || { say "error: installing the pack's wheels failed"; exit 2; }
     make_path=/tmp/deps-site  # not $site: the build fills it meanwhile
     export PYTHONPATH=$site:/tmp/deps-site
+    # the CUDA 13 libraries a prebuilt wheel links (cudart, cuBLAS), where the loader does not find them already:
+    # the image's toolkit first (what a build here links), else its PyTorch's
+    if ! ldconfig -p 2>/dev/null | grep -q "libcublas\.so\.13 "; then
+        torch_libs=$("$py" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))' \
+                     2>/dev/null)
+        for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda-13*/lib64 \
+                 "$torch_libs"; do
+            if [ -n "$d" ] && [ -e "$d/libcublas.so.13" ]; then
+                export LD_LIBRARY_PATH=$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+                say "CUDA libraries from $d"
+                break
+            fi
+        done
+    fi
+    probe='import llama_cpp; print(llama_cpp.__version__, "gpu offload", llama_cpp.llama_supports_gpu_offload())'
+    build_pid=""
+    prebuilt=$pack/cuda/llama_cpp_python-cuda.tar.xz  # cuda_wheel.TREE
     if [ -f "$site/.built-ok" ]; then
         say "reusing the build in $site (a call before this one made it)"
-        build_pid=""
-    else
+    elif [ -f "$prebuilt" ]; then  # scripts/cuda_wheel.py's, built off the device: seconds instead of minutes
+        rm -rf "$site" && mkdir -p "$site"
+        if tar -xJf "$prebuilt" -C "$site" && built=$("$py" -c "$probe" 2>&1) && [[ $built == *"gpu offload True"* ]]
+        then
+            say "unpacked the prebuilt CUDA build ($(cat "$pack/cuda/BUILT")): $built"
+            touch "$site/.built-ok"
+        else
+            say "the prebuilt CUDA build does not serve here ($(echo "${built:-not unpacked}" | tail -1)): building"
+            rm -rf "$site"
+        fi
+    fi
+    if [ ! -f "$site/.built-ok" ]; then
+        [ -f "$pack/llama_cpp_python-trimmed.tar.gz" ] || { say "error: no sdist in the pack to build from"; exit 2; }
         rm -rf "$site" /tmp/llama-src && mkdir -p /tmp/llama-src
         tar -xzf "$pack/llama_cpp_python-trimmed.tar.gz" -C /tmp/llama-src --strip-components 1 \
             || { say "error: unpacking the sdist failed"; exit 2; }
@@ -95,23 +126,34 @@ make_pid=$!
 if ! wait "$make_pid"; then say "error: making the models failed (make.log)"; exit 1; fi
 say "$(tr '\n' ' ' < "$work/make.log")"
 if [ "$dry" = 0 ]; then
-    if [ -n "$build_pid" ] && ! wait "$build_pid"; then
-        say "error: the build failed or ran out of time (build.log)"; exit 1
+    if [ -n "$build_pid" ]; then
+        wait "$build_pid" || { say "error: the build failed or ran out of time (build.log)"; exit 1; }
+        built=$("$py" -c "$probe" 2>&1) || { say "error: the build does not import: $built"; exit 1; }
+        say "built: $built"
+        touch "$site/.built-ok"
     fi
-    probe='import llama_cpp; print(llama_cpp.__version__, "gpu offload", llama_cpp.llama_supports_gpu_offload())'
-    if ! built=$("$py" -c "$probe" 2>&1); then
-        say "error: the build does not import: $built"; exit 1
-    fi
-    say "built: $built"
-    touch "$site/.built-ok"
 fi
 
 # shapes in order; results written after every prompt, the run ended by the budget
+first=${shapes%%,*}
+reserve=120  # seconds kept for the first shape again with CUDA graphs off, below
+if [ "$(left)" -lt $(( 60 + reserve )) ]; then reserve=0; fi
 if [ "$(left)" -lt 60 ]; then say "error: $(left) s left, too little for a shape"; exit 1; fi
-say "bench_scale with $(left) s left"
+say "bench_scale with $(left) s left, $reserve s of them kept for $first with CUDA graphs off"
 # its own --budget ends it; the timeout (SIGINT: it writes what finished) is for a prompt far slower than the others
-PYTHONUNBUFFERED=1 timeout --signal=INT --kill-after=10 "$(( $(left) - 15 ))" "$py" scripts/bench_scale.py \
-    "${bench[@]}" --work "$work/models" --out "$out" --jobs "$jobs" --budget "$(( $(left) - 30 ))" 2>&1 | tee -a "$log"
+PYTHONUNBUFFERED=1 timeout --signal=INT --kill-after=10 "$(( $(left) - reserve - 15 ))" "$py" scripts/bench_scale.py \
+    "${bench[@]}" --work "$work/models" --out "$out" --jobs "$jobs" --budget "$(( $(left) - reserve - 30 ))" 2>&1 \
+    | tee -a "$log"
 rc=${PIPESTATUS[0]}
 say "bench_scale exited $rc; $(ls "$out" | tr '\n' ' ')"
+# The first shape again, 2 prompts, with ggml-cuda's CUDA graphs off (GGML_CUDA_DISABLE_GRAPHS, read once a
+# process): ggml-cuda replays a captured graph only while a context's shapes repeat, as target-only's do and a
+# cycle's do not, so beside the run above this says what the replays are worth to each (no-op on a CPU).
+if [ "$reserve" -gt 0 ] && [ "$(left)" -ge 75 ]; then
+    say "bench_scale, $first with CUDA graphs off, $(left) s left"
+    GGML_CUDA_DISABLE_GRAPHS=1 PYTHONUNBUFFERED=1 timeout --signal=INT --kill-after=10 "$(( $(left) - 10 ))" \
+        "$py" scripts/bench_scale.py "${bench[@]}" --shapes "$first" --prompts 2 --work "$work/models" \
+        --out "$out/graphs-off" --jobs "$jobs" --budget "$(( $(left) - 20 ))" 2>&1 | tee -a "$log"
+    say "bench_scale (CUDA graphs off) exited ${PIPESTATUS[0]}"
+fi
 exit "$rc"

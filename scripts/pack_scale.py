@@ -10,6 +10,8 @@ most 64 MiB with the working tree (~21 MiB). So the folder holds:
   (vendor/llama.cpp/models/*.gguf, 74 MB unpacked), no docs, benches or media (the build reads none of them);
 - the wheels of what the machine's image lacks (WHEELS: gguf, and llama-cpp-python's diskcache; pure Python), at the
   versions installed here;
+- the CUDA build scripts/cuda_wheel.py made here (cuda_wheel.TREE, with its BUILT line), in cuda/ where it is there:
+  the call unpacks it in seconds, and builds from the sdist only where it does not load;
 - SmolLM2's tokenizer alone (synthetic.write_vocab: the synthetic targets pad it), not the 94 MiB model: its
   exactness probe would take three calls of parts (scripts/pack_gpu.py's way), and the synthetic pairs' probes
   come with the benchmark;
@@ -19,6 +21,7 @@ most 64 MiB with the working tree (~21 MiB). So the folder holds:
 from __future__ import annotations
 
 import io
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -29,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
+import cuda_wheel  # noqa: E402
 import fetch_llama_cpp  # noqa: E402
 import synthetic  # noqa: E402
 from pin import read_pin  # noqa: E402
@@ -94,23 +98,30 @@ def tree_bytes() -> int:
 
 
 def pack() -> None:
-    PACK.mkdir(parents=True, exist_ok=True)
-    for old in PACK.iterdir():
-        old.unlink()
+    shutil.rmtree(PACK, ignore_errors=True)
+    PACK.mkdir(parents=True)
+    pin = read_pin()
     try:
-        sdist = fetch_llama_cpp.download(read_pin())  # the pinned sdist, from pip's index where not cached
+        sdist = fetch_llama_cpp.download(pin)  # the pinned sdist, from pip's index where not cached
     except SystemExit as e:
         raise PackError(str(e.code).removeprefix("error: ")) from None
     kept, dropped = trim_sdist(sdist, PACK / SDIST)
     wheels = [wheel(name) for name in WHEELS]
     synthetic.write_vocab(PACK / VOCAB, synthetic.default_tokenizer())
     files = [PACK / SDIST, *wheels, PACK / VOCAB]
-    (PACK / "SHA256SUMS").write_text("".join(f"{fetch_llama_cpp.sha256_of(f)}  {f.name}\n" for f in files))
-    carried = sum(f.stat().st_size for f in PACK.iterdir())
+    built = [cuda_wheel.OUT / cuda_wheel.TREE, cuda_wheel.OUT / cuda_wheel.BUILT]
+    if all(f.exists() for f in built) and pin.sdist in built[1].read_text():  # a build of the pinned version
+        (PACK / "cuda").mkdir()
+        files += [Path(shutil.copy2(f, PACK / "cuda" / f.name)) for f in built]
+    (PACK / "SHA256SUMS").write_text("".join(f"{fetch_llama_cpp.sha256_of(f)}  {f.relative_to(PACK)}\n"
+                                             for f in files))
+    carried = sum(f.stat().st_size for f in PACK.rglob("*") if f.is_file())
     tree = tree_bytes()
+    prebuilt = (f"the CUDA build {built[0].stat().st_size / 2**20:.1f} MiB" if (PACK / "cuda").exists() else
+                "no CUDA build (python scripts/cuda_wheel.py makes one: the call then skips its 4-minute build)")
     print(f"{PACK.relative_to(ROOT)}: sdist {(PACK / SDIST).stat().st_size / 2**20:.1f} MiB ({kept} members kept, "
           f"{dropped} dropped), {', '.join(w.name for w in wheels)}, "
-          f"{VOCAB} {(PACK / VOCAB).stat().st_size / 2**20:.1f} MiB")
+          f"{VOCAB} {(PACK / VOCAB).stat().st_size / 2**20:.1f} MiB, {prebuilt}")
     if tree + carried > CALL_LIMIT:
         raise PackError(f"the call would carry {(tree + carried) / 2**20:.1f} MiB, over 64 MiB: carry less")
     print(f"the call carries {(tree + carried) / 2**20:.1f} MiB (working tree {tree / 2**20:.1f} MiB):\n"

@@ -192,6 +192,42 @@ def test_the_pack_and_the_image_hold_what_the_lent_call_imports():
                 assert canonicalize_name(req.name) in have, f"{dist} requires {req.name}: add it to WHEELS"
 
 
+def test_the_cuda_build_travels_with_each_library_once(tmp_path, monkeypatch):
+    """cuda_wheel.pack_tree keeps llama_cpp/ and its dist-info from the wheel, each library's bytes once under its
+    longest name and its other names symlinks to it; the wheel's top-level lib/ stays behind. Unpacked as the lent
+    call unpacks it (tar -xJf), every name reads the library's bytes."""
+    import tarfile
+    import zipfile
+
+    import cuda_wheel
+
+    lib, other = os.urandom(4096), os.urandom(1024)
+    wheel = tmp_path / "llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("llama_cpp/__init__.py", "__version__ = '0.3.36'\n")
+        for name in ("libggml-cuda.so", "libggml-cuda.so.0", "libggml-cuda.so.0.25.3"):
+            z.writestr(f"llama_cpp/lib/{name}", lib)
+            z.writestr(f"lib/{name}", lib)
+        z.writestr("llama_cpp/lib/libllama.so.0.5.0", other)
+        z.writestr("llama_cpp_python-0.3.36.dist-info/METADATA", "Name: llama_cpp_python\nVersion: 0.3.36\n")
+    monkeypatch.setattr(cuda_wheel, "OUT", tmp_path)
+    tree = cuda_wheel.pack_tree(wheel)
+    with tarfile.open(tree) as tar:
+        members = {m.name: m for m in tar.getmembers()}
+    assert set(members) == {"llama_cpp/__init__.py", "llama_cpp/lib/libggml-cuda.so", "llama_cpp/lib/libggml-cuda.so.0",
+                            "llama_cpp/lib/libggml-cuda.so.0.25.3", "llama_cpp/lib/libllama.so.0.5.0",
+                            "llama_cpp_python-0.3.36.dist-info/METADATA"}
+    assert members["llama_cpp/lib/libggml-cuda.so.0.25.3"].isfile()
+    assert all(members[f"llama_cpp/lib/{n}"].issym() and members[f"llama_cpp/lib/{n}"].linkname ==
+               "libggml-cuda.so.0.25.3" for n in ("libggml-cuda.so", "libggml-cuda.so.0"))
+    site = tmp_path / "site"
+    site.mkdir()
+    subprocess.run(["tar", "-xJf", str(tree), "-C", str(site)], check=True)
+    assert all((site / "llama_cpp" / "lib" / n).read_bytes() == lib
+               for n in ("libggml-cuda.so", "libggml-cuda.so.0", "libggml-cuda.so.0.25.3"))
+    assert (site / "llama_cpp" / "lib" / "libllama.so.0.5.0").read_bytes() == other
+
+
 def test_the_lent_calls_dry_run(tmp_path, smollm2_path):
     """The GPU call's very script on this CPU: it makes the tiny models, runs the benchmark and writes results.md and
     results.json: a cost curve of 17 rows, the exact widths, every text target-only's, drafts kept at the profile."""
@@ -204,7 +240,9 @@ def test_the_lent_calls_dry_run(tmp_path, smollm2_path):
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_scale.sh"), "--dry-run"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert {"results.md", "results.json", "scale.log", "make.log"} <= {f.name for f in out.iterdir()}
+    assert {"results.md", "results.json", "scale.log", "make.log", "graphs-off"} <= {f.name for f in out.iterdir()}
+    off = json.loads((out / "graphs-off" / "results.json").read_text())  # the first shape again (CUDA graphs off)
+    assert [(s["shape"], s["qtype"]) for s in off["shapes"]] == [("tiny", "q4_k_m")] and off["shapes"][0]["outcomes"]
     table = (out / "results.md").read_text()
     assert "## tiny q4_k_m on CPU" in table and "## tiny q4_0 on CPU" in table and "| vllm-8b | fixed K=4 |" in table
     data = json.loads((out / "results.json").read_text())
