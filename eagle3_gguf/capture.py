@@ -140,7 +140,7 @@ class LayerCapture:
                               "be captured")
 
     def address(self, lid: int) -> int:
-        """Where layer lid's rows lie (native.Context reads them there, as it reads llama.cpp's own)."""
+        """Where layer lid's rows lie (context.Context reads them there, as it reads llama.cpp's own)."""
         return self.buffers[lid].ctypes.data
 
 

@@ -15,8 +15,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .config import DraftConfig
+from .context import Context
 from .errors import Eagle3Error
-from .native import Context
 from .session import Eagle3Session
 from .spec_sampling import RejectionSampler, Transform
 from .speculator import RunHooks, Speculator

@@ -39,7 +39,9 @@ import numpy as np
 from llama_cpp import llama_cpp as C
 
 from . import keys
-from .native import Batch, Context, node_bytes, node_head, node_name, op_name
+from .batch import Batch
+from .context import Context
+from .native import node_bytes, node_head, node_name, op_name
 from .policy import CostKey
 
 CACHE_VERSION = 1

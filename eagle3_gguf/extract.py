@@ -7,8 +7,8 @@ import functools
 
 import numpy as np
 
+from .context import Context
 from .errors import Eagle3Error
-from .native import Context
 
 
 class TargetFeatures:

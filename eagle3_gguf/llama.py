@@ -56,10 +56,11 @@ from llama_cpp import Llama
 
 from . import rpc
 from .config import DraftConfig
+from .context import Context
 from .decode import spec_sampling_label
 from .errors import Eagle3Error
 from .gguf_file import HeadInfo, TargetInfo
-from .native import CACHE_TYPES, Context, Model
+from .native import CACHE_TYPES, Model
 from .pair import Pair, PairConfig, load_pair, read_pair
 from .session import Eagle3Session
 from .spec_sampling import RejectionSampler, Transform

@@ -13,9 +13,10 @@ import numpy as np
 
 from . import keys, rpc
 from .capture import capture_for
+from .context import Context
 from .errors import Eagle3Error
 from .gguf_file import HeadInfo, TargetInfo, read_gguf
-from .native import Context, Model, cache_type, default_threads, flash_attn_type
+from .native import Model, cache_type, default_threads, flash_attn_type
 from .session import Eagle3Session
 from .speculator import Speculator
 

@@ -167,7 +167,7 @@ class CostKey:
 
     @classmethod
     def for_contexts(cls, target, head, n_batch: int, reads: str = "") -> "CostKey":
-        """The key of a target context and a head context (native.Context) verifying n_batch rows at most:
+        """The key of a target context and a head context (context.Context) verifying n_batch rows at most:
         the same set-up gives the same key on every surface. `reads`: what a verify reads back where it matters
         to the key (a cost curve: "graph" choices or "logits"; the graph's argmax costs more on a CPU)."""
         # ggml's switches in the environment pick kernels too (GGML_CPU_TILED_MM=0: K-quants without the tiled matmul)

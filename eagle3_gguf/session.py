@@ -36,11 +36,12 @@ from typing import Callable
 
 import numpy as np
 
+from .batch import Batch
+from .context import Context
 from .errors import Eagle3Error
 from .extract import TargetFeatures
 from .draft import CATCH_UP_WINDOW, Draft, judge_p_min
 from .head_norms import HeadNorms
-from .native import Batch, Context
 from .spec_sampling import Dist, RejectionSampler
 from .tree import DraftTree, Expansion, head_sequences
 

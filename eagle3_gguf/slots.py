@@ -40,9 +40,10 @@ from typing import Callable, Iterator
 import numpy as np
 
 from . import rpc
+from .batch import Batch
+from .context import Context
 from .errors import Eagle3Error
 from .llama import Eagle3Llama
-from .native import Batch, Context
 from .policy import DENSE_ROWS
 from .session import Eagle3Session
 from .speculator import Speculator

@@ -22,10 +22,11 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from .batch import Batch
 from .config import DraftConfig
+from .context import Context
 from .errors import Eagle3Error
 from .exactness import ExactWidths, load_exact, probe, save_exact
-from .native import Batch, Context
 from .policy import (DENSE_ROWS, AdaptivePolicy, CostCurve, CostKey, DraftPolicy, FixedPolicy, load_costs, measure,
                      save_costs)
 from .lookup import Lookup, LookupIndex

@@ -44,8 +44,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eagle3_gguf.assets import smollm2_path  # noqa: E402
+from eagle3_gguf.batch import Batch  # noqa: E402
 from eagle3_gguf.bench import PromptRun, per_prompt_ratio  # noqa: E402
-from eagle3_gguf.native import CACHE_TYPES, Batch, Context, Model, install_log_callback  # noqa: E402
+from eagle3_gguf.context import Context  # noqa: E402
+from eagle3_gguf.native import CACHE_TYPES, Model, install_log_callback  # noqa: E402
 from eagle3_gguf.tokens import chat_tokens  # noqa: E402
 
 PROMPTS = [

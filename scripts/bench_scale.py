@@ -53,12 +53,14 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 import replay  # noqa: E402
 import synthetic  # noqa: E402
+from eagle3_gguf.batch import Batch  # noqa: E402
 from eagle3_gguf.bench import (TARGET, Bench, BenchPrompt, Contender, PromptRun, RunHooks, fastest,  # noqa: E402
                                 per_prompt_ratio)
+from eagle3_gguf.context import Context  # noqa: E402
 from eagle3_gguf.decode import GenerateConfig, Runner  # noqa: E402
 from eagle3_gguf.errors import Eagle3Error  # noqa: E402
 from eagle3_gguf.gguf_file import read_gguf  # noqa: E402
-from eagle3_gguf.native import Batch, Context, enable_llama_log, install_log_callback  # noqa: E402
+from eagle3_gguf.native import enable_llama_log, install_log_callback  # noqa: E402
 from eagle3_gguf.pair import Pair, PairConfig  # noqa: E402
 from eagle3_gguf.speculator import Speculator  # noqa: E402
 from eagle3_gguf.stats import SpecStats  # noqa: E402

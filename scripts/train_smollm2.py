@@ -284,7 +284,7 @@ def measure_vocab(sizes=(4096, 8192, 16384), reps: int = 5) -> dict:
     from bench_defaults import EVAL_PROMPTS
 
     from eagle3_gguf.assets import smollm2_path
-    from eagle3_gguf.native import Batch
+    from eagle3_gguf.batch import Batch
     from eagle3_gguf.pair import PairConfig, load_pair
     from eagle3_gguf.session import Eagle3Session
     from eagle3_gguf.tokens import chat_tokens

@@ -15,10 +15,12 @@ import sys
 import numpy as np
 import pytest
 
+from eagle3_gguf.batch import Batch
 from eagle3_gguf.capture import LayerCapture
+from eagle3_gguf.context import Context
 from eagle3_gguf.decode import GenerateConfig, Runner
 from eagle3_gguf.errors import Eagle3Error
-from eagle3_gguf.native import Batch, Context, Model, cache_type
+from eagle3_gguf.native import Model, cache_type
 from eagle3_gguf.pair import PairConfig, load_pair
 from eagle3_gguf.session import Eagle3Session
 from eagle3_gguf.tokens import tokenize

@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 
 from checkpoints import EXPECTED_IDS, LAYOUTS, CkptDims, random_weights, write_checkpoint
-from eagle3_gguf import native as N
+from eagle3_gguf.batch import Batch, BatchExt
+from eagle3_gguf.context import LLAMA_PROCESS_TYPE_DECODE, LLAMA_PROCESS_TYPE_ENCODE, Context
 from eagle3_gguf.convert import convert_head
 from eagle3_gguf.convert.quantize import dequantize
 from eagle3_gguf.gguf_file import read_gguf_metadata
+from eagle3_gguf.native import Model
 
 PROMPT = [1, 17, 305, 4021, 77, 12000, 9]
 N_STEPS = 3
@@ -31,9 +33,9 @@ class Trace:
 
 def run_llama_cpp(target, head, prompt: list[int], n_steps: int) -> Trace:
     """Target prefill with extraction → head ENCODE → head DECODE (token[k+1], g[k]) → n_steps greedy drafts."""
-    tm, hm = N.Model(target), N.Model(head)
-    tc = N.Context(tm, n_ctx=128, n_batch=64, n_threads=2)
-    hc = N.Context(hm, n_ctx=128, n_batch=64, n_threads=2, ctx_other=tc)
+    tm, hm = Model(target), Model(head)
+    tc = Context(tm, n_ctx=128, n_batch=64, n_threads=2)
+    hc = Context(hm, n_ctx=128, n_batch=64, n_threads=2, ctx_other=tc)
     ids = hm.target_layer_ids()
     for lid in ids:
         if lid < tm.n_layer:
@@ -42,24 +44,24 @@ def run_llama_cpp(target, head, prompt: list[int], n_steps: int) -> Trace:
             tc.set_nextn(True, masked=False)
     hc.set_nextn(True, masked=True)
     n = len(prompt)
-    batch = N.Batch(64)
+    batch = Batch(64)
     batch.set(prompt, 0, logits="all")
     tc.decode(batch)
     features = np.concatenate([tc.layer_inp(i, n) if i < tm.n_layer else tc.nextn(n) for i in ids], axis=1)
     features = features.copy()  # [n, 3 * n_embd_tgt]
     next_token = int(np.argmax(tc.logits_ith(n - 1)))
 
-    be = N.BatchExt(hc)
+    be = BatchExt(hc)
     for k in range(n):
         be.add_embd(features[k], k)
-    hc.process(N.LLAMA_PROCESS_TYPE_ENCODE, be)
+    hc.process(LLAMA_PROCESS_TYPE_ENCODE, be)
     g = hc.nextn(n).copy()  # [n, n_embd]
 
     be.clear()
     seq = prompt[1:] + [next_token]
     for k in range(n):
         be.add_token(seq[k], k, g[k], output=True)
-    hc.process(N.LLAMA_PROCESS_TYPE_DECODE, be)
+    hc.process(LLAMA_PROCESS_TYPE_DECODE, be)
     logits = [hc.logits(n).copy()]
     h = hc.nextn_ith(n - 1).copy()
     tokens = []
@@ -68,7 +70,7 @@ def run_llama_cpp(target, head, prompt: list[int], n_steps: int) -> Trace:
         tokens.append(tok)
         be.clear()
         be.add_token(tok, n + step, h, output=True)
-        hc.process(N.LLAMA_PROCESS_TYPE_DECODE, be)
+        hc.process(LLAMA_PROCESS_TYPE_DECODE, be)
         logits.append(hc.logits(1).copy())
         h = hc.nextn_ith(0).copy()
     for obj in (be, hc, tc, hm, tm):
@@ -220,7 +222,7 @@ def test_session_drafts_the_same_with_a_converted_head(tmp_path, tiny_target):
     direct = run_llama_cpp(tiny_target, head, PROMPT, N_STEPS)
     config = PairConfig(n_ctx=128, n_batch=64, n_threads=2, cache_type_v="f16")  # the direct run's cache
     with load_pair(tiny_target, head, config) as pair, Eagle3Session(pair.target, pair.head) as session:
-        batch = N.Batch(64)
+        batch = Batch(64)
         batch.set(PROMPT, 0, logits="last")
         pair.target.decode(batch)
         next_token = int(np.argmax(pair.target.logits_ith(len(PROMPT) - 1)))

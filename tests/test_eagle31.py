@@ -21,11 +21,13 @@ torch = pytest.importorskip("torch")
 
 from checkpoints import CkptDims, random_weights, write_checkpoint  # noqa: E402
 from eagle3_gguf import keys  # noqa: E402
-from eagle3_gguf import native as N  # noqa: E402
+from eagle3_gguf.batch import Batch  # noqa: E402
+from eagle3_gguf.context import Context  # noqa: E402
 from eagle3_gguf.convert import convert_head  # noqa: E402
 from eagle3_gguf.errors import Eagle3Error  # noqa: E402
 from eagle3_gguf.gguf_file import read_gguf, read_gguf_metadata  # noqa: E402
 from eagle3_gguf.head_norms import HeadNorms  # noqa: E402
+from eagle3_gguf.native import Model  # noqa: E402
 from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
 from eagle3_gguf.session import Eagle3Session  # noqa: E402
 from eagle3_gguf.train.export import _NAMES, read_token_embeddings  # noqa: E402
@@ -64,7 +66,7 @@ def torch_head(w: dict[str, np.ndarray], d: CkptDims, embed: np.ndarray, flags: 
     return head.eval()
 
 
-def draft_with_logits(session: Eagle3Session, ctx: N.Context, id_last: int) -> tuple[list[int], list[np.ndarray]]:
+def draft_with_logits(session: Eagle3Session, ctx: Context, id_last: int) -> tuple[list[int], list[np.ndarray]]:
     """session.draft(id_last, N_STEPS), recording the logits row each draft step reads.  # [n_vocab] each"""
     seen: list[np.ndarray] = []
     read = ctx.logits_ith
@@ -113,7 +115,7 @@ def check_drafts(target, head_path, head: Eagle3Head, ids: np.ndarray, what: str
     n = len(PROMPT)
     config = PairConfig(n_ctx=128, n_batch=64, n_threads=2)
     with load_pair(target, head_path, config) as pair, Eagle3Session(pair.target, pair.head) as session, \
-            N.Batch(64) as batch:
+            Batch(64) as batch:
         assert (session.norms is None) == (not (head.c.fc_norm or head.c.norm_output))  # no hook cost for EAGLE-3
         batch.set(PROMPT, 0, logits="last")
         pair.target.decode(batch)
@@ -184,11 +186,11 @@ def test_pinned_loader_refuses_an_extra_tensor_but_not_extra_metadata(tmp_path, 
     extra = write_random_head(tmp_path / "extra.gguf", spec, tokenizer_from=tiny_target,
                               extra_tensors={"fc_norm.0.weight": np.ones(64, dtype=np.float32)})
     with pytest.raises(Eagle3Error, match="llama.cpp could not load it"):
-        N.Model(extra)
+        Model(extra)
     meta = write_random_head(tmp_path / "meta.gguf", spec, tokenizer_from=tiny_target,
                              extra_kvs={keys.KEY_FC_NORM: True, keys.KEY_FC_NORM_WEIGHT: [1.0] * (3 * 64),
                                         keys.KEY_NORM_OUTPUT: True})
-    with N.Model(meta) as model:
+    with Model(meta) as model:
         assert model.target_layer_ids() == [1, 3, 5]
     assert HeadNorms.load(meta).fc_norm.shape == (3, 64)
 
@@ -235,7 +237,7 @@ def test_head_reading_fewer_than_three_features_runs_exactly(tmp_path, tiny_targ
     assert any("zero fc columns" in note for note in r.notes)
     n = len(PROMPT)
     with load_pair(tiny_target, r.out, PairConfig(n_ctx=128, n_batch=64, n_threads=2)) as pair, \
-            Eagle3Session(pair.target, pair.head) as session, N.Batch(64) as batch:
+            Eagle3Session(pair.target, pair.head) as session, Batch(64) as batch:
         batch.set(PROMPT, 0, logits="last")
         pair.target.decode(batch)
         own = np.concatenate([pair.target.layer_inp(lid, n) for lid in layer_ids], axis=1)  # [n, n_feat * 64]

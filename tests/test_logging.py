@@ -30,7 +30,8 @@ def test_import_leaves_llama_cpp_python_log_callback_in_place():
 import llama_cpp._logger
 theirs = address(llama_cpp._logger.llama_log_callback)
 assert current() == theirs, "llama-cpp-python's callback is not the current one to begin with"
-import eagle3_gguf, eagle3_gguf.native, eagle3_gguf.llama, eagle3_gguf.pair, eagle3_gguf.decode, eagle3_gguf.server
+import eagle3_gguf, eagle3_gguf.native, eagle3_gguf.context, eagle3_gguf.batch, eagle3_gguf.llama, eagle3_gguf.pair
+import eagle3_gguf.decode, eagle3_gguf.server
 import eagle3_gguf.cli.main
 print(current() == theirs)
 from eagle3_gguf.cli.common import setup_logging

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from eagle3_gguf import keys, native
+from eagle3_gguf.batch import Batch, BatchExt
+from eagle3_gguf.context import LLAMA_PROCESS_TYPE_DECODE, LLAMA_PROCESS_TYPE_ENCODE, Context
 from eagle3_gguf.errors import Eagle3Error, NativeError
-from eagle3_gguf.native import (CACHE_TYPES, LLAMA_PROCESS_TYPE_DECODE, LLAMA_PROCESS_TYPE_ENCODE, Batch, BatchExt,
-                                Context, Model, batch_invariant_cache)
+from eagle3_gguf.native import CACHE_TYPES, Model, batch_invariant_cache
 
 
 def test_staging_symbols_resolve_by_mangled_name():

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from eagle3_gguf.batch import Batch
 from eagle3_gguf.decode import GenerateConfig, Runner, Sampler
 from eagle3_gguf.errors import Eagle3Error
-from eagle3_gguf.native import Batch
 from eagle3_gguf.pair import PairConfig, load_pair
 from eagle3_gguf.session import Eagle3Session, RowsAside
 from eagle3_gguf.tokens import Message, apply_chat_template, tokenize
@@ -121,7 +121,7 @@ def test_sampling_is_lossless_with_the_same_seed(tiny_pair):
 
 def _fresh_draft(pair, session, tokens: list[int], id_last: int, k: int):
     """What a fresh run gives: prefill `tokens` in one batch, process them, draft after id_last."""
-    from eagle3_gguf.native import Batch
+    from eagle3_gguf.batch import Batch
 
     pair.target.clear()
     session.reset()
@@ -137,7 +137,7 @@ def _fresh_draft(pair, session, tokens: list[int], id_last: int, k: int):
 def test_accept_leaves_draft_kv_as_a_fresh_run(tiny_pair, n_acc):
     """After draft → verify → accept(n) → process(kept rows), drafting again gives what a fresh
     session that saw the same accepted tokens gives."""
-    from eagle3_gguf.native import Batch
+    from eagle3_gguf.batch import Batch
 
     k = 4
     model = tiny_pair.target_model

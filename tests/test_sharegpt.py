@@ -14,9 +14,11 @@ from importlib import metadata
 import numpy as np
 import pytest
 
+from eagle3_gguf.batch import Batch
+from eagle3_gguf.context import Context
 from eagle3_gguf.errors import Eagle3Error
 from eagle3_gguf.extract import TargetFeatures
-from eagle3_gguf.native import Batch, Context, Model
+from eagle3_gguf.native import Model
 from eagle3_gguf.tokens import Message, apply_chat_template, chat_tokens, token_bytes, tokenize
 from eagle3_gguf.train import sharegpt
 from eagle3_gguf.train.data import DataConfig, load_dataset, teacher_forced_data, top_k

@@ -335,7 +335,7 @@ def test_stop_ends_the_cycle_at_an_accepted_draft():
 # -- end to end: the Runner on a fixture pair ------------------------------------------------------------
 from collections import Counter  # noqa: E402
 
-from eagle3_gguf.native import Batch  # noqa: E402
+from eagle3_gguf.batch import Batch  # noqa: E402
 from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
 from eagle3_gguf.session import Eagle3Session  # noqa: E402
 from eagle3_gguf.tokens import is_eog, tokenize  # noqa: E402

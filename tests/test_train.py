@@ -10,11 +10,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from eagle3_gguf.batch import Batch  # noqa: E402
+from eagle3_gguf.context import Context  # noqa: E402
 from eagle3_gguf.decode import GenerateConfig, Runner  # noqa: E402
 from eagle3_gguf.errors import Eagle3Error  # noqa: E402
 from eagle3_gguf.extract import TargetFeatures  # noqa: E402
 from eagle3_gguf.gguf_file import TargetInfo, read_gguf  # noqa: E402
-from eagle3_gguf.native import Batch, Context, Model  # noqa: E402
+from eagle3_gguf.native import Model  # noqa: E402
 from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
 from eagle3_gguf.session import Eagle3Session  # noqa: E402
 from eagle3_gguf.train import PipelineConfig, run_training  # noqa: E402

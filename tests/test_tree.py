@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from eagle3_gguf.assets import default_head_path
+from eagle3_gguf.batch import Batch
 from eagle3_gguf.config import DraftConfig
 from eagle3_gguf.decode import GenerateConfig, Runner, Sampler
 from eagle3_gguf.errors import Eagle3Error
-from eagle3_gguf.native import Batch
 from eagle3_gguf.pair import PairConfig, load_pair
 from eagle3_gguf.draft import Draft
 from eagle3_gguf.session import Eagle3Session

@@ -149,7 +149,9 @@ def llama_answers(model_path: str | Path, prompts: list[np.ndarray], path: Path,
     `self_distilled`, goes on after it; answers in flight when max_seconds passes are dropped). Returns as
     self_distilled does; `progress` every SAVE_EVERY_S and at the end."""
     from .. import tokens
-    from ..native import Batch, Context, Model
+    from ..batch import Batch
+    from ..context import Context
+    from ..native import Model
 
     t0 = time.perf_counter()
     identity = gguf_identity(model_path)

@@ -45,9 +45,11 @@ from .streams import Stream, decode, round_groups
 # llama.cpp is imported where data is made, not where it is read: a machine with torch and no llama-cpp-python
 # trains on torch_target's data
 if TYPE_CHECKING:
+    from ..batch import Batch
     from ..capture import LayerCapture
+    from ..context import Context
     from ..extract import TargetFeatures
-    from ..native import Batch, Context, Model
+    from ..native import Model
 
 MANIFEST = "manifest.json"
 
@@ -284,8 +286,9 @@ def generate_data(target_path: str | Path, prompts: list[Prompt], out: str | Pat
                   prompts_source: str = "", progress: Callable[[Progress], None] | None = None) -> Manifest:
     """Generate (or resume) the data set in `out`. Prompts are consumed in order; the manifest's
     `n_prompts_done` counts a prefix of `prompts` whose answers are all on disk."""
+    from ..batch import Batch
+    from ..context import Context
     from ..extract import TargetFeatures
-    from ..native import Batch, Context
     from ..tokens import chat_tokens, eog_check, tokenize
 
     out = Path(out)
@@ -371,8 +374,9 @@ def teacher_forced_data(target_path: str | Path, records: TokenRecords, out: str
     for every token, its 3 layer features and the target's top-k next tokens (data set in `out`, resumable:
     records are taken in order; the manifest's `n_prompts_done` counts a prefix on disk). Records with no
     answer token within `max_tokens` are skipped."""
+    from ..batch import Batch
+    from ..context import Context
     from ..extract import TargetFeatures
-    from ..native import Batch, Context
 
     out = Path(out)
     if config.topk < 1:

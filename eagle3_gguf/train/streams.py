@@ -5,7 +5,7 @@ The target's answers are made this way twice: with every row's layer inputs, as 
 `Stream`s in a context with one KV stream per sequence (kv_unified=False: a row attends over its own sequence
 only, 2.5x the tokens/s of one unified cache) and decode them a round at a time (`round_groups`, `decode`): each
 new prompt's prefill alone, then the running answers one row each, together, in sequence order (per-sequence
-streams keep a batch's rows in that order only: see native.Context). The callers refill idle streams, keep what
+streams keep a batch's rows in that order only: see context.Context). The callers refill idle streams, keep what
 else they need of a decode, and say when an answer is finished (`Stream.stop`).
 """
 
@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 if TYPE_CHECKING:
-    from ..native import Batch, Context
+    from ..batch import Batch
+    from ..context import Context
 
 
 @dataclass
