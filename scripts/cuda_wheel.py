@@ -121,19 +121,19 @@ def pack_tree(wheel: Path) -> Path:
     cannot hold symlinks, so the build's libggml-cuda.so, .so.0 and .so.0.25.3 are three copies in it, twice over
     (its lib/ folder too, which llama_cpp does not load)."""
     out = OUT / TREE
-    kept: dict[str, str] = {}  # a library's sha256 -> the name it is kept under
+    kept: dict[tuple[str, str], str] = {}  # (a library's folder, its sha256) -> the name it is kept under
     with zipfile.ZipFile(wheel) as z, tarfile.open(out, "w:xz", preset=9) as tar:
         names = [n for n in z.namelist() if n.startswith(("llama_cpp/", "llama_cpp_python-")) and not n.endswith("/")]
         for name in sorted(names, key=lambda n: (n.rpartition("/")[0], -len(n), n)):  # a library's longest name first
             data = z.read(name)
             info = tarfile.TarInfo(name)
             if ".so" in name.rpartition("/")[2]:
-                digest = hashlib.sha256(data).hexdigest()
-                if digest in kept:
-                    info.type, info.linkname = tarfile.SYMTYPE, kept[digest].rpartition("/")[2]
+                key = (name.rpartition("/")[0], hashlib.sha256(data).hexdigest())
+                if key in kept:
+                    info.type, info.linkname = tarfile.SYMTYPE, kept[key].rpartition("/")[2]
                     tar.addfile(info)
                     continue
-                kept[digest] = name
+                kept[key] = name
             info.size, info.mode = len(data), 0o755 if ".so" in name else 0o644
             tar.addfile(info, io.BytesIO(data))
     return out
