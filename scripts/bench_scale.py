@@ -30,7 +30,10 @@ The runs are eagle3_gguf.bench's (Bench, per_prompt_ratio), with replaying heads
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
+import io
+import pstats
 import json
 import logging
 import os
@@ -67,6 +70,7 @@ from eagle3_gguf.stats import SpecStats  # noqa: E402
 
 ROWS = 17  # verify widths measured: 1..17
 PART_RUNS = 24  # Parts: runs of each graph timed alone
+PROFILE_LINES = 30  # --profile: the costliest functions kept per contender
 TREE_ROWS = 9  # the default's widest head draft: a chain of 4 and 4 runner-ups, after id_last
 GOAL_SPEEDUP, GOAL_CEILING, GOAL_PYTHON = 2.0, 0.80, 0.03
 GOAL_PROFILE, GOAL_CONTENDER = "vllm-8b", "adaptive (default)"
@@ -388,6 +392,45 @@ class ReplayHooks(RunHooks):
             self.resync.close()
 
 
+class ProfileHooks(RunHooks):
+    """ReplayHooks with cProfile on around each named contender's runs (the replay's set-up left out)."""
+
+    def __init__(self, inner: ReplayHooks, names: list[str]):
+        self.inner = inner
+        self.profiles = {name: cProfile.Profile() for name in names}
+
+    def before(self, c: Contender, p: BenchPrompt, index: int, reference: list[int]) -> None:
+        self.inner.before(c, p, index, reference)
+        if c.name in self.profiles:
+            self.profiles[c.name].enable()
+
+    def after(self, c: Contender, p: BenchPrompt, run: PromptRun, result) -> ScaleRun:
+        if c.name in self.profiles:
+            self.profiles[c.name].disable()
+        return self.inner.after(c, p, run, result)
+
+
+def profile_prompt(bench: Bench, hooks: ReplayHooks, tokens: list[int], n_predict: int, tag: str,
+                   out: Path) -> Path:
+    """One more prompt, every contender run and none counted, with cProfile on around target-only's, the goals'
+    contender's and fixed K=4's runs at the goals' profile: each one's PROFILE_LINES costliest functions by own
+    time, one after another, in out/profile-<tag>.txt (one file: a lent call brings 8 back). A graph call's native
+    time is its caller's own time (Context._call: ctypes calls are not profiled apart)."""
+    names = [n for n in (TARGET.name, f"{GOAL_PROFILE} | {GOAL_CONTENDER}", f"{GOAL_PROFILE} | fixed K=4")
+             if n in bench.runners]
+    ph = ProfileHooks(hooks, names)
+    for _ in bench.measure([BenchPrompt("synthetic", "profiled", "", tokens)], n_predict=n_predict, hooks=ph):
+        pass
+    text = io.StringIO()
+    text.write(f"# {tag}: one prompt of {len(tokens)} tokens, {n_predict} new, not counted; cProfile, own time first\n")
+    for name, prof in ph.profiles.items():
+        text.write(f"\n## {'target-only' if name == TARGET.name else name}\n")
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(PROFILE_LINES)
+    path = out / f"profile-{tag}.txt"
+    path.write_text(text.getvalue())
+    return path
+
+
 def measure_speeds(bench: Bench, hooks: ReplayHooks, prompts: list[list[int]], runs: list[Contender],
                    profiles: list[replay.Profile], rounds: int, res: ShapeResult, deadline: float | None,
                    on_prompt: Callable[[], None]) -> None:
@@ -513,7 +556,13 @@ def bench_shape(target: Path, head: Path, shape: str, qtype: str, made_s: float,
                 res.goals = goals(res)
                 write(results, args)
 
+            t_speeds = time.monotonic()
             measure_speeds(bench, hooks, prompts, runs, profiles, args.rounds, res, deadline, on_prompt)
+            per_prompt = (time.monotonic() - t_speeds) / max(res.prompts, 1)
+            if args.profile and args.out and len(results) == 1 and res.prompts and not res.stopped.startswith(
+                    "interrupted") and (deadline is None or time.monotonic() + per_prompt < deadline):
+                path = profile_prompt(bench, hooks, prompts[0], args.n_predict, f"{shape}-{qtype}", Path(args.out))
+                print(f"wrote {path}", file=sys.stderr, flush=True)
         finally:
             hooks.close()  # its context before the pair's
     res.goals = goals(res)
@@ -658,6 +707,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", help="write results.md and results.json here (after every prompt)")
     ap.add_argument("--budget", type=float, default=0, help="seconds for the whole run: no prompt starts that would "
                     "end past them, no shape that would not reach its first prompt (0: no limit)")
+    ap.add_argument("--profile", action="store_true", help="after the first shape's prompts, one more (not "
+                    "counted) with cProfile on around target-only, the default and fixed K=4 at the goals' profile: "
+                    "profile-SHAPE-TYPE.txt beside results.md (needs --out; skipped where --budget has no room for it)")
     ap.add_argument("-v", "--verbose", action="store_true", help="let llama.cpp's log through (stderr)")
     args = ap.parse_args(argv)
     if args.tiny:
@@ -672,6 +724,8 @@ def check_args(args) -> str | None:
     """The first bad input, as one line (None: all good)."""
     if (args.target is None) != (args.head is None):
         return "--target and --head go together"
+    if args.profile and not args.out:
+        return "--profile writes its files beside results.md: give --out DIR"
     for t in (args.target, args.head, args.tokenizer):
         if t is not None and not Path(t).is_file():
             return f"{t}: no such file"

@@ -6,8 +6,10 @@
 # scripts/bench_scale.py on Llama-3.1-8B's shape in Q4_K_M, then Qwen2.5-1.5B's, then the 8B in Q4_0, at the
 # vllm-8b profile (the goals'), within the budget (its --budget: no prompt starts that would end past it), and last
 # the first shape again with CUDA graphs off; results.md / results.json are rewritten after every prompt, so a cut
-# run keeps what finished. Everything lands in $OUT: results.md, results.json, graphs-off/ (the same two),
-# scale.log (this script's log), build.log and make.log (their tails).
+# run keeps what finished; the first shape's profile (bench_scale --profile) follows its prompts. Everything lands
+# in $OUT, at most 7 files (a call brings 8 back): results.md, results.json, profile-SHAPE-TYPE.txt, graphs-off/
+# (results.md, results.json), scale.log (this script's log, the models' lines in it) and build.log (its tail, where
+# it built).
 #   usage: bash scripts/gpu_scale.sh [--dry-run] [--budget SECONDS] [--shapes SHAPE:TYPE,...]
 # --dry-run: the same steps on this machine's CPU without the pack or a build (the installed llama-cpp-python and
 # gguf), the tiny shape (tests/test_scale.py runs it); $PYTHON names the interpreter (default python3), $SCALE_PACK
@@ -39,8 +41,8 @@ work=$(mktemp -d /tmp/scale-work.XXXXXX)
 mkdir -p "$out"
 log="$out/scale.log"
 say() { echo "[$(( $(date +%s) - start )) s] $*" | tee -a "$log"; }
-finish() {  # the logs' tails into $OUT, whatever happened
-    for f in build make; do [ -f "$work/$f.log" ] && tail -c 200000 "$work/$f.log" > "$out/$f.log"; done
+finish() {  # the build log's tail into $OUT, whatever happened (make.log's lines are in scale.log)
+    [ -f "$work/build.log" ] && tail -c 200000 "$work/build.log" > "$out/build.log"
     rm -rf "$work"
 }
 trap finish EXIT
@@ -142,8 +144,8 @@ if [ "$(left)" -lt 60 ]; then say "error: $(left) s left, too little for a shape
 say "bench_scale with $(left) s left, $reserve s of them kept for $first with CUDA graphs off"
 # its own --budget ends it; the timeout (SIGINT: it writes what finished) is for a prompt far slower than the others
 PYTHONUNBUFFERED=1 timeout --signal=INT --kill-after=10 "$(( $(left) - reserve - 15 ))" "$py" scripts/bench_scale.py \
-    "${bench[@]}" --work "$work/models" --out "$out" --jobs "$jobs" --budget "$(( $(left) - reserve - 30 ))" 2>&1 \
-    | tee -a "$log"
+    "${bench[@]}" --profile --work "$work/models" --out "$out" --jobs "$jobs" \
+    --budget "$(( $(left) - reserve - 30 ))" 2>&1 | tee -a "$log"
 rc=${PIPESTATUS[0]}
 say "bench_scale exited $rc; $(ls "$out" | tr '\n' ' ')"
 # The first shape again, 2 prompts, with ggml-cuda's CUDA graphs off (GGML_CUDA_DISABLE_GRAPHS, read once a

@@ -240,7 +240,13 @@ def test_the_lent_calls_dry_run(tmp_path, smollm2_path):
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_scale.sh"), "--dry-run"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert {"results.md", "results.json", "scale.log", "make.log", "graphs-off"} <= {f.name for f in out.iterdir()}
+    back = sorted(str(f.relative_to(out)) for f in out.rglob("*") if f.is_file())  # a lent call brings 8 files back
+    assert back == ["graphs-off/results.json", "graphs-off/results.md", "profile-tiny-q4_k_m.txt", "results.json",
+                    "results.md", "scale.log"]
+    profiled = (out / "profile-tiny-q4_k_m.txt").read_text().split("\n## ")  # the first shape's one more prompt
+    assert [part.splitlines()[0] for part in profiled[1:]] == ["target-only", "vllm-8b | adaptive (default)",
+                                                               "vllm-8b | fixed K=4"]
+    assert all("context.py" in part and "(_call)" in part for part in profiled[1:]) and "session.py" in profiled[3]
     off = json.loads((out / "graphs-off" / "results.json").read_text())  # the first shape again (CUDA graphs off)
     assert [(s["shape"], s["qtype"]) for s in off["shapes"]] == [("tiny", "q4_k_m")] and off["shapes"][0]["outcomes"]
     table = (out / "results.md").read_text()
