@@ -257,7 +257,7 @@ def test_the_lent_calls_dry_run(tmp_path, smollm2_path):
         ph = s["physics"]
         assert len(ph["verify_ms"]) == 17 and all(t > 0 for t in ph["verify_ms"])
         assert ph["probed"] == 17 and 1 <= ph["exact_widths"] <= 17 and ph["draft_step_ms"] > 0
-        assert len(ph["parts"]) == 6 and all(ms > 0 for ms in ph["parts"].values())  # each graph timed, both orders
+        assert len(ph["parts"]) == 7 and all(ms > 0 for ms in ph["parts"].values())  # each graph timed, both orders
         runs = {(o["profile"], o["contender"]): o for o in s["outcomes"]}
         assert {("", "target-only"), ("vllm-8b", "adaptive (default)"), ("shipped", "tree 4x4x8")} <= set(runs)
         n = len(runs["", "target-only"]["speedup"])
