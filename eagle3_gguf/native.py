@@ -58,7 +58,9 @@ def _bind(name: str, argtypes: list, restype) -> Callable:
 
 
 def require_ext() -> None:
-    """Raise one clear error if the loaded libllama lacks any EAGLE-3 staging symbol."""
+    """Raise one clear error if the loaded libllama lacks any EAGLE-3 staging symbol, context.py's included."""
+    from . import context  # noqa: F401  (here, not at the top: context.py imports this module; bound on import)
+
     if _missing:
         raise NativeError(
             f"the loaded libllama lacks {', '.join(_missing)} (llama-cpp-python {llama_cpp.__version__}); "

@@ -27,6 +27,22 @@ def test_missing_symbol_is_one_clear_error(monkeypatch):
     assert "llama-cpp-python==0.3.36" in str(e.value)
 
 
+def test_a_context_symbol_missing_is_caught_before_context_is_imported():
+    """require_ext() checks every staging symbol, context.py's too, even where only native.py was imported (a
+    fresh process: the bindings are made on import). The symbol is made missing by naming a mangled name that
+    no library exports."""
+    import subprocess
+    import sys
+
+    code = ("from eagle3_gguf import keys\n"
+            "keys.MANGLED_SYMBOLS['llama_get_embeddings_nextn_ith'] = '_Z_no_such_symbol'\n"
+            "from eagle3_gguf import native\n"
+            "try:\n    native.require_ext()\nexcept native.NativeError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("the loaded libllama lacks llama_get_embeddings_nextn_ith"), r.stdout
+
+
 def test_owners_close_idempotently_and_work_as_context_managers(tiny_target):
     with Model(tiny_target) as m:
         with Context(m, n_ctx=64, n_batch=16) as c:
