@@ -33,10 +33,10 @@ import argparse
 import cProfile
 import dataclasses
 import io
-import pstats
 import json
 import logging
 import os
+import pstats
 import shutil
 import statistics
 import sys
@@ -233,6 +233,7 @@ def time_parts(spec: Speculator) -> Parts:
     dec, enc, one = Batch(1, session.n_embd), Batch(2, extract.width), Batch(1)
     two, pair, five = Batch(2, session.n_embd), Batch(2), Batch(5)
     g = np.zeros(session.n_embd, np.float32)  # [n_embd]
+    g2, tok2 = np.zeros((2, session.n_embd), np.float32), np.zeros(2, np.int32)  # [2, n_embd], [2]
     feats = np.zeros((2, extract.width), np.float32)  # [2, 3 * n_embd_tgt]
     was = extract.enabled
 
@@ -264,8 +265,7 @@ def time_parts(spec: Speculator) -> Parts:
     # the interleaved runs: 2 rows at positions 3i, 3i + 1, then the timed row at 3i + 2 (a cache's positions must
     # follow on)
     def head_pair(i: int) -> None:
-        two.set_embd(np.zeros((2, session.n_embd), np.float32), np.array([3 * i, 3 * i + 1], np.int32),
-                     np.zeros(2, np.int32))
+        two.set_embd(g2, np.array([3 * i, 3 * i + 1], np.int32), tok2)
         head.decode(two)
 
     def head_step_after(i: int) -> None:
@@ -566,7 +566,7 @@ def bench_shape(target: Path, head: Path, shape: str, qtype: str, made_s: float,
             t_speeds = time.monotonic()
             measure_speeds(bench, hooks, prompts, runs, profiles, args.rounds, res, deadline, on_prompt)
             per_prompt = (time.monotonic() - t_speeds) / max(res.prompts, 1)
-            if args.profile and args.out and len(results) == 1 and res.prompts and not res.stopped.startswith(
+            if args.profile and len(results) == 1 and res.prompts and not res.stopped.startswith(
                     "interrupted") and (deadline is None or time.monotonic() + per_prompt < deadline):
                 path = profile_prompt(bench, hooks, prompts[0], args.n_predict, f"{shape}-{qtype}", Path(args.out))
                 print(f"wrote {path}", file=sys.stderr, flush=True)

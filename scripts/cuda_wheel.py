@@ -127,14 +127,15 @@ def pack_tree(wheel: Path) -> Path:
         for name in sorted(names, key=lambda n: (n.rpartition("/")[0], -len(n), n)):  # a library's longest name first
             data = z.read(name)
             info = tarfile.TarInfo(name)
-            if ".so" in name.rpartition("/")[2]:
+            library = ".so" in name.rpartition("/")[2]
+            if library:
                 key = (name.rpartition("/")[0], hashlib.sha256(data).hexdigest())
                 if key in kept:
                     info.type, info.linkname = tarfile.SYMTYPE, kept[key].rpartition("/")[2]
                     tar.addfile(info)
                     continue
                 kept[key] = name
-            info.size, info.mode = len(data), 0o755 if ".so" in name else 0o644
+            info.size, info.mode = len(data), 0o755 if library else 0o644
             tar.addfile(info, io.BytesIO(data))
     return out
 

@@ -70,7 +70,7 @@ else
         || { say "error: installing the pack's wheels failed"; exit 2; }
     make_path=/tmp/deps-site  # not $site: the build fills it meanwhile
     export PYTHONPATH=$site:/tmp/deps-site
-    # the CUDA 13 libraries a prebuilt wheel links (cudart, cuBLAS), where the loader does not find them already:
+    # the CUDA 13 libraries the prebuilt build links (cudart, cuBLAS), where the loader does not find them already:
     # the image's toolkit first (what a build here links), else its PyTorch's
     if ! ldconfig -p 2>/dev/null | grep -q "libcublas\.so\.13 "; then
         torch_libs=$("$py" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))' \
@@ -97,7 +97,6 @@ else
             touch "$site/.built-ok"
         else
             say "the prebuilt CUDA build does not serve here ($(echo "${built:-not unpacked}" | tail -1)): building"
-            rm -rf "$site"
         fi
     fi
     if [ ! -f "$site/.built-ok" ]; then
