@@ -61,8 +61,10 @@ def can_quantize(shape: tuple[int, ...]) -> bool:
 
 
 def _fp16_bytes(d: np.ndarray) -> np.ndarray:
-    """float32 scales → their f16 bit patterns as 2 bytes each.  # [nb, 2] uint8"""
-    return d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    """float32 scales → their f16 bit patterns as 2 bytes each (inf past f16's range: encode() says so).
+    # [nb, 2] uint8"""
+    with np.errstate(over="ignore"):
+        return d.astype(np.float16).view(np.uint8).reshape(-1, 2)
 
 
 def quantize_q4_0(x: np.ndarray) -> np.ndarray:
@@ -164,7 +166,12 @@ def encode(x: np.ndarray, t: GT, name: str = "tensor") -> Encoded:
         else:
             enc = quantize_q8_0(chunk)
         out[r0:r0 + len(chunk)] = enc
-        diff = chunk.astype(np.float64) - dequantize(enc, t, n)
+        with np.errstate(over="ignore", invalid="ignore"):
+            back = dequantize(enc, t, n)  # [step, n]
+        if t in BLOCK_BYTES and not np.isfinite(back).all() and np.isfinite(chunk).all():  # a block's f16 scale
+            raise Eagle3Error(f"{name}: values up to {float(np.abs(chunk).max()):.4g} overflow {t.name}'s f16 block "
+                              f"scales; use bf16 or f32 for it (--outtype, --fc-type)")
+        diff = chunk.astype(np.float64) - back
         err2 += float(np.square(diff).sum())
         ref2 += float(np.square(chunk, dtype=np.float64).sum())
     rel = float(np.sqrt(err2 / ref2)) if ref2 > 0 else 0.0

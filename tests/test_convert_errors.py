@@ -355,8 +355,18 @@ def test_failure_mid_stream_leaves_nothing(tmp_path, tiny_target):
     w = random_weights(CkptDims())
     w["L.mlp.down_proj.weight"][0, 0] = 1e5
     src = _ckpt(tmp_path, weights=w)
-    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+    _fails(tmp_path, [str(src), "-t", str(tiny_target), "--outtype", "f16"],
            "midlayer.mlp.down_proj.weight: values up to 1e+05 overflow f16 (max 65504); use --outtype bf16 or f32")
+
+
+def test_a_block_scale_overflow_is_one_line(tmp_path, tiny_target):
+    """Q8_0 (the default) stores a block's scale amax / 127 in f16: past 65504 x 127 it cannot."""
+    w = random_weights(CkptDims())
+    w["L.mlp.down_proj.weight"][0, 0] = 1e7
+    src = _ckpt(tmp_path, weights=w)
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)],
+           "midlayer.mlp.down_proj.weight: values up to 1e+07 overflow Q8_0's f16 block scales; use bf16 or f32 for "
+           "it (--outtype, --fc-type)")
 
 
 def test_existing_output_survives_a_failed_run(tmp_path, tiny_target):

@@ -38,7 +38,7 @@ def test_each_layout_converts_with_pinned_keys_types_and_bytes(tmp_path, tiny_ta
     w = random_weights(CkptDims(), seed=11, embed=layout == "specforge")
     src = write_checkpoint(tmp_path / "ckpt", layout, weights=w)
     out = tmp_path / "head.gguf"
-    r = convert_head(src, out, tiny_target)
+    r = convert_head(src, out, tiny_target, outtype="f16")  # f16: the matrices' bytes are the checkpoint's, rounded
     assert r.out == out and out.is_file() and r.file_bytes == out.stat().st_size
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
@@ -240,6 +240,8 @@ def test_cli_prints_layout_convention_source_and_table(tmp_path, tiny_target):
     out = tmp_path / "h.gguf"
     res = runner.invoke(app, ["convert", str(src), "--target", str(tiny_target), "-o", str(out)])
     assert res.exit_code == 0, res.output
+    types = {t.name: t.ggml_type for t in read_gguf_metadata(out).tensors}  # the defaults: fc Q4_0, matrices Q8_0
+    assert types[keys.T_FC] == GT.Q4_0 and types[keys.blk(keys.T_FFN_UP)] == types[keys.T_OUTPUT] == GT.Q8_0
     text = res.stdout
     assert "layout           NVIDIA ModelOpt" in text
     assert "layer ids        [2, 3, 5]  output-of-layer (converted: +1) (checkpoint says [1, 2, 4])" in text

@@ -195,13 +195,16 @@ def test_layout_loads_drafts_and_matches_reference(tmp_path, tiny_target, target
 
 
 def test_quantized_default_head_drafts(tmp_path, tiny_target):
-    """Default types (fc Q4_0, matrices F16) load and draft: finite logits exactly on the d2t ids."""
+    """Default types (fc Q4_0, matrices Q8_0) load and draft: finite logits exactly on the d2t ids."""
     w = random_weights(CkptDims(), seed=3)
     src = write_checkpoint(tmp_path / "ckpt", "safeai", weights=w)
     head = tmp_path / "head.gguf"
     convert_head(src, head, tiny_target)
     meta = read_gguf_metadata(head)
     assert meta.get("eagle3.target_layers") == [2, 3, 3]
+    assert {t.name: t.ggml_type.name for t in meta.tensors if t.name in ("fc.weight", "blk.0.ffn_up.weight",
+                                                                          "output.weight")} == \
+        {"fc.weight": "Q4_0", "blk.0.ffn_up.weight": "Q8_0", "output.weight": "Q8_0"}
     trace = run_llama_cpp(tiny_target, head, PROMPT, 2)
     d2t_ids = set((w["d2t"] + np.arange(len(w["d2t"]))).tolist())
     assert all(t in d2t_ids for t in trace.tokens)

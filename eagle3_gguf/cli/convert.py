@@ -54,21 +54,22 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(None, "-o", "--out", help="Output .gguf (default: beside the checkpoint)."),
         layer_ids: str = typer.Option(None, "--layer-ids", help="Override the 3 target layer ids, input-of-layer "
                                                                 "as the GGUF stores them, e.g. 2,15,27."),
-        outtype: str = typer.Option("f16", "--outtype", help="Type of the matrices: f32, f16, bf16, q8_0."),
-        fc_type: str = typer.Option("q4_0", "--fc-type", help="Type of fc: q4_0, q8_0, f16, bf16, f32."),
+        outtype: str = typer.Option(None, "--outtype", help="Type of the matrices: q8_0 (default), f16, bf16, "
+                                                            "f32."),
+        fc_type: str = typer.Option(None, "--fc-type", help="Type of fc: q4_0 (default), q8_0, f16, bf16, f32."),
         verbose: bool = typer.Option(False, "-v", "--verbose", help="Show debug output."),
     ) -> None:
         """Convert a SafeAILab / speculators / ModelOpt / SpecForge EAGLE-3 checkpoint into a GGUF head
         that llama.cpp loads as arch eagle3; prints the detected layout, layer ids and a tensor table."""
         from ..convert import convert_head
-        from ..convert.convert import result_text
+        from ..convert.convert import DEFAULT_FC_TYPE, DEFAULT_OUTTYPE, result_text
 
         setup_logging(verbose)
         progress = _Progress()
         try:
             ids = parse_layer_ids(layer_ids) if layer_ids is not None else None
-            result = convert_head(src, out, target, layer_ids=ids, outtype=outtype, fc_type=fc_type,
-                                  progress=progress)
+            result = convert_head(src, out, target, layer_ids=ids, outtype=outtype or DEFAULT_OUTTYPE,
+                                  fc_type=fc_type or DEFAULT_FC_TYPE, progress=progress)
         except Eagle3Error as e:
             progress.close()
             fail(str(e))

@@ -53,8 +53,8 @@ class PipelineConfig:
     data_target: str | Path | None = None  # generate the data with this GGUF of the same model (e.g. a faster
     #                                         quantization); the head is still built for `target`
     n_threads: int | None = None
-    outtype: str = "f16"
-    fc_type: str = "q4_0"
+    outtype: str | None = None  # the head's matrices (None: convert's default, Q8_0)
+    fc_type: str | None = None  # fc's (None: convert's default, Q4_0)
     seed: int = 0
     resume: bool = False
     train: Any = None  # a loop.TrainConfig; default TrainConfig()

@@ -257,10 +257,11 @@ def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def convert_to_gguf(checkpoint_dir: str | Path, target: str | Path | TargetInfo, out: str | Path,
-                    layer_ids: list[int], outtype: str = "f16", fc_type: str = "q4_0", name: str | None = None):
-    """Our converter on the exported checkpoint (the layer ids passed explicitly); `target` read already
-    is not read again."""
-    from ..convert import convert_head
+                    layer_ids: list[int], outtype: str | None = None, fc_type: str | None = None,
+                    name: str | None = None):
+    """Our converter on the exported checkpoint (the layer ids passed explicitly; the types convert's defaults where
+    None); `target` read already is not read again."""
+    from ..convert.convert import DEFAULT_FC_TYPE, DEFAULT_OUTTYPE, convert_head
 
-    return convert_head(checkpoint_dir, out, target, layer_ids=list(layer_ids), outtype=outtype, fc_type=fc_type,
-                        name=name)
+    return convert_head(checkpoint_dir, out, target, layer_ids=list(layer_ids), outtype=outtype or DEFAULT_OUTTYPE,
+                        fc_type=fc_type or DEFAULT_FC_TYPE, name=name)
