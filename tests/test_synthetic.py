@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as GT
 
 import synthetic
 from eagle3_gguf.decode import GenerateConfig, Runner
+from eagle3_gguf.errors import Eagle3Error
 from eagle3_gguf.gguf_file import read_gguf
 from eagle3_gguf.pair import PairConfig, load_pair, read_pair
 from eagle3_gguf.session import Eagle3Session
@@ -29,7 +30,7 @@ def own_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("EAGLE3_GGUF_CACHE", str(tmp_path / "cache"))  # probes and cost curves of their own
 
 
-@pytest.mark.parametrize("qtype", [GT.Q4_0, GT.Q4_K, GT.Q6_K])
+@pytest.mark.parametrize("qtype", [GT.Q4_0, GT.Q8_0, GT.Q4_K, GT.Q6_K])
 def test_blocks_dequantize_to_the_std_asked_centred(qtype):
     """ggml's layouts (gguf-py's dequantizer reads them back): the weights have the std asked, no offset."""
     rng = np.random.default_rng(3)
@@ -68,8 +69,33 @@ def test_the_q4_k_m_mix_is_llama_quantizes():
 @pytest.fixture(scope="module")
 def made(tmp_path_factory, smollm2_path):
     out = tmp_path_factory.mktemp("synthetic")
-    first = synthetic.make_pair(out, "tiny", "q4_k_m", smollm2_path, jobs=2)
-    return first, synthetic.make_pair(out, "tiny", "q4_0", smollm2_path, jobs=2, head=first.head)
+    first = synthetic.make_pair(out, "tiny", "q4_k_m", smollm2_path, jobs=2, head_types=tuple(synthetic.HEAD_TYPES))
+    return first, synthetic.make_pair(out, "tiny", "q4_0", smollm2_path, jobs=2)
+
+
+def test_one_head_per_type_serves_every_target_type(made):
+    first, second = made
+    assert first.head_types == tuple(synthetic.HEAD_TYPES) and second.head_types == ("f16",)
+    assert [h.name for h in first.heads] == [f"synthetic-tiny-eagle3-{t}.gguf" for t in synthetic.HEAD_TYPES]
+    assert second.head == first.head  # made once, kept
+    with pytest.raises(Eagle3Error, match="head types q5_1: name one or more of f16, q8_0, q4_0"):
+        synthetic.make_pair(first.target.parent, "tiny", "q4_0", first.target, head_types=("q5_1",))
+
+
+def test_a_heads_matrices_are_its_type_fc_q4_0(made):
+    """What convert's --outtype writes: the layer's matrices and lm_head in the type, fc Q4_0, norms F32, and
+    general.file_type saying it; the same d2t whatever the type."""
+    d2ts = []
+    for head_type, path in zip(made[0].head_types, made[0].heads):
+        r = gguf.GGUFReader(path)
+        types = {t.name: GT(t.tensor_type) for t in r.tensors}
+        want, file_type = synthetic.HEAD_TYPES[head_type]
+        assert types["fc.weight"] == GT.Q4_0 and types["output_norm.weight"] == GT.F32
+        assert {types[n] for n in types if n.startswith("blk.0.") and "norm" not in n} == {want}
+        assert types["output.weight"] == want
+        assert read_gguf(path).metadata["general.file_type"] == file_type
+        d2ts.append(np.asarray(next(t for t in r.tensors if t.name == "d2t").data))
+    assert all(np.array_equal(d, d2ts[0]) for d in d2ts)
 
 
 def test_files_hold_what_was_planned_and_pair(made):
@@ -95,10 +121,10 @@ def test_files_hold_what_was_planned_and_pair(made):
 
 
 def test_llama_cpp_decodes_them_speculation_identical(made):
-    """Both types load; the logits are finite and not flat; a speculative run drafts and equals target-only; no
-    control token is ever chosen, so the run goes its length."""
-    for m in made:
-        with load_pair(m.target, m.head, PairConfig(n_ctx=512, n_threads=1)) as pair, \
+    """Both target types and every head type load; the logits are finite and not flat; a speculative run drafts and
+    equals target-only; no control token is ever chosen, so the run goes its length."""
+    for target, head in [(made[0].target, h) for h in made[0].heads] + [(made[1].target, made[1].head)]:
+        with load_pair(target, head, PairConfig(n_ctx=512, n_threads=1)) as pair, \
                 Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as dec:
             prompt = list(range(1000, 1024))
             base = dec.generate(prompt, GenerateConfig(n_predict=32), speculative=False)
