@@ -174,7 +174,7 @@ def table(args, draft: DraftSteps, acc: list[Acceptance]) -> str:
         base = {a.workload: a for a in acc if a.head_type == TYPES[0]}
         lines += [f"## Acceptance: {Path(args.head).name} re-encoded, target {Path(args.target).name}, fixed K=4", "",
                   "| head matrices | file MiB | workload | prompts | tokens / forward | accepted / drafted | accepted "
-                  f"| per-prompt tau against {TYPES[0]}: median (min, max) | identical |", "|---|---|---|---|---|---|---|---|---|"]
+                  f"| per-prompt tau against {TYPES[0]}: median (min, max) | identical |", "|" + "---|" * 9]
         for a in acc:
             ratios = [a.tau_by_prompt[k] / v for k, v in base[a.workload].tau_by_prompt.items() if v]
             lines.append(f"| {a.head_type} | {a.mib:.1f} | {a.workload} | {a.prompts} | {a.tokens_per_forward:.4f} | "
@@ -186,7 +186,7 @@ def table(args, draft: DraftSteps, acc: list[Acceptance]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", default="llama-8b", help=f"the draft step's synthetic shape: {', '.join(synthetic.SHAPES)}")
+    ap.add_argument("--shape", default="llama-8b", help=f"the draft step's shape: {', '.join(synthetic.SHAPES)}")
     ap.add_argument("--target-type", default="q4_0", help=f"its target's type: {', '.join(synthetic.TYPES)}")
     ap.add_argument("--head", default=str(default_head_path()), help="the real head re-encoded for acceptance")
     ap.add_argument("--target", default=str(smollm2_path()), help="its target")
@@ -198,7 +198,8 @@ def main() -> int:
     ap.add_argument("--work", help="folder for the models (default: a temporary one)")
     ap.add_argument("--out", help="write results.md and results.json here")
     args = ap.parse_args()
-    if args.shape not in synthetic.SHAPES or args.target_type not in synthetic.TYPES or min(args.limit, args.threads) < 1:
+    known = args.shape in synthetic.SHAPES and args.target_type in synthetic.TYPES
+    if not known or min(args.limit, args.threads) < 1:
         print(f"error: --shape is one of {', '.join(synthetic.SHAPES)}, --target-type one of "
               f"{', '.join(synthetic.TYPES)}, --limit and -t at least 1", file=sys.stderr)
         return 2

@@ -690,7 +690,8 @@ def physics_lines(ph: Physics) -> str:
                          f"the least of its runs among other widths: {ph.verify_ms[4]:.3f} ms)"]
                         if ph.parts else [])
                      + ([f"- the head's 1-row decoder by the type of its matrices: "
-                         + ", ".join(f"{h.head_type} ({h.mib:.0f} MiB) {h.decode_ms:.3f} ms" for h in ph.parts.head_types)]
+                         + ", ".join(f"{h.head_type} ({h.mib:.0f} MiB) {h.decode_ms:.3f} ms"
+                                     for h in ph.parts.head_types)]
                         if ph.parts and ph.parts.head_types else []))
 
 

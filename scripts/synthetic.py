@@ -189,7 +189,8 @@ def q8_0_blocks(rng: np.random.Generator, nb: int, std: float) -> np.ndarray:
 
 
 BLOCKS = {GT.Q4_0: q4_0_blocks, GT.Q8_0: q8_0_blocks, GT.Q4_K: q4_k_blocks, GT.Q6_K: q6_k_blocks}
-SCALE_BYTES = {GT.Q4_0: slice(0, 2), GT.Q8_0: slice(0, 2), GT.Q4_K: slice(0, 4), GT.Q6_K: slice(208, 210)}  # zeroed: a zero row
+# the block scales, zeroed for a zero row
+SCALE_BYTES = {GT.Q4_0: slice(0, 2), GT.Q8_0: slice(0, 2), GT.Q4_K: slice(0, 4), GT.Q6_K: slice(208, 210)}
 
 
 def _rows(rng: np.random.Generator, t: Planned, r0: int, r1: int) -> np.ndarray:
