@@ -3,9 +3,9 @@
 
     python scripts/pack_scale.py
 
-The call (scripts/gpu_scale.sh) builds llama-cpp-python with CUDA there, makes the synthetic models there and runs
-scripts/bench_scale.py, in one command of at most 10 minutes; nothing can be fetched there, and a call carries at
-most 64 MiB with the working tree (~21 MiB). So the folder holds:
+The call (scripts/gpu_scale.sh) unpacks or builds llama-cpp-python with CUDA there, makes the synthetic models there
+and runs scripts/bench_scale.py, in one command of at most 10 minutes; nothing can be fetched there, and a call
+carries at most 64 MiB with the working tree (~19 MiB; pack_scale prints the sum). So the folder holds:
 - llama-cpp-python's sdist, trimmed (76.6 MB as published): no .git (38 MB), no vocab-only test models
   (vendor/llama.cpp/models/*.gguf, 74 MB unpacked), no docs, benches or media (the build reads none of them);
 - the wheels of what the machine's image lacks (WHEELS: gguf, and llama-cpp-python's diskcache; pure Python), at the
