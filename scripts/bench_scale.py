@@ -318,7 +318,7 @@ def time_parts(spec: Speculator, heads: list[HeadBeside]) -> Parts:
 
 
 def time_head_types(heads: list[HeadBeside], n_embd: int) -> list[HeadTypeCost]:
-    """The 1-row decoder of each head, one decode of each in turn per round (PART_RUNS rounds): their medians. None
+    """The 1-row decoder of each head, one decode of each in turn per round (PART_RUNS rounds): their medians; none
     where only the run's own head was made."""
     if len(heads) < 2:
         return []
