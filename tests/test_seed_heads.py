@@ -27,7 +27,10 @@ from arch_targets import ArchDims, hf_config, write_arch_target  # noqa: E402
 from eagle3_gguf import keys  # noqa: E402
 from eagle3_gguf.convert import convert_head  # noqa: E402
 from eagle3_gguf.decode import GenerateConfig, Runner  # noqa: E402
+from eagle3_gguf.convert.convert import DEFAULT_OUTTYPE  # noqa: E402
+from eagle3_gguf.convert.quantize import ggml_type  # noqa: E402
 from eagle3_gguf.gguf_file import read_gguf_metadata  # noqa: E402
+from eagle3_gguf.gguf_file import tensor_bytes as stored_bytes  # noqa: E402
 from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
 from eagle3_gguf.tokens import tokenize  # noqa: E402
 from eagle3_gguf.train.export import read_token_embeddings  # noqa: E402
@@ -93,7 +96,8 @@ def test_converts_with_either_target_description(tmp_path, targets, key):
     assert not gguf.own_token_embd and "embed_tokens.weight" in gguf.dropped
     assert config.own_token_embd and any("embed_tokens kept: with only a config.json" in n for n in config.notes)
     tensor_bytes = {kind: sum(t.bytes for t in r.rows) for kind, r in by_kind.items()}
-    assert tensor_bytes["config.json"] - tensor_bytes["gguf"] == N_VOCAB * 64 * 2  # the f16 table, nothing else
+    table = stored_bytes([64, N_VOCAB], ggml_type(DEFAULT_OUTTYPE))  # in convert's default type
+    assert tensor_bytes["config.json"] - tensor_bytes["gguf"] == table  # the table, nothing else
 
 
 def test_qwen3_head_drops_its_frozen_table(tmp_path, targets):
