@@ -37,7 +37,7 @@ from gguf import GGUFReader  # noqa: E402
 from eagle3_gguf import keys  # noqa: E402
 from eagle3_gguf.assets import default_head_path, smollm2_path  # noqa: E402
 from eagle3_gguf.batch import Batch  # noqa: E402
-from eagle3_gguf.bench import BenchPrompt, PromptRun, load_workloads  # noqa: E402
+from eagle3_gguf.bench import PromptRun, load_workloads  # noqa: E402
 from eagle3_gguf.convert.quantize import Encoded, dequantize, encode  # noqa: E402
 from eagle3_gguf.convert.writer import PlannedTensor, write_gguf  # noqa: E402
 from eagle3_gguf.decode import GenerateConfig, Runner  # noqa: E402
@@ -46,7 +46,7 @@ from eagle3_gguf.gguf_file import read_gguf_metadata  # noqa: E402
 from eagle3_gguf.native import install_log_callback  # noqa: E402
 from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
 from eagle3_gguf.session import Eagle3Session  # noqa: E402
-from eagle3_gguf.tokens import Message, apply_chat_template, tokenize  # noqa: E402
+from eagle3_gguf.tokens import chat_tokens  # noqa: E402
 
 TYPES = bench_scale.HEAD_TYPES  # convert's default first
 MATRIX_TYPES = (GT.F16, GT.Q8_0, GT.Q4_0)  # what re-encoding touches: the layer's matrices and lm_head (fc aside)
@@ -140,7 +140,7 @@ def acceptance(args, work: Path) -> list[Acceptance]:
             rows = {w: Acceptance(head_type, head.stat().st_size / 2**20, w, 0, 0, 0, 0, 0, 0)
                     for w in ("mtbench", "humaneval")}
             for p in prompts:
-                tokens = chat_tokens(pair.target_model, p)
+                tokens = chat_tokens(pair.target_model, p.text)
                 key = f"{p.workload}/{p.id}"
                 if key not in truth:
                     truth[key] = runner.generate(tokens, GenerateConfig(n_predict=args.n_predict),
@@ -156,10 +156,6 @@ def acceptance(args, work: Path) -> list[Acceptance]:
         print(f"{head_type}: " + ", ".join(f"{a.workload} {a.tokens_per_forward:.4f}" for a in rows.values()),
               file=sys.stderr, flush=True)
     return out
-
-
-def chat_tokens(model, p: BenchPrompt) -> list[int]:
-    return tokenize(model, apply_chat_template(model, [Message("user", p.text)]), add_special=False)
 
 
 def table(args, draft: DraftSteps, acc: list[Acceptance]) -> str:

@@ -485,5 +485,6 @@ def main() -> int:
     print(f"{made.target} ({made.target_bytes / 2**20:.0f} MiB) and {heads} in {made.seconds:.1f} s ({args.jobs} jobs)")
     return 0
 
+
 if __name__ == "__main__":
     sys.exit(main())

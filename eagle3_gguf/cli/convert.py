@@ -62,14 +62,14 @@ def register(app: typer.Typer) -> None:
         """Convert a SafeAILab / speculators / ModelOpt / SpecForge EAGLE-3 checkpoint into a GGUF head
         that llama.cpp loads as arch eagle3; prints the detected layout, layer ids and a tensor table."""
         from ..convert import convert_head
-        from ..convert.convert import DEFAULT_FC_TYPE, DEFAULT_OUTTYPE, result_text
+        from ..convert.convert import result_text
 
         setup_logging(verbose)
         progress = _Progress()
         try:
             ids = parse_layer_ids(layer_ids) if layer_ids is not None else None
-            result = convert_head(src, out, target, layer_ids=ids, outtype=outtype or DEFAULT_OUTTYPE,
-                                  fc_type=fc_type or DEFAULT_FC_TYPE, progress=progress)
+            result = convert_head(src, out, target, layer_ids=ids, outtype=outtype, fc_type=fc_type,
+                                  progress=progress)
         except Eagle3Error as e:
             progress.close()
             fail(str(e))

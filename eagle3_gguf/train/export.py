@@ -261,7 +261,7 @@ def convert_to_gguf(checkpoint_dir: str | Path, target: str | Path | TargetInfo,
                     name: str | None = None):
     """Our converter on the exported checkpoint (the layer ids passed explicitly; the types convert's defaults where
     None); `target` read already is not read again."""
-    from ..convert.convert import DEFAULT_FC_TYPE, DEFAULT_OUTTYPE, convert_head
+    from ..convert import convert_head
 
-    return convert_head(checkpoint_dir, out, target, layer_ids=list(layer_ids), outtype=outtype or DEFAULT_OUTTYPE,
-                        fc_type=fc_type or DEFAULT_FC_TYPE, name=name)
+    return convert_head(checkpoint_dir, out, target, layer_ids=list(layer_ids), outtype=outtype, fc_type=fc_type,
+                        name=name)
