@@ -8,7 +8,9 @@ equivalent difference E - R·T per cycle, where R is the rate to beat (Dinkelbac
 objectives): the best of target-only speed 1/c(1) and the rate the run has realised so far. So a draft
 token is worth its cost only when its chance of being emitted beats R times what it adds to the cycle.
 
-- `CostCurve`: c(1..K_max+1) and d, measured at load (`calibrate`, a fraction of a second, cached per
+- `CostCurve`: c(1..K_max+1) (each width warm) and d, and the switch s a verify pays on top where its row count
+  is not the target's last decode's (llama.cpp's graph rebuilt; on CUDA its captured graph lost), so that a policy
+  keeps its width unless another pays for the change; measured at load (`calibrate`, a fraction of a second, cached per
   target file, head file, threads, GPU layers and KV types in `~/.cache/eagle3-gguf/costs/`; a corrupt
   or stale entry is measured again) and refined online: one row's cost (a scale on the whole curve)
   from plain cycles, each larger row count's from the cycles that verified that many.
@@ -45,7 +47,7 @@ from .draft import CATCH_UP_WINDOW, Draft, judge_p_min
 from .lookup import Lookup, LookupAcceptance
 from .tree import DraftTree, branch_candidates, chain_tree, with_branches
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: warm verify costs and the switch (1: each size timed among the others)
 N_BINS = 10  # confidence bins over [0, 1]
 PRIOR_COUNT = 4.0  # pseudo-counts of each prior
 EMA = 0.05  # weight of one new timing in the online cost refinement (scale, draft fixed cost)
@@ -81,6 +83,10 @@ class CostCurve:
     # frozen: the curve is taken as stated and nothing is learnt from timings (a test that fixes every cost the
     # policy's choices depend on: AdaptivePolicy then prices each cycle by the curve instead of the clock)
     frozen: bool = False
+    # what a verify costs on top where its row count is not the target's last decode's (calibrated seconds): llama.cpp
+    # reuses a graph only for the same batch shape, and ggml-cuda replays its captured CUDA graph only while shapes
+    # repeat (8B's shape on an H200: one row 3.77 ms, 4.74 right after two rows; bench/NOTES.md, scale-gpu)
+    switch_s: float = 0.0
     scale: float = 1.0
     scale_n: float = 0.0  # plain cycles timed (capped)
     seen_s: list[float] = field(default_factory=list)  # [K_max + 1]: real seconds, a running mean per n
@@ -108,8 +114,12 @@ class CostCurve:
         return len(self.verify_s) - 1
 
     def verify(self, n: int) -> float:
-        """Real seconds to verify n rows, now."""
+        """Real seconds to verify n rows, now, right after a decode of as many."""
         return self.scale * self.now_s[n - 1]
+
+    def switch(self) -> float:
+        """Real seconds a verify costs on top where its row count changes."""
+        return self.scale * self.switch_s
 
     def relative(self) -> list[float]:
         """The verify costs, as refined, in single-row units.  # [K_max + 1]"""
@@ -140,7 +150,7 @@ class CostCurve:
     def valid(self, k_max: int) -> bool:
         ok = lambda x: isinstance(x, float) and math.isfinite(x) and 0.0 <= x < 10.0  # noqa: E731
         return (len(self.verify_s) >= k_max + 1 and all(ok(t) and t > 0 for t in self.verify_s)
-                and ok(self.draft_step_s) and self.draft_step_s > 0 and ok(self.draft_fixed_s))
+                and ok(self.draft_step_s) and self.draft_step_s > 0 and ok(self.draft_fixed_s) and ok(self.switch_s))
 
 
 @dataclass(frozen=True)
@@ -200,12 +210,13 @@ def load_costs(key: CostKey, k_max: int) -> CostCurve | None:
         if data.get("version") != CACHE_VERSION or data.get("key") != asdict(key):
             return None
         curve = CostCurve([float(t) for t in data["verify_s"]], float(data["draft_step_s"]),
-                          float(data["draft_fixed_s"]), "cache")
+                          float(data["draft_fixed_s"]), "cache", switch_s=float(data["switch_s"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if not curve.valid(k_max):
         return None
-    return CostCurve(curve.verify_s[:k_max + 1], curve.draft_step_s, curve.draft_fixed_s, "cache")
+    return CostCurve(curve.verify_s[:k_max + 1], curve.draft_step_s, curve.draft_fixed_s, "cache",
+                     switch_s=curve.switch_s)
 
 
 def save_costs(key: CostKey, curve: CostCurve) -> None:
@@ -215,42 +226,48 @@ def save_costs(key: CostKey, curve: CostCurve) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"version": CACHE_VERSION, "key": asdict(key), "verify_s": curve.verify_s,
-                                   "draft_step_s": curve.draft_step_s, "draft_fixed_s": curve.draft_fixed_s}))
+                                   "draft_step_s": curve.draft_step_s, "draft_fixed_s": curve.draft_fixed_s,
+                                   "switch_s": curve.switch_s}))
         os.replace(tmp, path)
     except OSError:
         pass
 
 
 DENSE_ROWS = 8  # measure() times every verify size up to this many rows
+RUN = 3  # measure() times each size this many times in a row: after a change of shape, again (CUDA captures), warm
 
 
 def measure(run_verify: Callable[[int], float], run_draft: Callable[[int], float], k_max: int,
-            reps: int = 5, dense_rows: int = DENSE_ROWS) -> CostCurve:
-    """Minima of run_verify(n) (seconds to verify n = 1..k_max+1 rows) and of run_draft(steps) (seconds of
-    a draft of that many steps, the head's catch-up included) for 1 and max(k_max, 2) steps, after one
-    warm-up each (graph allocation), the sizes interleaved so that drift hits all alike. Past `dense_rows`
-    rows (long lookup drafts) every dense_rows // 2-th size down from the last is timed and the rest
-    interpolated: there the curve is close to a line, and each size costs a graph allocation. The step
-    cost is the slope of the draft time, the fixed cost its intercept."""
+            reps: int = 3, dense_rows: int = DENSE_ROWS) -> CostCurve:
+    """The cost curve: run_verify(n) is seconds to verify n = 1..k_max+1 rows, run_draft(steps) those of a draft of
+    that many steps, the head's catch-up included.
+
+    Each size is timed RUN times in a row, the sizes in turn, `reps` times (drift hits all alike): a size's warm
+    cost is the least of its repeated calls (interference only adds time), and what its first two calls cost beyond
+    two warm ones is what a change of shape costs (llama.cpp builds the graph again; ggml-cuda runs it uncaptured,
+    then captures it); the curve's switch is the median of that over the sizes. Past `dense_rows` rows (long lookup
+    drafts) every dense_rows // 2-th size down from the last is timed and the rest interpolated: there the curve is
+    close to a line. Drafts of 1 and max(k_max, 2) steps are timed after a warm-up each, `reps` + 2 times: the step
+    cost is the slope of their least times, the fixed cost its intercept."""
     if dense_rows < 2:
         raise ValueError(f"dense_rows must be at least 2 (got {dense_rows})")
     sizes = sorted({*range(1, min(k_max + 1, dense_rows) + 1), *range(k_max + 1, dense_rows, -(dense_rows // 2))})
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    for n in sizes:
-        run_verify(n)
+    runs: dict[int, list[list[float]]] = {n: [] for n in sizes}  # [reps][RUN] per size
     for _ in range(reps):
         for n in sizes:
-            times[n].append(run_verify(n))
+            runs[n].append([run_verify(n) for _ in range(RUN)])
     steps = max(k_max, 2)
     run_draft(1), run_draft(steps)
-    one = min(run_draft(1) for _ in range(reps))
-    many = min(run_draft(steps) for _ in range(reps))
+    one = min(run_draft(1) for _ in range(reps + 2))
+    many = min(run_draft(steps) for _ in range(reps + 2))
     step = max((many - one) / (steps - 1), 1e-6)
-    timed = {n: min(ts) for n, ts in times.items()}  # the least-disturbed run: interference only adds time
-    verify = [_interpolate(timed, n) for n in range(1, k_max + 2)]
+    warm = {n: min(min(r[1:]) for r in rs) for n, rs in runs.items()}
+    switch = sorted(max(min(r[0] for r in rs) + min(r[1] for r in rs) - 2.0 * warm[n], 0.0)
+                    for n, rs in runs.items())
+    verify = [_interpolate(warm, n) for n in range(1, k_max + 2)]
     for n in range(1, len(verify)):  # n + 1 rows cost no less than n, and no more than n + 1 single rows
         verify[n] = min(max(verify[n], verify[n - 1]), (n + 1) * verify[0])
-    return CostCurve(verify, step, max(one - step, 0.0), "measured")
+    return CostCurve(verify, step, max(one - step, 0.0), "measured", switch_s=switch[len(switch) // 2])
 
 
 def _interpolate(timed: dict[int, float], n: int) -> float:
@@ -346,6 +363,7 @@ class PolicyStats:
     cost_curve: list[float] = field(default_factory=list)  # [M + 1] verify cost in single-row units
     draft_step_cost: float = 0.0  # a draft step in single-row units
     draft_fixed_cost: float = 0.0  # a drafting cycle's fixed cost (the head's catch-up), likewise
+    switch_cost: float = 0.0  # what a verify costs on top where its row count changes, likewise
     cost_source: str = ""
 
     @property
@@ -447,11 +465,16 @@ class AdaptivePolicy:
         self._star_now: list[float] | None = None
         self._star_cap = 0
         self._r_star = 0.0
+        # the target's last decode's rows (0: none yet in this text, its prompt's): a verify of another count pays the
+        # curve's switch; _prices() is the curve as this cycle pays it, for that count
+        self.last_rows = 0
+        self._prices_of: tuple[list[float] | None, int] = (None, -1)
+        self._prices_now: list[float] = costs.now_s
         # A plain streak (plan()): plain cycles left that plan() need not weigh, and the timings of the
         # streak's cycles, learnt at its end
         self._streak = 0
         self._deferring = False
-        self._pending: list[float] = []
+        self._pending: list[tuple[float, bool]] = []  # (seconds, after a decode of other rows)
         self.stats = PolicyStats("adaptive", [0] * (max(k_max, lookup_max) + 1), cost_source=costs.source)
 
     def begin(self) -> None:
@@ -461,12 +484,24 @@ class AdaptivePolicy:
         self._learn_streak()
         self.stats = PolicyStats("adaptive", [0] * (max(self.k_max, self.lookup_max) + 1), cost_source=self.costs.source)
         self.probe_wait = 1
+        self.last_rows = 0
         self.lookup_acc.forget()
 
     # -- the rate to beat -----------------------------------------------------------------------------
     def _r(self) -> float:
         """Tokens per calibrated second that a cycle must beat (costs are in calibrated seconds)."""
         return max(self.rate * self.costs.scale, 1.0 / self.costs.now_s[0])
+
+    def _prices(self) -> list[float]:
+        """What verifying 1..K_max+1 rows costs this cycle, calibrated seconds: the curve, plus the switch for
+        every row count but the last decode's. So a policy that drafts keeps its width unless another pays for the
+        change, and one that decodes plainly starts drafting only where a draft pays for it.  # [K_max + 1]"""
+        costs = self.costs
+        if self._prices_of[0] is not costs.now_s or self._prices_of[1] != self.last_rows:
+            s, last = costs.switch_s, self.last_rows
+            self._prices_now = [t + s * (n != last) for n, t in enumerate(costs.now_s, 1)] if s else costs.now_s
+            self._prices_of = (costs.now_s, last)
+        return self._prices_now
 
     # -- before the cycle ------------------------------------------------------------------------------
     def plan(self, k_cap: int) -> int:
@@ -517,10 +552,10 @@ class AdaptivePolicy:
         for the expected acceptances, i.e. R under the break-even rate max_j (E_j - 1) / (T_j - c(1)).
         That rate moves only with the curve, the draft costs, the expectations and the cap (cached: a plain
         cycle then costs two multiplications here); R moves every cycle."""
-        costs = self.costs
-        if self._star_now is not costs.now_s or self._star_cap != k_cap:
+        prices = self._prices()
+        if self._star_now is not prices or self._star_cap != k_cap:
             self._r_star = self._break_even(k_cap)
-            self._star_now, self._star_cap = costs.now_s, k_cap
+            self._star_now, self._star_cap = prices, k_cap
         return self._r() < self._r_star
 
     def _streak_length(self) -> int:
@@ -558,7 +593,7 @@ class AdaptivePolicy:
         k = min(len(found.tokens), k_cap, self.lookup_max)
         if k <= 0:
             return 0
-        r, c = self._r(), self.costs.now_s
+        r, c = self._r(), self._prices()
         head = max((gain - r * extra for gain, extra in self._head_drafts(min(k_cap, self.k_max))), default=-math.inf)
         best_v = 1.0 - r * c[0] + max(0.0, head)  # plain decoding, or the head's best planned draft
         best_j, best_gain, reach, gain = 0, 0.0, 1.0, 0.0
@@ -582,7 +617,7 @@ class AdaptivePolicy:
             return None
         acc, branch = self.acc, self.branch_acc
         chain = chain_tree(id_last, draft, acc.prob)
-        r, c = self._r(), self.costs.now_s
+        r, c = self._r(), self._prices()
         n, chosen = len(draft.tokens), []
         for b in branch_candidates(chain, draft, lambda _d, reach, p: reach * branch.prob(p)):
             if len(chosen) >= self.branches or n >= room:
@@ -603,7 +638,7 @@ class AdaptivePolicy:
     def _head_drafts(self, k_cap: int) -> list[tuple[float, float]]:
         """For a head draft of j = 1..k_cap at the expected acceptances: (E_j - 1, T_j - c(1)), the drafts
         expected to be emitted and what the cycle costs beyond a plain one (draft steps and catch-up included)."""
-        c, d, e = self.costs.now_s, self.costs.draft_step_s, self.costs.draft_fixed_s
+        c, d, e = self._prices(), self.costs.draft_step_s, self.costs.draft_fixed_s
         out, reach, gain = [], 1.0, 0.0
         for j in range(1, k_cap + 1):
             reach *= self.acc.lookahead[j - 1]
@@ -617,7 +652,7 @@ class AdaptivePolicy:
         stop and verify the first j drafts. Steps not drafted yet are expected to go as the last one did
         (acceptance runs in stretches), which is also what the plan of the next cycle learns."""
         i = len(confs)
-        acc, r, c, d = self.acc, self._r(), self.costs.now_s, self.costs.draft_step_s
+        acc, r, c, d = self.acc, self._r(), self._prices(), self.costs.draft_step_s
         # stopping now: the best prefix j <= i of what was drafted (the draft steps are spent either way)
         reach, gain = 1.0, 0.0
         best_j, best_v, best_gain = 0, -r * c[0], 0.0
@@ -651,6 +686,7 @@ class AdaptivePolicy:
             self.observe_plain(t_verify)
             return
         st, costs = self.stats, self.costs
+        switched, self.last_rows = rows != self.last_rows, rows
         st.chosen[n_verified] += 1
         st.trace.append(n_verified)
         # judge() set the prediction of a drafting cycle (to the one-row reset at the end when it did not run)
@@ -660,10 +696,10 @@ class AdaptivePolicy:
             self.acc.observe(confs, n_verified, n_accepted)
         self.since_plain += 1
         if rows > 1:
-            self._observe_rows(rows, t_verify)
+            self._observe_rows(rows, t_verify, switched)
         costs.observe_draft(n_drafted, t_draft)
         self._changed()
-        t = self._priced(rows, n_drafted) if costs.frozen else t_verify + t_draft
+        t = self._priced(rows, n_drafted, switched) if costs.frozen else t_verify + t_draft
         if t > 0:
             self.rate += RATE_EMA * (n_emitted / t - self.rate)
         if self.probing:
@@ -690,56 +726,66 @@ class AdaptivePolicy:
         st.predicted_s += self._pred[1] * costs.scale
         self.lookup_acc.observe(n, n_verified, n_accepted)
         rows = n_verified + 1 if n_rows is None else n_rows
-        self._observe_rows(rows, t_verify)
+        switched, self.last_rows = rows != self.last_rows, rows
+        self._observe_rows(rows, t_verify, switched)
         self._changed()
         if costs.frozen:
-            t_verify = self._priced(rows, 0)
+            t_verify = self._priced(rows, 0, switched)
         if t_verify > 0:
             self.rate += RATE_EMA * (n_emitted / t_verify - self.rate)
         self._pred = (1.0, costs.now_s[0])
 
-    def _observe_rows(self, rows: int, t_verify: float) -> None:
-        """A verify of `rows` rows took t_verify (the curve learns the sizes it covers)."""
+    def _observe_rows(self, rows: int, t_verify: float, switched: bool) -> None:
+        """A verify of `rows` rows took t_verify, after a decode of other rows where `switched` (the curve learns the
+        sizes it covers, each at its warm cost: the switch is the curve's apart)."""
         if rows <= self.costs.k_max + 1:
-            self.costs.observe_verify(rows, t_verify)
+            self.costs.observe_verify(rows, self._warm(t_verify, switched))
 
-    def _priced(self, rows: int, n_drafted: int) -> float:
+    def _warm(self, t_verify: float, switched: bool) -> float:
+        """A verify's seconds less the switch it paid (at least half of them: a switch priced above what one costs
+        now must not make verifies look free)."""
+        return max(t_verify - self.costs.switch(), 0.5 * t_verify) if switched else t_verify
+
+    def _priced(self, rows: int, n_drafted: int, switched: bool) -> float:
         """A cycle's seconds by the curve (a frozen curve's stand-in for its timing): `rows` verify rows (more
-        than the curve covers, a kept branch decoded again, at its last price) and n_drafted draft steps."""
+        than the curve covers, a kept branch decoded again, at its last price), the switch where the row count
+        changed, and n_drafted draft steps."""
         c = self.costs
-        t = c.verify(min(rows, c.k_max + 1))
+        t = c.verify(min(rows, c.k_max + 1)) + (c.switch() if switched else 0.0)
         return t + c.scale * (c.draft_fixed_s + n_drafted * c.draft_step_s) if n_drafted else t
 
     def observe_plain(self, t_verify: float) -> None:
         """A plain cycle's outcome (one row emitted, no draft step): the common case, kept short (it runs
         cache-cold after the target's graph); in a plain streak only its timing is kept (plan())."""
+        switched, self.last_rows = self.last_rows != 1, 1
         if self._deferring:
-            self._pending.append(t_verify)
+            self._pending.append((t_verify, switched))
             return
-        self._learn_plain(t_verify)
+        self._learn_plain(t_verify, switched)
 
     def _learn_streak(self) -> None:
         """The plain streak is over: learn its cycles' timings, in order."""
         pending, self._pending = self._pending, []
         self._deferring, self._streak = False, 0
-        for t in pending:
-            self._learn_plain(t)
+        for t, switched in pending:
+            self._learn_plain(t, switched)
 
-    def _learn_plain(self, t_verify: float) -> None:
+    def _learn_plain(self, t_verify: float, switched: bool) -> None:
         st, costs = self.stats, self.costs
         st.chosen[0] += 1
         st.trace.append(0)
         st.plain_cycles += 1
         one = costs.verify(1)
         st.predicted_tokens += 1.0
-        st.predicted_s += one
+        st.predicted_s += one + (costs.switch() if switched else 0.0)
+        warm = self._warm(t_verify, switched)
         if self.checking:
-            ok = abs(t_verify / one - 1.0) < CHECK_TOL
+            ok = abs(warm / one - 1.0) < CHECK_TOL
             self.check_gap = min(2 * self.check_gap, CHECK_MAX) if ok else CHECK_MIN
         self.since_plain = 0
-        costs.observe_verify(1, t_verify)
+        costs.observe_verify(1, warm)
         if costs.frozen:
-            t_verify = one
+            t_verify = self._priced(1, 0, switched)
         if t_verify > 0:
             self.rate += RATE_EMA * (1.0 / t_verify - self.rate)
 
@@ -749,6 +795,7 @@ class AdaptivePolicy:
         st.cost_curve = self.costs.relative()
         st.draft_step_cost = self.costs.draft_step_s / self.costs.now_s[0]
         st.draft_fixed_cost = self.costs.draft_fixed_s / self.costs.now_s[0]
+        st.switch_cost = self.costs.switch_s / self.costs.now_s[0]
         return st
 
 

@@ -185,10 +185,11 @@ def key(tmp_path, monkeypatch):
 
 
 def test_cost_cache_round_trip(key):
-    curve = CostCurve([0.01, 0.016, 0.02], 0.001)
+    curve = CostCurve([0.01, 0.016, 0.02], 0.001, switch_s=0.003)
     save_costs(key, curve)
     got = load_costs(key, 2)
     assert got.verify_s == curve.verify_s and got.draft_step_s == curve.draft_step_s and got.source == "cache"
+    assert got.switch_s == 0.003
     assert load_costs(key, 3) is None  # too short for a larger K: measure again
 
 
@@ -229,18 +230,29 @@ def test_another_cpu_model_is_a_new_key(key, tmp_path, monkeypatch):
     assert other.machine != key.machine and load_costs(other, 1) is None
 
 
-def test_measure_takes_the_least_disturbed_run_and_keeps_the_curve_monotone():
+def test_measure_takes_warm_costs_and_prices_a_change_of_shape_apart():
+    """Each size is timed 3 times in a row: the first call after another size pays a rebuild (0.3), the second a
+    capture (0.1, as ggml-cuda's), later ones are warm. The curve is the warm costs (the least-disturbed call: a
+    disturbed one is left out) kept monotone, the switch what the first two calls cost beyond two warm ones."""
     calls = []
 
     def verify(n: int) -> float:
+        same = [m == n for m in reversed(calls)]
+        run = next((i for i, x in enumerate(same) if not x), len(same))  # calls of n just before this one
         calls.append(n)
-        disturbed = 5.0 if len(calls) == 4 else 0.0  # the first measured run of one row
-        return {1: 1.0, 2: 1.5, 3: 1.4}[n] + disturbed
+        disturbed = 5.0 if len(calls) == 6 else 0.0  # the first run's warm call of two rows
+        return {1: 1.0, 2: 1.5, 3: 1.4}[n] + (0.3 if run == 0 else 0.1 if run == 1 else 0.0) + disturbed
 
     curve = measure(verify, lambda steps: 0.1 * steps, 2)
-    assert curve.verify_s == [1.0, 1.5, 1.5] and curve.draft_step_s == pytest.approx(0.1)
-    assert curve.draft_fixed_s == pytest.approx(0.0, abs=1e-12)
-    assert calls[:3] == [1, 2, 3] and len(calls) == 18  # a warm-up, then the sizes interleaved, 5 times
+    assert curve.verify_s == [1.0, 1.5, 1.5] and curve.switch_s == pytest.approx(0.4)
+    assert curve.draft_step_s == pytest.approx(0.1) and curve.draft_fixed_s == pytest.approx(0.0, abs=1e-12)
+    assert calls[:9] == [1, 1, 1, 2, 2, 2, 3, 3, 3] and len(calls) == 27  # 3 runs of 3 a size, the sizes in turn
+
+
+def test_a_cpu_curve_has_a_switch_only_where_a_change_costs():
+    """Where repeating a shape costs nothing less (no graph to rebuild), the switch is 0."""
+    curve = measure(lambda n: 1.0 + 0.5 * (n - 1), lambda steps: 0.1 * steps, 3)
+    assert curve.switch_s == 0.0 and curve.verify_s == [1.0, 1.5, 2.0, 2.5]
 
 
 def test_measure_times_long_drafts_sparsely():
@@ -253,7 +265,7 @@ def test_measure_times_long_drafts_sparsely():
         return 1.0 + 0.25 * (n - 1) + (1.0 if n == 13 else 0.0)
 
     curve = measure(verify, lambda steps: 0.1 * steps, 16, reps=1)
-    assert sorted(set(calls)) == [*range(1, 10), 13, 17] and len(calls) == 2 * 11
+    assert sorted(set(calls)) == [*range(1, 10), 13, 17] and len(calls) == 3 * 11
     want = [1.0 + 0.25 * (n - 1) for n in range(1, 18)]
     want[9:13] = [3.0 + 0.5 * i for i in range(1, 5)]  # 10..13 rows: from 9 (3.0) to 13 (4.0 + 1.0)
     want[13:16] = [5.0] * 3  # 14..16: between 13 and 17 (5.0), never below 13 rows
@@ -270,6 +282,41 @@ def test_a_drafting_cycle_pays_its_fixed_cost():
         policy.acc.lookahead = [0.6] * policy.k_max
         policy.probe_wait = PROBE_MAX  # past the first cycle's probe
     assert one.plan(1) == 0 and not one.probing and four.plan(4) == 4
+
+
+def test_a_change_of_width_is_paid_where_it_happens():
+    """A GPU's warm rows are nearly free, but a verify of another width than the last decode's pays a switch (0.3 of a
+    row: ggml-cuda's graph captured again). After a plain cycle, an unsure draft is not worth leaving one row for; the
+    same draft after a 3-row verify is verified whole, since stopping early would change the width too."""
+    def policy(last_rows: int, switch: float = 0.3) -> AdaptivePolicy:
+        p = AdaptivePolicy(CostCurve([1.0, 1.05, 1.1], 0.01, source="given", frozen=True, switch_s=switch), 2)
+        p.begin()
+        for _ in range(200):  # teach it: drafts at confidence 0.25 are right a quarter of the time
+            p.observe([0.25, 0.25], 2, 0, 2, 1.1, 0.02, 1)
+            p.observe([0.25, 0.25], 2, 2, 2, 1.1, 0.02, 3)
+            p.observe([0.25, 0.25], 2, 0, 2, 1.1, 0.02, 1)
+            p.observe([0.25, 0.25], 2, 0, 2, 1.1, 0.02, 1)
+        p.last_rows = last_rows
+        return p
+
+    assert policy(1).judge([0.25], 2) == 0  # one row, as the last cycle: no switch
+    assert policy(3).judge([0.25], 2) == -1  # drafting on to 3 rows, the last cycle's width, costs less than 1 row
+    assert policy(3).judge([0.25, 0.25], 2) == 2
+    assert policy(1, 0.0).judge([0.25], 2) == policy(3, 0.0).judge([0.25], 2)  # without a switch: the curve's alone
+
+
+def test_the_switch_is_learnt_apart_from_the_rows():
+    """A plain cycle right after a drafting one pays the switch: its warm time moves the curve's scale, not the
+    switch it paid (nor does a verify of rows after plain cycles move that row count's price)."""
+    p = AdaptivePolicy(CostCurve([1.0, 1.2, 1.4], 0.01, source="given", switch_s=0.5), 2)
+    p.begin()
+    p.observe([0.9, 0.9], 2, 2, 2, 1.4 + 0.5, 0.02, 3)  # the first cycle after the prompt: a switch
+    p.observe([0.9, 0.9], 2, 2, 2, 1.4, 0.02, 3)  # the same width again: warm
+    p.observe_plain(1.0 + 0.5)  # back to one row: a switch
+    p.observe_plain(1.0)
+    assert p.costs.scale == pytest.approx(1.0) and p.costs.verify(3) == pytest.approx(1.4)
+    p.observe_plain(1.5)  # one row after one row, yet 1.5: the machine is slower
+    assert p.costs.scale > 1.1
 
 
 def test_each_row_count_learns_its_own_verify_cost():
