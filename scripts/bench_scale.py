@@ -4,9 +4,11 @@
     python scripts/bench_scale.py --tiny                               # the tiny shape on this CPU, in seconds
     python scripts/bench_scale.py -ngl all --out DIR                   # Llama-3.1-8B's shape (Q4_K_M, Q4_0), then 1.5B
     python scripts/bench_scale.py --target T.gguf --head H.gguf        # a pair on disk
+    python scripts/bench_scale.py --tiny --emulate bench/scale-gpu/results.json:llama-8b:q4_k_m   # at an H200's prices
 
 Per shape (scripts/synthetic.py makes the pair into --work unless it is there already):
-- the physics: the target's verify cost for 1..17 rows (every size timed: min of 5, interleaved), the head's draft
+- the physics: the target's verify cost for 1..17 rows (every size timed, warm, and what a change of width adds:
+  policy.measure), the head's draft
   step and catch-up (Speculator.calibrate), and the exact verify widths (the exactness probe, 1..17 rows);
 - the speed of target-only and each contender (the default adaptive policy as `generate` runs it, fixed K = 2 and
   4, a 4x4x8 tree) at each replayed acceptance profile (scripts/replay.py: the head's real draft steps run, its
@@ -54,6 +56,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
+import emulate  # noqa: E402
 import replay  # noqa: E402
 import synthetic  # noqa: E402
 from eagle3_gguf.batch import Batch  # noqa: E402
@@ -106,6 +109,7 @@ class Physics:
     verify_ms: list[float]  # [ROWS]: one verify batch of 1..ROWS rows
     draft_step_ms: float
     catch_up_ms: float  # a drafting cycle's fixed cost: the head catching up on the kept rows
+    switch_ms: float  # a verify after a decode of other rows, on top (verify_ms: each width repeated)
     exact_widths: int  # verify widths 1..exact_widths compute every row as a lone row does
     probed: int
     probe_s: float
@@ -214,6 +218,7 @@ class ShapeResult:
     device: str
     threads: int
     head_device: str = ""
+    emulated: str = ""  # --emulate's RESULTS.json:SHAPE:TYPE: the pair's calls ran at those prices (emulate.py)
     llama_log: list[str] = field(default_factory=list)  # llama.cpp's lines on where the graphs run (LLAMA_LINES)
     physics: Physics | None = None
     outcomes: list[Outcome] = field(default_factory=list)
@@ -236,7 +241,7 @@ def measure_physics(spec: Speculator, exact: str, heads: list[HeadBeside]) -> Ph
     found = spec.prepare(GenerateConfig(draft_policy="fixed", draft_max=ROWS - 1, draft_lookup=False,
                                         exact="auto" if exact == "off" else exact))
     return Physics([1e3 * s for s in curve.verify_s], 1e3 * curve.draft_step_s, 1e3 * curve.draft_fixed_s,
-                   found.exact, found.probed, found.seconds, calibrate_s, time_parts(spec, heads))
+                   1e3 * curve.switch_s, found.exact, found.probed, found.seconds, calibrate_s, time_parts(spec, heads))
 
 
 def time_parts(spec: Speculator, heads: list[HeadBeside]) -> Parts:
@@ -616,6 +621,11 @@ def bench_shape(made: synthetic.Made, args, results: list[ShapeResult], deadline
                               str(pair.target_model.placement), pair.target.n_threads, str(pair.head_model.placement),
                               llama_lines.lines)
             results.append(res)
+            emulation = None
+            if args.emulate:
+                emulation = emulate.parse(args.emulate)
+                emulation.attach(pair.target, pair.head)
+                res.emulated = emulation.source
             heads = heads_beside(pair, made, config)
             try:
                 res.physics = measure_physics(bench.runners[TARGET.name].spec, args.exact, heads)
@@ -637,6 +647,8 @@ def bench_shape(made: synthetic.Made, args, results: list[ShapeResult], deadline
 
             t_speeds = time.monotonic()
             measure_speeds(bench, hooks, prompts, runs, profiles, args.rounds, res, deadline, on_prompt)
+            if emulation is not None:
+                res.emulated = f"{emulation.source}; real calls past the emulated time: {emulation.overruns()}"
             per_prompt = (time.monotonic() - t_speeds) / max(res.prompts, 1)
             if args.profile and len(results) == 1 and res.prompts and not res.stopped.startswith(
                     "interrupted") and (deadline is None or time.monotonic() + per_prompt < deadline):
@@ -676,7 +688,8 @@ def goals(res: ShapeResult) -> list[str]:
 def physics_lines(ph: Physics) -> str:
     rel = " ".join(f"{t / ph.verify_ms[0]:.2f}" for t in ph.verify_ms)
     return "\n".join([f"- verify cost, 1..{ROWS} rows: {' '.join(f'{t:.2f}' for t in ph.verify_ms)} ms",
-                      f"  ({rel} x one row; {ph.calibrate_s:.1f} s to measure)",
+                      f"  ({rel} x one row, each width repeated; +{ph.switch_ms:.2f} ms after a decode of other "
+                      f"rows; {ph.calibrate_s:.1f} s to measure)",
                       f"- head: draft step {ph.draft_step_ms:.3f} ms ({ph.draft_step_ms / ph.verify_ms[0]:.2f} x one "
                       f"row), catch-up {ph.catch_up_ms:.3f} ms",
                       f"- exact verify widths: 1..{ph.exact_widths} of 1..{ph.probed} (probed in {ph.probe_s:.1f} s)"]
@@ -687,7 +700,7 @@ def physics_lines(ph: Physics) -> str:
                          f"- the same 1-row graphs right after one of 2 rows (a cycle's order): the head's "
                          f"{ph.parts.head_decode_after_ms:.3f} ms, the target's {ph.parts.target_row_after_ms:.3f} ms",
                          f"- a 5-row target verify repeated: {ph.parts.target_verify5_ms:.3f} ms (median; the curve's, "
-                         f"the least of its runs among other widths: {ph.verify_ms[4]:.3f} ms)"]
+                         f"the least of its repeated runs: {ph.verify_ms[4]:.3f} ms)"]
                         if ph.parts else [])
                      + ([f"- the head's 1-row decoder by the type of its matrices: "
                          + ", ".join(f"{h.head_type} ({h.mib:.0f} MiB) {h.decode_ms:.3f} ms"
@@ -699,7 +712,8 @@ def table(results: list[ShapeResult]) -> str:
     lines = ["# Benchmark at scale: synthetic targets, replayed acceptance", ""]
     for res in results:
         ph = res.physics
-        lines += [f"## {res.shape} {res.qtype} on {res.device} ({res.threads} threads)", "",
+        lines += [f"## {res.shape} {res.qtype} on {res.device} ({res.threads} threads)"
+                  + (f", emulating {res.emulated} (emulate.py)" if res.emulated else ""), "",
                   f"- files: target {res.target_mib:.0f} MiB, head {res.head_mib:.0f} MiB ({res.head_type})"
                   + (f", made in {res.made_s:.1f} s" if res.made_s else ", made before")
                   + f"; loaded in {res.load_s:.1f} s; the head on {res.head_device or '?'}"]
@@ -802,6 +816,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile", action="store_true", help="after the first shape's prompts, one more (not "
                     "counted) with cProfile on around target-only, the default and fixed K=4 at the goals' profile: "
                     "profile-SHAPE-TYPE.txt beside results.md (needs --out; skipped where --budget has no room for it)")
+    ap.add_argument("--emulate", metavar="RESULTS.json:SHAPE:TYPE", help="pad the pair's llama.cpp calls to the "
+                    "prices a GPU measured for that shape (emulate.py), e.g. bench/scale-gpu/results.json:llama-8b:"
+                    "q4_k_m: a CPU weighs the contenders at a GPU's costs")
     ap.add_argument("-v", "--verbose", action="store_true", help="let llama.cpp's log through (stderr)")
     args = ap.parse_args(argv)
     if args.tiny:
@@ -837,6 +854,8 @@ def check_args(args) -> str | None:
         args.ngl = -1 if args.ngl == "all" else int(args.ngl)
         for p in args.profiles.split(","):
             replay.parse_profile(p)
+        if args.emulate:
+            emulate.parse(args.emulate)
     except ValueError:
         return f"-ngl {args.ngl}: a number or 'all'"
     except Eagle3Error as e:

@@ -152,7 +152,8 @@ def test_the_benchmark_drafts_with_the_head_type_convert_writes():
 
 def test_bench_scale_refuses_bad_inputs_in_one_line():
     for argv in (["--shapes", "huge:q4_k_m"], ["--target", "x.gguf"], ["--profiles", "0.5/2"], ["-n", "2"],
-                 ["--head-types", "q8_0,q8_0"], ["--head-types", "q5_1"]):
+                 ["--head-types", "q8_0,q8_0"], ["--head-types", "q5_1"], ["--emulate", "results.json"],
+                 ["--emulate", "bench/scale-gpu/results.json:tiny:q4_0"]):
         r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_scale.py"), *argv],
                            capture_output=True, text=True)
         assert r.returncode == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
@@ -264,7 +265,7 @@ def test_the_lent_calls_dry_run(tmp_path, smollm2_path):
     for s in data["shapes"]:
         ph = s["physics"]
         assert len(ph["verify_ms"]) == 17 and all(t > 0 for t in ph["verify_ms"])
-        assert ph["probed"] == 17 and 1 <= ph["exact_widths"] <= 17 and ph["draft_step_ms"] > 0
+        assert ph["probed"] == 17 and 1 <= ph["exact_widths"] <= 17 and ph["draft_step_ms"] > 0 and ph["switch_ms"] >= 0
         types = ph["parts"].pop("head_types")  # the head's decoder in each type, the run's own first
         assert len(ph["parts"]) == 7 and all(ms > 0 for ms in ph["parts"].values())  # each graph timed, both orders
         assert s["head_type"] == "q8_0" and [t["head_type"] for t in types] == list(bench_scale.HEAD_TYPES)
@@ -274,6 +275,6 @@ def test_the_lent_calls_dry_run(tmp_path, smollm2_path):
         n = len(runs["", "target-only"]["speedup"])
         assert n == 4 and all(o["identical"] == n for key, o in runs.items() if "--exact off" not in key[1])
         if ph["exact_widths"] < 9:  # the probe caps the default's trees: speculating past it is measured beside
-            assert runs["vllm-8b", "adaptive (default), --exact off"]["tau"] > 1.0
+            assert len(runs["vllm-8b", "adaptive (default), --exact off"]["speedup"]) == n
         k4 = runs["vllm-8b", "fixed K=4"]
         assert abs(k4["acceptance"][0] - VLLM.p(0)) < 0.2 and k4["tau"] > 2.0 and k4["ceiling"] > 0

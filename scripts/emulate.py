@@ -1,0 +1,116 @@
+"""Emulation: a pair's llama.cpp calls padded to what a lent GPU measured, so that a CPU can weigh drafting policies.
+
+A lent GPU is rare and short; what its call brings back (bench/scale-gpu/results.json) holds the physics of each shape:
+the verify curve, the switch (what a verify costs on top after a decode of other rows: llama.cpp rebuilds the
+graph, and ggml-cuda runs it uncaptured and captures it again), the head's graphs alone and right after a change.
+`Emulation` sets itself as each context's runner (context.Context.runner): it runs the real call (the tiny synthetic
+pair's, on this CPU: tokens, caches and text are real), then spins until the call has taken what the GPU took for a
+call of that kind and width, where the context's previous call had another shape adding the switch. So a policy's
+choices meet the GPU's prices, at the tiny shape's acceptance (the replay's profile).
+
+It emulates the graphs, not what a GPU machine's Python and copies cost around them: against the H200's own run it
+read about 13% fast for every contender alike (bench/NOTES.md, "emulated-h200"). Compare contenders within one run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eagle3_gguf.errors import Eagle3Error
+
+
+@dataclass
+class Prices:
+    """Milliseconds a call takes on the emulated machine, warm, and what a change of shape adds."""
+
+    verify_ms: list[float]  # [ROWS]: a target decode of 1..ROWS rows, repeated
+    switch_ms: float  # a target decode after one of other rows, on top
+    head_decode_ms: float  # the head's decoder, repeated (launch-bound on a GPU: any width)
+    head_encode_ms: float  # its encoder
+    head_switch_ms: float  # either, after a call of another shape, on top
+
+    def target(self, n: int) -> float:
+        """A warm target decode of n rows (a prompt past the curve: along its last slope)."""
+        v = self.verify_ms
+        return v[n - 1] if n <= len(v) else v[-1] + (v[-1] - v[-2]) * (n - len(v))
+
+
+def prices_of(results: Path, shape: str) -> Prices:
+    """The prices of `shape` ("llama-8b:q4_k_m") in a bench_scale results.json. Results from before the curve was
+    timed warm (no switch_ms) had each width timed after another: their curve is shifted down to the warm row."""
+    try:
+        data = json.loads(Path(results).read_text())
+        name, _, qtype = shape.partition(":")
+        res = next(r for r in data["shapes"] if (r["shape"], r["qtype"]) == (name, qtype))
+        ph, parts = res["physics"], res["physics"]["parts"]
+        head = parts["head_decode_ms"]
+        head_switch = max(parts["head_decode_after_ms"] - head, 0.0)
+        if "switch_ms" in ph:
+            return Prices(ph["verify_ms"], ph["switch_ms"], head, parts["head_encode_ms"], head_switch)
+        shift = ph["verify_ms"][0] - parts["target_row_ms"]
+        return Prices([t - shift for t in ph["verify_ms"]], max(parts["target_row_after_ms"] - parts["target_row_ms"],
+                                                                0.0), head, parts["head_encode_ms"], head_switch)
+    except StopIteration:
+        raise Eagle3Error(f"--emulate: {results} holds no shape {shape}") from None
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise Eagle3Error(f"--emulate: {results}: not a bench_scale results.json with physics ({e})") from None
+
+
+@dataclass
+class Runner:
+    """One context's runner: the real call, then a spin to the emulated time."""
+
+    prices: Prices
+    is_target: bool
+    last: tuple[str, int] = ("", 0)  # the previous call's graph and rows
+    calls: int = 0
+    over: int = 0  # calls whose real time exceeded the emulated one (the emulation is then off)
+
+    def __call__(self, call, graph, *args) -> int:
+        t0 = time.perf_counter()
+        rc = call(graph, *args)
+        end = t0 + self.price(getattr(graph, "__name__", str(graph)), args[-1].n_tokens) / 1e3  # the batch: last
+        if time.perf_counter() > end:
+            self.over += 1
+        while time.perf_counter() < end:
+            pass
+        return rc
+
+    def price(self, graph: str, n: int) -> float:
+        """Milliseconds this call of `graph` on n rows takes on the emulated machine, after the calls before it."""
+        p, shape = self.prices, (graph, n)
+        changed = shape != self.last
+        self.last, self.calls = shape, self.calls + 1
+        if self.is_target:
+            return p.target(n) + (p.switch_ms if changed else 0.0)
+        return (p.head_encode_ms if "encode" in graph else p.head_decode_ms) + (p.head_switch_ms if changed else 0.0)
+
+
+@dataclass
+class Emulation:
+    prices: Prices
+    source: str  # "results.json:shape"
+    runners: list[Runner] = field(default_factory=list)
+
+    def attach(self, target, head) -> None:
+        """Emulate the prices on these contexts (context.Context) from now on."""
+        for ctx, is_target in ((target, True), (head, False)):
+            r = Runner(self.prices, is_target)
+            ctx.runner = r
+            self.runners.append(r)
+
+    def overruns(self) -> str:
+        """How often a real call took longer than the emulated one (then the emulation reads slow)."""
+        return ", ".join(f"{'target' if r.is_target else 'head'} {r.over} of {r.calls}" for r in self.runners)
+
+
+def parse(spec: str) -> Emulation:
+    """--emulate RESULTS.json:SHAPE:TYPE"""
+    path, _, shape = spec.partition(":")
+    if not shape or ":" not in shape:
+        raise Eagle3Error(f"--emulate {spec}: give RESULTS.json:SHAPE:TYPE, e.g. bench/scale-gpu/results.json:"
+                          "llama-8b:q4_k_m")
+    return Emulation(prices_of(Path(path), shape), spec)
