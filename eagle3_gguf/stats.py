@@ -54,6 +54,9 @@ class SpecStats:
     accept_hist: list[int] = field(default_factory=list)  # [M + 1]: cycles that accepted 0..M drafts
     drafted_by_pos: list[int] = field(default_factory=list)  # [M]: drafts offered at position i
     accepted_by_pos: list[int] = field(default_factory=list)  # [M]: drafts accepted at position i
+    # [M]: drafts at position i whose drafts before it were all accepted: P(draft i kept | drafts before it kept) is
+    # accepted_by_pos[i] / reached_by_pos[i], whatever lengths the cycles drafted
+    reached_by_pos: list[int] = field(default_factory=list)
     lookup_cycles: int = 0  # of the cycles above: those whose drafts came from prompt lookup (lookup.py)
     lookup_drafted: int = 0
     lookup_accepted: int = 0
@@ -81,6 +84,8 @@ class SpecStats:
         self.accept_hist = self.accept_hist or [0] * (k + 1)
         self.drafted_by_pos = self.drafted_by_pos or [0] * k
         self.accepted_by_pos = self.accepted_by_pos or [0] * k
+        self.reached_by_pos = self.reached_by_pos or [0] * k
+        self._last_drafted = 0  # the last recorded cycle's drafts (cut_cycle); not a field
 
     def record_cycle(self, n_drafted: int, n_accepted: int) -> None:
         self.n_drafted += n_drafted
@@ -90,6 +95,9 @@ class SpecStats:
             self.drafted_by_pos[i] += 1
         for i in range(n_accepted):
             self.accepted_by_pos[i] += 1
+        for i in range(min(n_drafted, n_accepted + 1)):
+            self.reached_by_pos[i] += 1
+        self._last_drafted = n_drafted
 
     def record_rows(self, n: int) -> None:
         """A verify cycle decoded n rows (id_last, its drafts or tree, and a tree's kept branch redone)."""
@@ -117,6 +125,8 @@ class SpecStats:
         self.accept_hist[n_kept] += 1
         for i in range(n_kept, n_accepted):
             self.accepted_by_pos[i] -= 1
+        for i in range(n_kept + 1, min(self._last_drafted, n_accepted + 1)):
+            self.reached_by_pos[i] -= 1
 
     # -- derived figures -----------------------------------------------------------------------
     @property

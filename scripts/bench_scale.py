@@ -158,6 +158,7 @@ class Outcome:
     cycles: int = 0  # verify cycles, all prompts
     drafted_by_pos: list[int] = field(default_factory=list)
     accepted_by_pos: list[int] = field(default_factory=list)
+    reached_by_pos: list[int] = field(default_factory=list)  # drafts at i whose drafts before it were all kept
     identical: int = 0
     resyncs: int = 0  # replays that had to find target-only's text again after the run's text parted from it
     tree_cycles: int = 0
@@ -181,15 +182,9 @@ class Outcome:
         return self.tokens / self.cycles if self.cycles else 0.0
 
     def acceptance(self) -> list[float]:
-        """P(draft i kept | drafts 0..i-1 kept), by position, up to the last position drafted."""
-        out, before = [], None
-        for i, (d, a) in enumerate(zip(self.drafted_by_pos, self.accepted_by_pos)):
-            if d == 0:
-                break
-            base = d if i == 0 else min(d, before)
-            out.append(a / base if base else 0.0)
-            before = a
-        return out
+        """P(draft i kept | drafts 0..i-1 kept), by position, up to the last position drafted (SpecStats'
+        reached_by_pos: right for cycles of any lengths, as the adaptive policy drafts)."""
+        return [a / r for a, r in zip(self.accepted_by_pos, self.reached_by_pos) if r]
 
     def ceiling(self, t1: float) -> float:
         """Speed against target-only at t(1 row) a token, were each cycle to cost its price on the curve."""
@@ -544,9 +539,11 @@ def _add(o: Outcome, r: ScaleRun, ratio: float, identical: bool, verify_s: list[
     if len(o.drafted_by_pos) < k:
         o.drafted_by_pos += [0] * (k - len(o.drafted_by_pos))
         o.accepted_by_pos += [0] * (k - len(o.accepted_by_pos))
+        o.reached_by_pos += [0] * (k - len(o.reached_by_pos))
     for i in range(k):
         o.drafted_by_pos[i] += st.drafted_by_pos[i]
         o.accepted_by_pos[i] += st.accepted_by_pos[i]
+        o.reached_by_pos[i] += st.reached_by_pos[i]
     o.identical += identical
     o.resyncs += r.resyncs
     o.tree_cycles += st.tree_cycles

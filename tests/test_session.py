@@ -24,6 +24,25 @@ def check_stats_add_up(st, n_tokens: int) -> None:
     # a cycle decodes id_last and the drafts it verifies (chains: no tree nodes, no kept branch redone)
     assert sum(st.verify_rows) == st.n_target_forwards - 1 and st.tree_cycles == 0
     assert sum((n - 1) * c for n, c in enumerate(st.verify_rows)) == st.n_drafted
+    # a draft is reached where the drafts before it were all kept: every kept one was, and the first ones all are
+    assert all(a <= r <= d for a, r, d in zip(st.accepted_by_pos, st.reached_by_pos, st.drafted_by_pos))
+    assert not st.reached_by_pos or st.reached_by_pos[0] == st.drafted_by_pos[0]
+
+
+def test_conditional_acceptance_counts_only_drafts_whose_earlier_drafts_were_kept():
+    """Cycles of different lengths (as the adaptive policy drafts): 4 drafts with the first rejected, 2 drafts both
+    kept, 3 drafts with 2 kept. Draft 2 was reached once (the third cycle's) and rejected; a cut cycle (the caller
+    stopped reading) counts as the cycle that kept what was read."""
+    from eagle3_gguf.stats import SpecStats
+
+    st = SpecStats(draft_max=4)
+    st.record_cycle(4, 0)
+    st.record_cycle(2, 2)
+    st.record_cycle(3, 2)
+    assert st.drafted_by_pos == [3, 3, 2, 1] and st.accepted_by_pos == [2, 2, 0, 0]
+    assert st.reached_by_pos == [3, 2, 1, 0]  # P(draft 1 kept | draft 0 kept) = 2/2, not 2/3
+    st.cut_cycle(2, 0)  # the third cycle's output was read up to its first token
+    assert st.accepted_by_pos == [1, 1, 0, 0] and st.reached_by_pos == [3, 1, 0, 0]
 
 
 @pytest.fixture(scope="module")
