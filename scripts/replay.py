@@ -62,6 +62,7 @@ class Profile:
 # conditional rates. No published 8B head gives its runner-ups' rates, so both profiles take these.
 SHIPPED_ALTS = (0.175, 0.098, 0.051)
 RESYNC_CHUNK = 32  # target-only's tokens asked of a resync at a time: a cycle reads at most 17 positions
+U_MARGIN = 64  # the draws a replay holds past its truth's length (a resynced truth is as long; drafts past it miss)
 
 PROFILES = {
     "vllm-8b": Profile("vllm-8b", (0.80, 0.75, 0.70, 0.65), SHIPPED_ALTS,
@@ -109,7 +110,11 @@ class ReplaySession(Eagle3Session):
         """Start over against a new truth (the next prompt's), the counters at zero."""
         self.truth = list(truth)
         self.goal = len(self.truth)  # the truth's length: a resynced one is extended up to it as it is read
-        self.rng = np.random.default_rng(seed)
+        # One uniform draw per target position (column 0: the likeliest token; 1 + j: runner-up j), so that whether a
+        # draft there is right does not depend on what was drafted before: every contender and policy of a prompt
+        # faces the same easy and hard positions (common random numbers: their ratios vary far less than their speeds).
+        # A position is never asked twice on the truth: a rejected draft's position gets the target's own token.
+        self.u = np.random.default_rng(seed).random((self.goal + U_MARGIN, 1 + len(self.profile.alts)))
         self.steps = 0  # the head's decoder runs in drafts (a tree: one per depth)
         self.cycles = 0  # drafts made (each with a catch-up)
         self.resyncs = 0
@@ -140,6 +145,12 @@ class ReplaySession(Eagle3Session):
             self._extend()
         return self.truth[pos] if 0 <= pos < len(self.truth) else None
 
+    def _u(self, pos: int, k: int) -> float:
+        """The draw for target position pos, column k (1.0, never right, past the draws held or the profile's
+        runner-ups)."""
+        u = self.u
+        return float(u[pos, k]) if pos < u.shape[0] and k < u.shape[1] else 1.0
+
     def _wrong(self, true: int | None, k: int) -> int:
         """A k-th token that is not the truth (siblings take different k, so they differ too)."""
         return ((true if true is not None else 0) + 1 + k) % self.n_vocab
@@ -160,7 +171,7 @@ class ReplaySession(Eagle3Session):
         on_truth = True
         for i in range(len(real.confs)):
             true = self._true(start + i)
-            right = on_truth and true is not None and self.rng.random() < prof.p(i)
+            right = on_truth and true is not None and self._u(start + i, 0) < prof.p(i)
             tokens.append(true if right else self._wrong(true, 0))
             if n_alt:
                 # which runner-up is right where the likeliest token is not (none: -1); a runner-up's probability
@@ -169,7 +180,8 @@ class ReplaySession(Eagle3Session):
                 probs = []
                 for j in range(len(real.alt_tokens[i])):
                     probs.append(miss * prof.alt(j))
-                    if hit < 0 and on_truth and not right and true is not None and self.rng.random() < prof.alt(j):
+                    if hit < 0 and on_truth and not right and true is not None and \
+                            self._u(start + i, j + 1) < prof.alt(j):
                         hit = j
                     miss *= 1.0 - prof.alt(j)
                 alt_tokens.append([true if j == hit else self._wrong(true, j + 1) for j in range(len(probs))])
@@ -214,10 +226,10 @@ class ReplaySession(Eagle3Session):
             true = self._true(start + d)
             hit = -1  # the rank the truth holds among the head's topk candidates (-1: none of them)
             if on_truth[node] and true is not None:
-                if self.rng.random() < prof.p(d):
+                if self._u(start + d, 0) < prof.p(d):
                     hit = 0
                 else:
-                    hit = next((j + 1 for j in range(topk - 1) if self.rng.random() < prof.alt(j)), -1)
+                    hit = next((j + 1 for j in range(topk - 1) if self._u(start + d, j + 1) < prof.alt(j)), -1)
             for rank, c in enumerate(kids):
                 on_truth[c] = rank == hit
                 tokens[c] = true if rank == hit else self._wrong(true, rank)

@@ -92,6 +92,32 @@ def test_chains_keep_the_profile_and_the_text(pair, prompts):
     assert abs(tau - VLLM.tau(4)) < 4 * 1.5 / math.sqrt(cycles)  # a cycle's tokens vary by 1.49 at this profile
 
 
+def test_every_contender_meets_the_same_easy_and_hard_positions(pair, prompts):
+    """A replay's draw belongs to a target position, not to the order of draws: fixed K=2 and K=4 runs of the same
+    prompt and seed propose the same first draft wherever both draft from the same position (so contenders' ratios
+    compare them on the same luck), and tokens after a draft the judge cut do not shift the draws."""
+    class Recording(replay.ReplaySession):
+        def draft(self, id_last, n_max, judge=None, p_min=0.0, sampler=None, n_alt=0):
+            out = super().draft(id_last, n_max, judge, p_min, sampler, n_alt)
+            self.first[self.pending_pos + self.shift + 2] = out.tokens[:1]  # the first draft's target position
+            return out
+
+    seen = []
+    for k in (2, 4):
+        with Recording(pair.target, pair.head, truth=[], profile=VLLM) as s, Runner(pair.target, s) as dec:
+            s.first = {}
+            for i, (p, truth) in enumerate(prompts[:2]):
+                s.replay(truth, seed=i)
+                dec.generate(p, GenerateConfig(n_predict=N_PREDICT, draft_policy="fixed", draft_max=k))
+                seen.append((k, i, dict(s.first)))
+                s.first.clear()
+    for i in range(2):
+        two, four = (f for k, j, f in seen if j == i)
+        common = set(two) & set(four)
+        assert len(common) >= 10 and all(two[q] == four[q] for q in common)
+        assert any(two[q] != [prompts[i][1][q]] for q in common)  # some positions are wrong for both
+
+
 def test_trees_keep_runner_ups_and_the_text(pair, prompts):
     """EAGLE-2's tree: a runner-up is right where the likeliest token is not, at the profile's rate: some cycles
     keep a branch; the text stays target-only's."""
