@@ -68,6 +68,7 @@ from eagle3_gguf.errors import Eagle3Error  # noqa: E402
 from eagle3_gguf.gguf_file import read_gguf  # noqa: E402
 from eagle3_gguf.native import Model, enable_llama_log, install_log_callback  # noqa: E402
 from eagle3_gguf.pair import Pair, PairConfig, load_pair  # noqa: E402
+from eagle3_gguf.policy import CostCurve  # noqa: E402
 from eagle3_gguf.speculator import Speculator  # noqa: E402
 from eagle3_gguf.stats import SpecStats  # noqa: E402
 
@@ -77,6 +78,9 @@ PROFILE_LINES = 30  # --profile: the costliest functions kept per contender
 TREE_ROWS = 9  # the default's widest head draft: a chain of 4 and 4 runner-ups, after id_last
 GOAL_SPEEDUP, GOAL_CEILING, GOAL_PYTHON = 2.0, 0.80, 0.03
 GOAL_PROFILE, GOAL_CONTENDER = "vllm-8b", "adaptive (default)"
+# the default on the physics' curve, frozen: its choices turn on acceptance alone (no timing learnt), so beside the
+# default it tells what the loop's timings made of the policy from what the replayed acceptance did
+FROZEN = f"{GOAL_CONTENDER}, curve frozen"
 LLAMA_LINES = ("graph: nodes", "layers to GPU", "model buffer size", "compute buffer size", "sched copies",
                "cannot be used with preferred buffer type")
 LOGITS_READ = "target-only, logits read"
@@ -85,10 +89,11 @@ HEAD_TYPES = ("q8_0", "f16", "q4_0")  # --head-types' default: convert's --outty
 
 
 def contenders(n_predict: int, exact: str) -> list[Contender]:
-    """The default adaptive policy as `generate` runs it (trees capped at 4 / 8), fixed chains of 2 and 4 (p_min 0),
-    and EAGLE-2's dynamic tree 4 deep, top-4, 8 tokens."""
+    """The default adaptive policy as `generate` runs it (trees capped at 4 / 8), the same on the physics' curve frozen
+    (FROZEN), fixed chains of 2 and 4 (p_min 0), and EAGLE-2's dynamic tree 4 deep, top-4, 8 tokens."""
     g = lambda **kw: GenerateConfig(n_predict=n_predict, exact=exact, **kw)  # noqa: E731
     return [Contender(GOAL_CONTENDER, g(draft_topk=4, draft_nodes=8)),
+            Contender(FROZEN, g(draft_topk=4, draft_nodes=8)),
             Contender("fixed K=2", g(draft_policy="fixed", draft_max=2)),
             Contender("fixed K=4", g(draft_policy="fixed", draft_max=4)),
             Contender("tree 4x4x8", g(draft_policy="fixed", draft_max=4, draft_topk=4, draft_nodes=8))]
@@ -475,6 +480,12 @@ def profile_prompt(bench: Bench, hooks: ReplayHooks, tokens: list[int], n_predic
     return path
 
 
+def frozen_curve(ph: Physics) -> CostCurve:
+    """The physics' cost curve, frozen: a policy on it prices every cycle as the curve says and learns no timing."""
+    return CostCurve([ms / 1e3 for ms in ph.verify_ms], ph.draft_step_ms / 1e3, ph.catch_up_ms / 1e3, "given",
+                     frozen=True, switch_s=ph.switch_ms / 1e3)
+
+
 def measure_speeds(bench: Bench, hooks: ReplayHooks, prompts: list[list[int]], runs: list[Contender],
                    profiles: list[replay.Profile], rounds: int, res: ShapeResult, deadline: float | None,
                    on_prompt: Callable[[], None]) -> None:
@@ -488,6 +499,9 @@ def measure_speeds(bench: Bench, hooks: ReplayHooks, prompts: list[list[int]], r
     named = {f"{p.name} | {c.name}": (p, c) for p in profiles for c in runs}  # the bench's contender names
     bench.add([logits_read(n_predict)] + [dataclasses.replace(c, name=name, session=hooks.session(p))
                                           for name, (p, c) in named.items()])
+    for name, (_, c) in named.items():
+        if c.name == FROZEN:  # its policy takes this curve as it is (the curve covers 17 rows: no calibration)
+            bench.runners[name].spec.costs = frozen_curve(res.physics)
     hooks.attach(bench)
     items = [BenchPrompt("synthetic", str(i), "", tokens) for i, tokens in enumerate(prompts)]
     per_prompt = bench.runs_per_prompt(rounds)

@@ -169,6 +169,16 @@ def test_a_text_that_parts_from_the_truth_is_followed_again(pair, prompts):
     assert rates[0] > 0.6  # without the resync nothing after token 20 would be kept
 
 
+def test_the_frozen_default_prices_cycles_as_the_physics_measured():
+    """FROZEN's curve is the physics' (seconds from milliseconds), switch included, and learns no timing."""
+    ph = bench_scale.Physics([4.0, 5.0, 6.0], 0.5, 0.25, 1.0, 1, 3, 0.1, 0.2)
+    curve = bench_scale.frozen_curve(ph)
+    assert curve.verify_s == [0.004, 0.005, 0.006] and curve.draft_step_s == 0.0005 and curve.draft_fixed_s == 0.00025
+    assert curve.switch_s == 0.001 and curve.frozen and curve.source == "given"
+    curve.observe_verify(2, 1.0)
+    assert curve.verify(2) == 0.005
+
+
 def test_the_benchmark_drafts_with_the_head_type_convert_writes():
     from eagle3_gguf.convert.convert import DEFAULT_OUTTYPE
 
@@ -297,7 +307,8 @@ def test_the_lent_calls_dry_run(tmp_path, smollm2_path):
         assert s["head_type"] == "q8_0" and [t["head_type"] for t in types] == list(bench_scale.HEAD_TYPES)
         assert all(t["decode_ms"] > 0 and t["mib"] > 0 for t in types)
         runs = {(o["profile"], o["contender"]): o for o in s["outcomes"]}
-        assert {("", "target-only"), ("vllm-8b", "adaptive (default)"), ("shipped", "tree 4x4x8")} <= set(runs)
+        assert {("", "target-only"), ("vllm-8b", "adaptive (default)"), ("vllm-8b", bench_scale.FROZEN),
+                ("shipped", "tree 4x4x8")} <= set(runs)
         n = len(runs["", "target-only"]["speedup"])
         assert n == 4 and all(o["identical"] == n for key, o in runs.items() if "--exact off" not in key[1])
         if ph["exact_widths"] < 9:  # the probe caps the default's trees: speculating past it is measured beside
