@@ -686,7 +686,7 @@ class AdaptivePolicy:
             self.observe_plain(t_verify)
             return
         st, costs = self.stats, self.costs
-        switched, self.last_rows = rows != self.last_rows, rows
+        switched = self._decoded(rows)
         st.chosen[n_verified] += 1
         st.trace.append(n_verified)
         # judge() set the prediction of a drafting cycle (to the one-row reset at the end when it did not run)
@@ -726,7 +726,7 @@ class AdaptivePolicy:
         st.predicted_s += self._pred[1] * costs.scale
         self.lookup_acc.observe(n, n_verified, n_accepted)
         rows = n_verified + 1 if n_rows is None else n_rows
-        switched, self.last_rows = rows != self.last_rows, rows
+        switched = self._decoded(rows)
         self._observe_rows(rows, t_verify, switched)
         self._changed()
         if costs.frozen:
@@ -734,6 +734,11 @@ class AdaptivePolicy:
         if t_verify > 0:
             self.rate += RATE_EMA * (n_emitted / t_verify - self.rate)
         self._pred = (1.0, costs.now_s[0])
+
+    def _decoded(self, rows: int) -> bool:
+        """The target's verify decoded `rows` rows: whether that changed the width of its last decode (a switch)."""
+        switched, self.last_rows = rows != self.last_rows, rows
+        return switched
 
     def _observe_rows(self, rows: int, t_verify: float, switched: bool) -> None:
         """A verify of `rows` rows took t_verify, after a decode of other rows where `switched` (the curve learns the
@@ -757,7 +762,7 @@ class AdaptivePolicy:
     def observe_plain(self, t_verify: float) -> None:
         """A plain cycle's outcome (one row emitted, no draft step): the common case, kept short (it runs
         cache-cold after the target's graph); in a plain streak only its timing is kept (plan())."""
-        switched, self.last_rows = self.last_rows != 1, 1
+        switched = self._decoded(1)
         if self._deferring:
             self._pending.append((t_verify, switched))
             return
