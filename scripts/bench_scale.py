@@ -630,7 +630,7 @@ def bench_shape(made: synthetic.Made, args, results: list[ShapeResult], deadline
             res = ShapeResult(made.shape, made.qtype, str(target), str(head), made.head_types[0],
                               target.stat().st_size / 2**20, head.stat().st_size / 2**20, made.seconds, load_s,
                               str(pair.target_model.placement), pair.target.n_threads, str(pair.head_model.placement),
-                              llama_lines.lines)
+                              llama_log=llama_lines.lines)
             results.append(res)
             emulation = None
             if args.emulate:

@@ -22,11 +22,16 @@ def h200(shape: str = "llama-8b") -> dict:
     return next(s for s in json.loads(H200.read_text())["shapes"] if s["shape"] == shape)
 
 
-def test_prices_of_a_run_that_timed_each_width_after_another():
-    """The committed H200 run timed every width after another: its curve is shifted down to the warm row (Parts),
-    and the switch is what a row right after two rows cost beyond it."""
-    p = emulate.prices_of(H200, "llama-8b:q4_k_m")
-    ph = h200()["physics"]
+def test_prices_of_a_run_that_timed_each_width_after_another(tmp_path):
+    """A run from before the warm curve (2026-11-27) timed every width after another: its curve is shifted down to
+    the warm row (Parts), and the switch is what a row right after two rows cost beyond it."""
+    data = json.loads(H200.read_text())
+    for shape in data["shapes"]:
+        del shape["physics"]["switch_ms"]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(data))
+    p = emulate.prices_of(path, "llama-8b:q4_k_m")
+    ph = data["shapes"][0]["physics"]
     parts = ph["parts"]
     assert p.verify_ms[0] == pytest.approx(parts["target_row_ms"])
     assert p.verify_ms[4] - p.verify_ms[0] == pytest.approx(ph["verify_ms"][4] - ph["verify_ms"][0])
