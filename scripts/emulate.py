@@ -1,12 +1,15 @@
 """Emulation: a pair's llama.cpp calls padded to what a lent GPU measured, so that a CPU can weigh drafting policies.
 
 A lent GPU is rare and short; what its call brings back (bench/scale-gpu/results.json) holds the physics of each shape:
-the verify curve, the switch (what a verify costs on top after a decode of other rows: llama.cpp rebuilds the
-graph, and ggml-cuda runs it uncaptured and captures it again), the head's graphs alone and right after a change.
+the verify curve, the switch (what a verify's first two calls cost on top after a decode of other rows: llama.cpp
+rebuilds the graph, ggml-cuda runs it uncaptured, and on the second call of the same shape captures it again), the
+head's graphs alone and right after a change.
 `Emulation` sets itself as each context's runner (context.Context.runner): it runs the real call (the tiny synthetic
 pair's, on this CPU: tokens, caches and text are real), then spins until the call has taken what the GPU took for a
-call of that kind and width, where the context's previous call had another shape adding the switch. So a policy's
-choices meet the GPU's prices, at the tiny shape's acceptance (the replay's profile).
+call of that kind and width: the first call of a shape adds what a call right after another shape cost there, the
+second the rest of the switch (ggml-cuda's capture: its warm-up runs a changed graph once uncaptured and captures it
+on the next call of the same shape, vendor ggml-cuda.cu, ggml_backend_cuda_graph_compute). So a policy's choices meet
+the GPU's prices, at the tiny shape's acceptance (the replay's profile).
 
 It emulates the graphs, not what a GPU machine's Python and copies cost around them: against the H200's own run it
 read about 13% fast for every contender alike (bench/NOTES.md, "emulated-h200"). Compare contenders within one run.
@@ -31,6 +34,7 @@ class Prices:
     head_decode_ms: float  # the head's decoder, repeated (launch-bound on a GPU: any width)
     head_encode_ms: float  # its encoder
     head_switch_ms: float  # either, after a call of another shape, on top
+    capture_ms: float = 0.0  # the target's second call of a shape in a row, on top (ggml-cuda captures it)
 
     def target(self, n: int) -> float:
         """A warm target decode of n rows (a prompt past the curve: along its last slope)."""
@@ -40,7 +44,9 @@ class Prices:
 
 def prices_of(results: Path, shape: str) -> Prices:
     """The prices of `shape` ("llama-8b:q4_k_m") in a bench_scale results.json. Results from before the curve was
-    timed warm (no switch_ms) had each width timed after another: their curve is shifted down to the warm row."""
+    timed warm (no switch_ms) had each width timed after another: their curve is shifted down to the warm row. Results
+    with the warm curve split the switch (a width's first two calls beyond two warm ones) into the first call's share
+    (a 1-row decode right after 2 rows, Parts) and the capture."""
     try:
         data = json.loads(Path(results).read_text())
         name, _, qtype = shape.partition(":")
@@ -48,11 +54,14 @@ def prices_of(results: Path, shape: str) -> Prices:
         ph, parts = res["physics"], res["physics"]["parts"]
         head = parts["head_decode_ms"]
         head_switch = max(parts["head_decode_after_ms"] - head, 0.0)
+        first = max(parts["target_row_after_ms"] - parts["target_row_ms"], 0.0)
+        if "capture_ms" in ph:  # measured apart
+            first = ph["switch_ms"] - ph["capture_ms"]
         if "switch_ms" in ph:
-            return Prices(ph["verify_ms"], ph["switch_ms"], head, parts["head_encode_ms"], head_switch)
+            first = min(first, ph["switch_ms"])
+            return Prices(ph["verify_ms"], first, head, parts["head_encode_ms"], head_switch, ph["switch_ms"] - first)
         shift = ph["verify_ms"][0] - parts["target_row_ms"]
-        return Prices([t - shift for t in ph["verify_ms"]], max(parts["target_row_after_ms"] - parts["target_row_ms"],
-                                                                0.0), head, parts["head_encode_ms"], head_switch)
+        return Prices([t - shift for t in ph["verify_ms"]], first, head, parts["head_encode_ms"], head_switch)
     except StopIteration:
         raise Eagle3Error(f"--emulate: {results} holds no shape {shape}") from None
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
@@ -66,6 +75,7 @@ class Runner:
     prices: Prices
     is_target: bool
     last: tuple[str, int] = ("", 0)  # the previous call's graph and rows
+    run: int = 0  # calls of that shape in a row, the previous one included
     calls: int = 0
     over: int = 0  # calls whose real time exceeded the emulated one (the emulation is then off)
 
@@ -83,9 +93,10 @@ class Runner:
         """Milliseconds this call of `graph` on n rows takes on the emulated machine, after the calls before it."""
         p, shape = self.prices, (graph, n)
         changed = shape != self.last
+        self.run = 1 if changed else self.run + 1
         self.last, self.calls = shape, self.calls + 1
         if self.is_target:
-            return p.target(n) + (p.switch_ms if changed else 0.0)
+            return p.target(n) + (p.switch_ms if changed else p.capture_ms if self.run == 2 else 0.0)
         return (p.head_encode_ms if "encode" in graph else p.head_decode_ms) + (p.head_switch_ms if changed else 0.0)
 
 

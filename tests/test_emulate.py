@@ -46,7 +46,23 @@ def test_prices_of_a_run_with_a_warm_curve(tmp_path):
     path = tmp_path / "results.json"
     path.write_text(json.dumps(data))
     p = emulate.prices_of(path, "llama-8b:q4_k_m")
-    assert p.verify_ms == data["shapes"][0]["physics"]["verify_ms"] and p.switch_ms == 0.25
+    assert p.verify_ms == data["shapes"][0]["physics"]["verify_ms"] and p.switch_ms == 0.25 and p.capture_ms == 0.0
+
+
+def test_prices_split_the_switch_into_the_first_call_and_the_capture(tmp_path):
+    """The H200's switch (a width's first two verifies beyond two warm ones): the first call pays what a row right
+    after two rows cost beyond a warm one, the second the rest (ggml-cuda's capture); or as the run measured them."""
+    ph = h200()["physics"]
+    first = ph["parts"]["target_row_after_ms"] - ph["parts"]["target_row_ms"]
+    p = emulate.prices_of(H200, "llama-8b:q4_k_m")
+    assert p.switch_ms == pytest.approx(first) and p.capture_ms == pytest.approx(ph["switch_ms"] - first)
+    assert 0.5 < p.switch_ms < p.capture_ms  # capturing 8B's graph costs more than running it uncaptured
+    data = json.loads(H200.read_text())
+    data["shapes"][0]["physics"]["capture_ms"] = 1.0
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(data))
+    p = emulate.prices_of(path, "llama-8b:q4_k_m")
+    assert p.switch_ms == pytest.approx(ph["switch_ms"] - 1.0) and p.capture_ms == 1.0
 
 
 @pytest.mark.parametrize("spec", ["bench/scale-gpu/results.json", "bench/scale-gpu/results.json:gemma-9b:q4_0",
@@ -58,10 +74,13 @@ def test_a_bad_emulation_is_one_line(spec):
 
 
 def test_each_call_is_priced_as_the_gpu_ran_it():
-    """A call of the shape before it costs the warm price; another shape (rows, or graph) adds the switch."""
+    """A call of the shape before it costs the warm price; another shape (rows, or graph) adds the switch, and the
+    target's second call of a shape in a row the capture."""
     prices = emulate.Prices([2.0, 3.0], 4.0, 0.5, 0.25, 1.0)
     target, head = emulate.Runner(prices, is_target=True), emulate.Runner(prices, is_target=False)
     assert [target.price("llama_decode", n) for n in (1, 1, 2, 2, 1, 4)] == [6.0, 2.0, 7.0, 3.0, 6.0, 9.0]
+    cuda = emulate.Runner(emulate.Prices([2.0, 3.0], 1.0, 0.5, 0.25, 1.0, capture_ms=4.0), is_target=True)
+    assert [cuda.price("llama_decode", n) for n in (1, 1, 1, 2, 1, 1, 1)] == [3.0, 6.0, 2.0, 4.0, 3.0, 6.0, 2.0]
     assert [head.price(g, n) for g, n in [("llama_encode", 2), ("llama_decode", 2), ("llama_decode", 1),
                                           ("llama_decode", 1)]] == [1.25, 1.5, 1.5, 0.5]
 
