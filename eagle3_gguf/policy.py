@@ -8,9 +8,10 @@ equivalent difference E - R·T per cycle, where R is the rate to beat (Dinkelbac
 objectives): the best of target-only speed 1/c(1) and the rate the run has realised so far. So a draft
 token is worth its cost only when its chance of being emitted beats R times what it adds to the cycle.
 
-- `CostCurve`: c(1..K_max+1) (each width warm) and d, and the switch s a verify pays on top where its row count
-  is not the target's last decode's (llama.cpp's graph rebuilt; on CUDA its captured graph lost), so that a policy
-  keeps its width unless another pays for the change; measured at load (`calibrate`, a fraction of a second, cached per
+- `CostCurve`: c(1..K_max+1) (each width warm) and d, and the switch s the first two verifies of a row count pay on
+  top where it is not the target's last decode's (llama.cpp's graph rebuilt; on CUDA the graph run uncaptured, then
+  captured on the second call: its share of s is the capture), so that a policy keeps its width unless another pays
+  for the change; measured at load (`calibrate`, a fraction of a second, cached per
   target file, head file, threads, GPU layers and KV types in `~/.cache/eagle3-gguf/costs/`; a corrupt
   or stale entry is measured again) and refined online: one row's cost (a scale on the whole curve)
   from plain cycles, each larger row count's from the cycles that verified that many.
@@ -47,7 +48,7 @@ from .draft import CATCH_UP_WINDOW, Draft, judge_p_min
 from .lookup import Lookup, LookupAcceptance
 from .tree import DraftTree, branch_candidates, chain_tree, with_branches
 
-CACHE_VERSION = 2  # 2: warm verify costs and the switch (1: each size timed among the others)
+CACHE_VERSION = 3  # 3: the switch's capture apart; 2: warm verify costs and the switch; 1: sizes timed among others
 N_BINS = 10  # confidence bins over [0, 1]
 PRIOR_COUNT = 4.0  # pseudo-counts of each prior
 EMA = 0.05  # weight of one new timing in the online cost refinement (scale, draft fixed cost)
@@ -87,6 +88,9 @@ class CostCurve:
     # reuses a graph only for the same batch shape, and ggml-cuda replays its captured CUDA graph only while shapes
     # repeat (8B's shape on an H200: one row 3.77 ms, 4.74 right after two rows; bench/NOTES.md, scale-gpu)
     switch_s: float = 0.0
+    # the switch's share that the second call of the new count pays (ggml-cuda's warm-up captures the graph then:
+    # 4.4 of 5.7 ms at 8B's shape on an H200; 0 on a CPU)
+    capture_s: float = 0.0
     scale: float = 1.0
     scale_n: float = 0.0  # plain cycles timed (capped)
     seen_s: list[float] = field(default_factory=list)  # [K_max + 1]: real seconds, a running mean per n
@@ -118,8 +122,13 @@ class CostCurve:
         return self.scale * self.now_s[n - 1]
 
     def switch(self) -> float:
-        """Real seconds a verify costs on top where its row count changes."""
+        """Real seconds the first two verifies of a new row count cost on top."""
         return self.scale * self.switch_s
+
+    def paid(self, run: int) -> float:
+        """Real seconds on top for the run-th verify in a row of one row count: the switch's first share, then
+        the capture, then nothing."""
+        return self.scale * (self.switch_s - self.capture_s if run == 1 else self.capture_s if run == 2 else 0.0)
 
     def relative(self) -> list[float]:
         """The verify costs, as refined, in single-row units.  # [K_max + 1]"""
@@ -150,7 +159,8 @@ class CostCurve:
     def valid(self, k_max: int) -> bool:
         ok = lambda x: isinstance(x, float) and math.isfinite(x) and 0.0 <= x < 10.0  # noqa: E731
         return (len(self.verify_s) >= k_max + 1 and all(ok(t) and t > 0 for t in self.verify_s)
-                and ok(self.draft_step_s) and self.draft_step_s > 0 and ok(self.draft_fixed_s) and ok(self.switch_s))
+                and ok(self.draft_step_s) and self.draft_step_s > 0 and ok(self.draft_fixed_s) and ok(self.switch_s)
+                and ok(self.capture_s) and self.capture_s <= self.switch_s)
 
 
 @dataclass(frozen=True)
@@ -210,13 +220,14 @@ def load_costs(key: CostKey, k_max: int) -> CostCurve | None:
         if data.get("version") != CACHE_VERSION or data.get("key") != asdict(key):
             return None
         curve = CostCurve([float(t) for t in data["verify_s"]], float(data["draft_step_s"]),
-                          float(data["draft_fixed_s"]), "cache", switch_s=float(data["switch_s"]))
+                          float(data["draft_fixed_s"]), "cache", switch_s=float(data["switch_s"]),
+                          capture_s=float(data["capture_s"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if not curve.valid(k_max):
         return None
     return CostCurve(curve.verify_s[:k_max + 1], curve.draft_step_s, curve.draft_fixed_s, "cache",
-                     switch_s=curve.switch_s)
+                     switch_s=curve.switch_s, capture_s=curve.capture_s)
 
 
 def save_costs(key: CostKey, curve: CostCurve) -> None:
@@ -227,7 +238,7 @@ def save_costs(key: CostKey, curve: CostCurve) -> None:
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"version": CACHE_VERSION, "key": asdict(key), "verify_s": curve.verify_s,
                                    "draft_step_s": curve.draft_step_s, "draft_fixed_s": curve.draft_fixed_s,
-                                   "switch_s": curve.switch_s}))
+                                   "switch_s": curve.switch_s, "capture_s": curve.capture_s}))
         os.replace(tmp, path)
     except OSError:
         pass
@@ -245,7 +256,8 @@ def measure(run_verify: Callable[[int], float], run_draft: Callable[[int], float
     Each size is timed RUN times in a row, the sizes in turn, `reps` times (drift hits all alike): a size's warm
     cost is the least of its repeated calls (interference only adds time), and what its first two calls cost beyond
     two warm ones is what a change of shape costs (llama.cpp builds the graph again; ggml-cuda runs it uncaptured,
-    then captures it); the curve's switch is the median of that over the sizes. Past `dense_rows` rows (long lookup
+    then captures it); the curve's switch is the median of that over the sizes, its capture the median of what the
+    second call alone costs beyond a warm one. Past `dense_rows` rows (long lookup
     drafts) every dense_rows // 2-th size down from the last is timed and the rest interpolated: there the curve is
     close to a line. Drafts of 1 and max(k_max, 2) steps are timed after a warm-up each, `reps` + 2 times: the step
     cost is the slope of their least times, the fixed cost its intercept."""
@@ -264,10 +276,13 @@ def measure(run_verify: Callable[[int], float], run_draft: Callable[[int], float
     warm = {n: min(min(r[1:]) for r in rs) for n, rs in runs.items()}
     switch = sorted(max(min(r[0] for r in rs) + min(r[1] for r in rs) - 2.0 * warm[n], 0.0)
                     for n, rs in runs.items())
+    capture = sorted(max(min(r[1] for r in rs) - warm[n], 0.0) for n, rs in runs.items())
     verify = [_interpolate(warm, n) for n in range(1, k_max + 2)]
     for n in range(1, len(verify)):  # n + 1 rows cost no less than n, and no more than n + 1 single rows
         verify[n] = min(max(verify[n], verify[n - 1]), (n + 1) * verify[0])
-    return CostCurve(verify, step, max(one - step, 0.0), "measured", switch_s=switch[len(switch) // 2])
+    s = switch[len(switch) // 2]
+    return CostCurve(verify, step, max(one - step, 0.0), "measured", switch_s=s,
+                     capture_s=min(capture[len(capture) // 2], s))
 
 
 def _interpolate(timed: dict[int, float], n: int) -> float:
@@ -363,7 +378,8 @@ class PolicyStats:
     cost_curve: list[float] = field(default_factory=list)  # [M + 1] verify cost in single-row units
     draft_step_cost: float = 0.0  # a draft step in single-row units
     draft_fixed_cost: float = 0.0  # a drafting cycle's fixed cost (the head's catch-up), likewise
-    switch_cost: float = 0.0  # what a verify costs on top where its row count changes, likewise
+    switch_cost: float = 0.0  # what the first two verifies of a new row count cost on top, likewise
+    capture_cost: float = 0.0  # the second one's share of it, likewise
     cost_source: str = ""
 
     @property
@@ -465,16 +481,18 @@ class AdaptivePolicy:
         self._star_now: list[float] | None = None
         self._star_cap = 0
         self._r_star = 0.0
-        # the target's last decode's rows (0: none yet in this text, its prompt's): a verify of another count pays the
-        # curve's switch; _prices() is the curve as this cycle pays it, for that count
+        # the target's last decode's rows (0: none yet in this text, its prompt's) and how many decodes in a row had
+        # them: a verify of another count pays the curve's switch, the second of a count its capture; _prices() is the
+        # curve as this cycle pays it, for those
         self.last_rows = 0
-        self._prices_of: tuple[list[float] | None, int] = (None, -1)
+        self.run = 0
+        self._prices_of: tuple[list[float] | None, int, bool] = (None, -1, False)
         self._prices_now: list[float] = costs.now_s
         # A plain streak (plan()): plain cycles left that plan() need not weigh, and the timings of the
         # streak's cycles, learnt at its end
         self._streak = 0
         self._deferring = False
-        self._pending: list[tuple[float, bool]] = []  # (seconds, after a decode of other rows)
+        self._pending: list[tuple[float, int]] = []  # (seconds, its place in a run of one row count: _decoded)
         self.stats = PolicyStats("adaptive", [0] * (max(k_max, lookup_max) + 1), cost_source=costs.source)
 
     def begin(self) -> None:
@@ -484,7 +502,7 @@ class AdaptivePolicy:
         self._learn_streak()
         self.stats = PolicyStats("adaptive", [0] * (max(self.k_max, self.lookup_max) + 1), cost_source=self.costs.source)
         self.probe_wait = 1
-        self.last_rows = 0
+        self.last_rows = self.run = 0
         self.lookup_acc.forget()
 
     # -- the rate to beat -----------------------------------------------------------------------------
@@ -493,14 +511,16 @@ class AdaptivePolicy:
         return max(self.rate * self.costs.scale, 1.0 / self.costs.now_s[0])
 
     def _prices(self) -> list[float]:
-        """What verifying 1..K_max+1 rows costs this cycle, calibrated seconds: the curve, plus the switch for
-        every row count but the last decode's. So a policy that drafts keeps its width unless another pays for the
-        change, and one that decodes plainly starts drafting only where a draft pays for it.  # [K_max + 1]"""
-        costs = self.costs
-        if self._prices_of[0] is not costs.now_s or self._prices_of[1] != self.last_rows:
-            s, last = costs.switch_s, self.last_rows
-            self._prices_now = [t + s * (n != last) for n, t in enumerate(costs.now_s, 1)] if s else costs.now_s
-            self._prices_of = (costs.now_s, last)
+        """What verifying 1..K_max+1 rows costs this cycle, calibrated seconds: the curve, plus the whole switch for
+        every row count but the last decode's, and the capture for that one where it ran once so far. So a policy
+        that drafts keeps its width unless another pays for the change, and one that decodes plainly starts drafting
+        only where a draft pays for it.  # [K_max + 1]"""
+        costs, last, once = self.costs, self.last_rows, self.run == 1
+        if self._prices_of[0] is not costs.now_s or self._prices_of[1:] != (last, once):
+            s, cap = costs.switch_s, costs.capture_s if once else 0.0
+            self._prices_now = ([t + (s if n != last else cap) for n, t in enumerate(costs.now_s, 1)] if s
+                                else costs.now_s)
+            self._prices_of = (costs.now_s, last, once)
         return self._prices_now
 
     # -- before the cycle ------------------------------------------------------------------------------
@@ -686,7 +706,7 @@ class AdaptivePolicy:
             self.observe_plain(t_verify)
             return
         st, costs = self.stats, self.costs
-        switched = self._decoded(rows)
+        run = self._decoded(rows)
         st.chosen[n_verified] += 1
         st.trace.append(n_verified)
         # judge() set the prediction of a drafting cycle (to the one-row reset at the end when it did not run)
@@ -696,10 +716,10 @@ class AdaptivePolicy:
             self.acc.observe(confs, n_verified, n_accepted)
         self.since_plain += 1
         if rows > 1:
-            self._observe_rows(rows, t_verify, switched)
+            self._observe_rows(rows, t_verify, run)
         costs.observe_draft(n_drafted, t_draft)
         self._changed()
-        t = self._priced(rows, n_drafted, switched) if costs.frozen else t_verify + t_draft
+        t = self._priced(rows, n_drafted, run) if costs.frozen else t_verify + t_draft
         if t > 0:
             self.rate += RATE_EMA * (n_emitted / t - self.rate)
         if self.probing:
@@ -726,71 +746,73 @@ class AdaptivePolicy:
         st.predicted_s += self._pred[1] * costs.scale
         self.lookup_acc.observe(n, n_verified, n_accepted)
         rows = n_verified + 1 if n_rows is None else n_rows
-        switched = self._decoded(rows)
-        self._observe_rows(rows, t_verify, switched)
+        run = self._decoded(rows)
+        self._observe_rows(rows, t_verify, run)
         self._changed()
         if costs.frozen:
-            t_verify = self._priced(rows, 0, switched)
+            t_verify = self._priced(rows, 0, run)
         if t_verify > 0:
             self.rate += RATE_EMA * (n_emitted / t_verify - self.rate)
         self._pred = (1.0, costs.now_s[0])
 
-    def _decoded(self, rows: int) -> bool:
-        """The target's verify decoded `rows` rows: whether that changed the width of its last decode (a switch)."""
-        switched, self.last_rows = rows != self.last_rows, rows
-        return switched
+    def _decoded(self, rows: int) -> int:
+        """The target's verify decoded `rows` rows: its place in a run of decodes of that many (1: the width changed,
+        2: the second in a row, ggml-cuda's capture)."""
+        self.run = self.run + 1 if rows == self.last_rows else 1
+        self.last_rows = rows
+        return self.run
 
-    def _observe_rows(self, rows: int, t_verify: float, switched: bool) -> None:
-        """A verify of `rows` rows took t_verify, after a decode of other rows where `switched` (the curve learns the
-        sizes it covers, each at its warm cost: the switch is the curve's apart)."""
+    def _observe_rows(self, rows: int, t_verify: float, run: int) -> None:
+        """A verify of `rows` rows took t_verify, the run-th of that count in a row (the curve learns the sizes it
+        covers, each at its warm cost: the switch and its capture are the curve's apart)."""
         if rows <= self.costs.k_max + 1:
-            self.costs.observe_verify(rows, self._warm(t_verify, switched))
+            self.costs.observe_verify(rows, self._warm(t_verify, run))
 
-    def _warm(self, t_verify: float, switched: bool) -> float:
-        """A verify's seconds less the switch it paid (at least half of them: a switch priced above what one costs
-        now must not make verifies look free)."""
-        return max(t_verify - self.costs.switch(), 0.5 * t_verify) if switched else t_verify
+    def _warm(self, t_verify: float, run: int) -> float:
+        """A verify's seconds less the share of the switch it paid (at least a quarter of them: a switch priced above
+        what one costs now must not make verifies look free; a CUDA capture alone can outcost the rows)."""
+        return max(t_verify - self.costs.paid(run), 0.25 * t_verify) if run <= 2 else t_verify
 
-    def _priced(self, rows: int, n_drafted: int, switched: bool) -> float:
+    def _priced(self, rows: int, n_drafted: int, run: int) -> float:
         """A cycle's seconds by the curve (a frozen curve's stand-in for its timing): `rows` verify rows (more
-        than the curve covers, a kept branch decoded again, at its last price), the switch where the row count
-        changed, and n_drafted draft steps."""
+        than the curve covers, a kept branch decoded again, at its last price), the share of the switch the run-th
+        verify of that count in a row pays, and n_drafted draft steps."""
         c = self.costs
-        t = c.verify(min(rows, c.k_max + 1)) + (c.switch() if switched else 0.0)
+        t = c.verify(min(rows, c.k_max + 1)) + c.paid(run)
         return t + c.scale * (c.draft_fixed_s + n_drafted * c.draft_step_s) if n_drafted else t
 
     def observe_plain(self, t_verify: float) -> None:
         """A plain cycle's outcome (one row emitted, no draft step): the common case, kept short (it runs
         cache-cold after the target's graph); in a plain streak only its timing is kept (plan())."""
-        switched = self._decoded(1)
+        run = self._decoded(1)
         if self._deferring:
-            self._pending.append((t_verify, switched))
+            self._pending.append((t_verify, run))
             return
-        self._learn_plain(t_verify, switched)
+        self._learn_plain(t_verify, run)
 
     def _learn_streak(self) -> None:
         """The plain streak is over: learn its cycles' timings, in order."""
         pending, self._pending = self._pending, []
         self._deferring, self._streak = False, 0
-        for t, switched in pending:
-            self._learn_plain(t, switched)
+        for t, run in pending:
+            self._learn_plain(t, run)
 
-    def _learn_plain(self, t_verify: float, switched: bool) -> None:
+    def _learn_plain(self, t_verify: float, run: int) -> None:
         st, costs = self.stats, self.costs
         st.chosen[0] += 1
         st.trace.append(0)
         st.plain_cycles += 1
         one = costs.verify(1)
         st.predicted_tokens += 1.0
-        st.predicted_s += one + (costs.switch() if switched else 0.0)
-        warm = self._warm(t_verify, switched)
+        st.predicted_s += one + costs.paid(run)
+        warm = self._warm(t_verify, run)
         if self.checking:
             ok = abs(warm / one - 1.0) < CHECK_TOL
             self.check_gap = min(2 * self.check_gap, CHECK_MAX) if ok else CHECK_MIN
         self.since_plain = 0
         costs.observe_verify(1, warm)
         if costs.frozen:
-            t_verify = self._priced(1, 0, switched)
+            t_verify = self._priced(1, 0, run)
         if t_verify > 0:
             self.rate += RATE_EMA * (1.0 / t_verify - self.rate)
 
@@ -801,6 +823,7 @@ class AdaptivePolicy:
         st.draft_step_cost = self.costs.draft_step_s / self.costs.now_s[0]
         st.draft_fixed_cost = self.costs.draft_fixed_s / self.costs.now_s[0]
         st.switch_cost = self.costs.switch_s / self.costs.now_s[0]
+        st.capture_cost = self.costs.capture_s / self.costs.now_s[0]
         return st
 
 

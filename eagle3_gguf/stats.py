@@ -172,7 +172,9 @@ class SpecStats:
             rows += [
                 ("plain cycles / probes", f"{p.plain_cycles} / {p.probes}"),
                 (f"cost of 1..{len(p.cost_curve)} verify rows", " ".join(f"{x:.2f}" for x in p.cost_curve)
-                 + f" x one row, +{p.switch_cost:.2f} where the row count changes; draft {p.draft_fixed_cost:.2f} + "
+                 + f" x one row, +{p.switch_cost:.2f} where the row count changes"
+                 + (f" ({p.capture_cost:.2f} of it on its second verify)" if p.capture_cost else "")
+                 + f"; draft {p.draft_fixed_cost:.2f} + "
                  f"{p.draft_step_cost:.2f}/step ({p.cost_source})"),
                 ("predicted / realised", f"{p.predicted_tok_s:.1f} / {self.tokens_per_second:.1f} tok/s"),
             ]

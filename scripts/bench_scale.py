@@ -120,6 +120,7 @@ class Physics:
     probe_s: float
     calibrate_s: float
     parts: Parts | None = None
+    capture_ms: float = 0.0  # the switch's share that the second verify of the new width pays (ggml-cuda captures)
 
 
 @dataclass
@@ -241,7 +242,8 @@ def measure_physics(spec: Speculator, exact: str, heads: list[HeadBeside]) -> Ph
     found = spec.prepare(GenerateConfig(draft_policy="fixed", draft_max=ROWS - 1, draft_lookup=False,
                                         exact="auto" if exact == "off" else exact))
     return Physics([1e3 * s for s in curve.verify_s], 1e3 * curve.draft_step_s, 1e3 * curve.draft_fixed_s,
-                   1e3 * curve.switch_s, found.exact, found.probed, found.seconds, calibrate_s, time_parts(spec, heads))
+                   1e3 * curve.switch_s, found.exact, found.probed, found.seconds, calibrate_s, time_parts(spec, heads),
+                   1e3 * curve.capture_s)
 
 
 def time_parts(spec: Speculator, heads: list[HeadBeside]) -> Parts:
@@ -483,7 +485,7 @@ def profile_prompt(bench: Bench, hooks: ReplayHooks, tokens: list[int], n_predic
 def frozen_curve(ph: Physics) -> CostCurve:
     """The physics' cost curve, frozen: a policy on it prices every cycle as the curve says and learns no timing."""
     return CostCurve([ms / 1e3 for ms in ph.verify_ms], ph.draft_step_ms / 1e3, ph.catch_up_ms / 1e3, "given",
-                     frozen=True, switch_s=ph.switch_ms / 1e3)
+                     frozen=True, switch_s=ph.switch_ms / 1e3, capture_s=ph.capture_ms / 1e3)
 
 
 def measure_speeds(bench: Bench, hooks: ReplayHooks, prompts: list[list[int]], runs: list[Contender],
@@ -699,8 +701,9 @@ def goals(res: ShapeResult) -> list[str]:
 def physics_lines(ph: Physics) -> str:
     rel = " ".join(f"{t / ph.verify_ms[0]:.2f}" for t in ph.verify_ms)
     return "\n".join([f"- verify cost, 1..{ROWS} rows: {' '.join(f'{t:.2f}' for t in ph.verify_ms)} ms",
-                      f"  ({rel} x one row, each width repeated; +{ph.switch_ms:.2f} ms after a decode of other "
-                      f"rows; {ph.calibrate_s:.1f} s to measure)",
+                      f"  ({rel} x one row, each width repeated; +{ph.switch_ms:.2f} ms over a width's first two "
+                      f"verifies after a decode of other rows, {ph.capture_ms:.2f} of it the second's; "
+                      f"{ph.calibrate_s:.1f} s to measure)",
                       f"- head: draft step {ph.draft_step_ms:.3f} ms ({ph.draft_step_ms / ph.verify_ms[0]:.2f} x one "
                       f"row), catch-up {ph.catch_up_ms:.3f} ms",
                       f"- exact verify widths: 1..{ph.exact_widths} of 1..{ph.probed} (probed in {ph.probe_s:.1f} s)"]

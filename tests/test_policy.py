@@ -185,11 +185,11 @@ def key(tmp_path, monkeypatch):
 
 
 def test_cost_cache_round_trip(key):
-    curve = CostCurve([0.01, 0.016, 0.02], 0.001, switch_s=0.003)
+    curve = CostCurve([0.01, 0.016, 0.02], 0.001, switch_s=0.003, capture_s=0.001)
     save_costs(key, curve)
     got = load_costs(key, 2)
     assert got.verify_s == curve.verify_s and got.draft_step_s == curve.draft_step_s and got.source == "cache"
-    assert got.switch_s == 0.003
+    assert got.switch_s == 0.003 and got.capture_s == 0.001
     assert load_costs(key, 3) is None  # too short for a larger K: measure again
 
 
@@ -245,6 +245,7 @@ def test_measure_takes_warm_costs_and_prices_a_change_of_shape_apart():
 
     curve = measure(verify, lambda steps: 0.1 * steps, 2)
     assert curve.verify_s == [1.0, 1.5, 1.5] and curve.switch_s == pytest.approx(0.4)
+    assert curve.capture_s == pytest.approx(0.1)  # the second call's share
     assert curve.draft_step_s == pytest.approx(0.1) and curve.draft_fixed_s == pytest.approx(0.0, abs=1e-12)
     assert calls[:9] == [1, 1, 1, 2, 2, 2, 3, 3, 3] and len(calls) == 27  # 3 runs of 3 a size, the sizes in turn
 
@@ -252,7 +253,7 @@ def test_measure_takes_warm_costs_and_prices_a_change_of_shape_apart():
 def test_a_cpu_curve_has_a_switch_only_where_a_change_costs():
     """Where repeating a shape costs nothing less (no graph to rebuild), the switch is 0."""
     curve = measure(lambda n: 1.0 + 0.5 * (n - 1), lambda steps: 0.1 * steps, 3)
-    assert curve.switch_s == 0.0 and curve.verify_s == [1.0, 1.5, 2.0, 2.5]
+    assert curve.switch_s == 0.0 and curve.capture_s == 0.0 and curve.verify_s == [1.0, 1.5, 2.0, 2.5]
 
 
 def test_measure_times_long_drafts_sparsely():
@@ -317,6 +318,36 @@ def test_the_switch_is_learnt_apart_from_the_rows():
     assert p.costs.scale == pytest.approx(1.0) and p.costs.verify(3) == pytest.approx(1.4)
     p.observe_plain(1.5)  # one row after one row, yet 1.5: the machine is slower
     assert p.costs.scale > 1.1
+
+
+def test_the_capture_is_paid_by_the_second_verify_of_a_width():
+    """ggml-cuda runs a changed graph uncaptured once and captures it on the next call of that shape (8B on an H200:
+    +1.3 ms, then +4.4 ms, on a 3.9 ms row). The second verify's capture is the switch's, not the width's: a policy
+    that learnt it as the rows' price stopped drafting on the H200 (9 of 629 cycles) where a frozen curve drafted
+    every cycle."""
+    curve = CostCurve([1.0, 1.2, 1.4], 0.01, source="given", switch_s=1.5, capture_s=1.1)
+    p = AdaptivePolicy(curve, 2)
+    p.begin()
+    p.observe([0.9, 0.9], 2, 2, 2, 1.4 + 0.4, 0.02, 3)  # 3 rows after the prompt: the first share
+    p.observe([0.9, 0.9], 2, 2, 2, 1.4 + 1.1, 0.02, 3)  # again: the capture
+    p.observe([0.9, 0.9], 2, 2, 2, 1.4, 0.02, 3)  # warm
+    assert p.costs.verify(3) == pytest.approx(1.4)
+    p.observe_plain(1.0 + 0.4)
+    p.observe_plain(1.0 + 1.1)
+    p.observe_plain(1.0)
+    assert p.costs.scale == pytest.approx(1.0) and p.costs.verify(3) == pytest.approx(1.4)
+    assert p.run == 3 and p.finish_stats().capture_cost == pytest.approx(1.1)
+
+
+def test_a_width_verified_once_is_priced_with_the_capture_to_come():
+    """After one verify of a new width the next one of it still pays the capture: the prices say so, and the other
+    widths pay the whole switch."""
+    p = AdaptivePolicy(CostCurve([1.0, 1.2, 1.4], 0.01, source="given", frozen=True, switch_s=1.5, capture_s=1.1), 2)
+    p.begin()
+    p.observe([0.9, 0.9], 2, 2, 2, 0.0, 0.0, 3)
+    assert p._prices() == pytest.approx([2.5, 2.7, 1.4 + 1.1])
+    p.observe([0.9, 0.9], 2, 2, 2, 0.0, 0.0, 3)
+    assert p._prices() == pytest.approx([2.5, 2.7, 1.4])
 
 
 def test_each_row_count_learns_its_own_verify_cost():
