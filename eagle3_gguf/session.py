@@ -118,6 +118,10 @@ class RowsAside:
 
 
 class Eagle3Session:
+    # seconds spent inside draft() on work no head does (a benchmark's replay choosing tokens and resyncing to
+    # target-only's text): the loop's statistics keep them, the policy learns the draft's cost without them
+    t_aside = 0.0
+
     def __init__(self, target: Context, draft: Context, target_layers: list[int] | None = None,
                  window: int = CATCH_UP_WINDOW):
         self.target = target

@@ -402,7 +402,7 @@ class Speculator:
         if found is not None:  # a deterministic proposal: q is one-hot at each draft
             draft = Draft(found.tokens, [], [one_hot(tok) for tok in found.tokens] if rejection is not None else [])
         elif k > 0:
-            t, native0 = time.perf_counter(), session.draft_ctx.t_native
+            t, native0, aside0 = time.perf_counter(), session.draft_ctx.t_native, session.t_aside
             if policy.expand:
                 tree = session.draft_tree(id_last, k, policy.expand, min(policy.nodes, k_cap))
                 draft = tree.chain_draft
@@ -416,6 +416,7 @@ class Speculator:
             t_draft = time.perf_counter() - t
             st.t_draft += t_draft
             st.t_draft_native += session.draft_ctx.t_native - native0
+            t_draft -= session.t_aside - aside0  # what the policy learns from: the head's time alone
         drafts = draft.tokens if draft is not None else []
         t = time.perf_counter()
         o = len(redo)  # rows before id_last: the last tree cycle's kept branch

@@ -401,7 +401,7 @@ class ScaleRun(PromptRun):
     stats: SpecStats | None = None
     steps: int = 0  # the head's decoder runs in drafts
     cycles: int = 0  # drafting cycles (each with a catch-up)
-    t_replay: float = 0.0
+    t_aside: float = 0.0
     resyncs: int = 0
 
 
@@ -434,8 +434,8 @@ class ReplayHooks(RunHooks):
         s = self.sessions.get(c.name)
         if s is None:
             return ScaleRun(**fields, stats=result.stats)
-        fields["seconds"] = run.seconds - s.t_replay
-        return ScaleRun(**fields, stats=result.stats, steps=s.steps, cycles=s.cycles, t_replay=s.t_replay,
+        fields["seconds"] = run.seconds - s.t_aside
+        return ScaleRun(**fields, stats=result.stats, steps=s.steps, cycles=s.cycles, t_aside=s.t_aside,
                         resyncs=s.resyncs)
 
     def close(self) -> None:
@@ -566,10 +566,10 @@ def _add(o: Outcome, r: ScaleRun, ratio: float, identical: bool, verify_s: list[
     o.lookup_cycles += st.lookup_cycles
     o.t_total += r.seconds
     o.t_target += st.t_target
-    o.t_draft += st.t_draft - r.t_replay
+    o.t_draft += st.t_draft - r.t_aside
     o.t_process += st.t_process
-    o.t_python += max(st.t_python - r.t_replay, 0.0)
-    o.t_draft_python += max(st.t_draft_python - r.t_replay, 0.0)
+    o.t_python += max(st.t_python - r.t_aside, 0.0)
+    o.t_draft_python += max(st.t_draft_python - r.t_aside, 0.0)
     o.curve_s += sum(c * verify_s[min(n, len(verify_s)) - 1] for n, c in enumerate(st.verify_rows) if c) \
         + r.steps * step_s + r.cycles * catch_s
     o.head_runs += r.steps + r.cycles

@@ -95,7 +95,7 @@ class ReplaySession(Eagle3Session):
     `resync(tokens, n)`, given, returns target-only's n tokens after the run's text so far, and the replay goes on
     against them.
 
-    `t_replay`: the seconds the replay itself took inside draft() (choosing tokens, resyncing), which a user's head
+    `t_aside`: the seconds the replay itself took inside draft() (choosing tokens, resyncing), which a user's head
     does not spend: a benchmark leaves them out of the run's time, its drafting and its Python."""
 
     def __init__(self, *args, truth: list[int], profile: Profile, seed: int = 0,
@@ -118,7 +118,7 @@ class ReplaySession(Eagle3Session):
         self.steps = 0  # the head's decoder runs in drafts (a tree: one per depth)
         self.cycles = 0  # drafts made (each with a catch-up)
         self.resyncs = 0
-        self.t_replay = 0.0
+        self.t_aside = 0.0
 
     def _follow(self, id_last: int) -> int:
         """Where the first draft goes (a target position), after checking that the run's text is still the truth's
@@ -190,7 +190,7 @@ class ReplaySession(Eagle3Session):
         confs = [prof.p(i) for i in range(len(real.confs))]
         out = dataclasses.replace(real, tokens=tokens[:len(real.tokens)], confs=confs, alt_tokens=alt_tokens,
                                   alt_probs=alt_probs)
-        self.t_replay += time.perf_counter() - t0
+        self.t_aside += time.perf_counter() - t0
         return out
 
     def _top(self, logits: np.ndarray, k: int) -> tuple[list[int], list[float]]:
@@ -233,5 +233,5 @@ class ReplaySession(Eagle3Session):
             for rank, c in enumerate(kids):
                 on_truth[c] = rank == hit
                 tokens[c] = true if rank == hit else self._wrong(true, rank)
-        self.t_replay += time.perf_counter() - t0
+        self.t_aside += time.perf_counter() - t0
         return DraftTree(tokens, tree.parents, tree.depths, tree.chain, tree.probs)

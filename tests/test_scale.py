@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,31 @@ def test_a_text_that_parts_from_the_truth_is_followed_again(pair, prompts):
     assert max(asked) == replay.RESYNC_CHUNK and len(asked) > sum(n for _, n in runs)
     rates, _ = conditional(runs)
     assert rates[0] > 0.6  # without the resync nothing after token 20 would be kept
+
+
+def test_the_policy_learns_the_heads_time_not_the_replays(pair, prompts):
+    """A resync (target-only's text decoded on a second context, ~130 ms at 8B's shape) runs inside the replay's
+    draft: the run's statistics keep that time (a benchmark takes it out), the policy must not learn it as the
+    draft's cost. On the H200 it did, and the default stopped drafting after the first resync (9 of 628 cycles)."""
+    bent = []
+    for p, truth in prompts:
+        wrong = list(truth)
+        wrong[len(p) + 20:] = [(t + 7) % pair.target_model.n_vocab for t in truth[len(p) + 20:]]
+        bent.append((p, wrong))
+    resync = bench_scale.Resync(pair, 1024, 1)
+
+    def slow(tokens: list[int], n: int) -> list[int]:
+        time.sleep(0.2)
+        return resync(tokens, n)
+    # a curve of nearly free verify rows, learning from the run's timings
+    curve = CostCurve([0.01, 0.0105, 0.011, 0.0115, 0.012], 0.0005, 0.0005, "given")
+    try:
+        runs = replayed(pair, bent, GenerateConfig(n_predict=N_PREDICT), costs=curve, resync=slow)
+    finally:
+        resync.close()
+    assert all(n >= 1 and r.stats.t_draft >= 0.2 for r, n in runs)  # the run's statistics keep the resyncs
+    # what the policy learnt a drafting cycle's fixed cost to be, in rows: 1-2 here; with the resyncs learnt 100-200
+    assert all(r.stats.policy.draft_fixed_cost < 20.0 for r, _ in runs)
 
 
 def test_the_frozen_default_prices_cycles_as_the_physics_measured():
