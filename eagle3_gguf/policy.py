@@ -84,9 +84,9 @@ class CostCurve:
     # frozen: the curve is taken as stated and nothing is learnt from timings (a test that fixes every cost the
     # policy's choices depend on: AdaptivePolicy then prices each cycle by the curve instead of the clock)
     frozen: bool = False
-    # what a verify costs on top where its row count is not the target's last decode's (calibrated seconds): llama.cpp
-    # reuses a graph only for the same batch shape, and ggml-cuda replays its captured CUDA graph only while shapes
-    # repeat (8B's shape on an H200: one row 3.77 ms, 4.74 right after two rows; bench/NOTES.md, scale-gpu)
+    # what the first two verifies of a row count cost on top where it is not the target's last decode's (calibrated
+    # seconds): llama.cpp reuses a graph only for the same batch shape, and ggml-cuda replays its captured CUDA graph
+    # only while shapes repeat (8B's shape on an H200: one row 3.86 ms warm, +1.3 then +4.4 ms; bench/NOTES.md)
     switch_s: float = 0.0
     # the switch's share that the second call of the new count pays (ggml-cuda's warm-up captures the graph then:
     # 4.4 of 5.7 ms at 8B's shape on an H200; 0 on a CPU)
