@@ -121,10 +121,6 @@ class CostCurve:
         """Real seconds to verify n rows, now, right after a decode of as many."""
         return self.scale * self.now_s[n - 1]
 
-    def switch(self) -> float:
-        """Real seconds the first two verifies of a new row count cost on top."""
-        return self.scale * self.switch_s
-
     def paid(self, run: int) -> float:
         """Real seconds on top for the run-th verify in a row of one row count: the switch's first share, then
         the capture, then nothing."""
@@ -486,7 +482,7 @@ class AdaptivePolicy:
         # curve as this cycle pays it, for those
         self.last_rows = 0
         self.run = 0
-        self._prices_of: tuple[list[float] | None, int, bool] = (None, -1, False)
+        self._prices_of: tuple[list[float] | None, int, float] = (None, -1, 0.0)
         self._prices_now: list[float] = costs.now_s
         # A plain streak (plan()): plain cycles left that plan() need not weigh, and the timings of the
         # streak's cycles, learnt at its end
@@ -515,12 +511,13 @@ class AdaptivePolicy:
         every row count but the last decode's, and the capture for that one where it ran once so far. So a policy
         that drafts keeps its width unless another pays for the change, and one that decodes plainly starts drafting
         only where a draft pays for it.  # [K_max + 1]"""
-        costs, last, once = self.costs, self.last_rows, self.run == 1
-        if self._prices_of[0] is not costs.now_s or self._prices_of[1:] != (last, once):
-            s, cap = costs.switch_s, costs.capture_s if once else 0.0
+        costs, last = self.costs, self.last_rows
+        cap = costs.capture_s if self.run == 1 else 0.0
+        if self._prices_of[0] is not costs.now_s or self._prices_of[1:] != (last, cap):
+            s = costs.switch_s
             self._prices_now = ([t + (s if n != last else cap) for n, t in enumerate(costs.now_s, 1)] if s
                                 else costs.now_s)
-            self._prices_of = (costs.now_s, last, once)
+            self._prices_of = (costs.now_s, last, cap)
         return self._prices_now
 
     # -- before the cycle ------------------------------------------------------------------------------

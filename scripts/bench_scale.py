@@ -114,7 +114,7 @@ class Physics:
     verify_ms: list[float]  # [ROWS]: one verify batch of 1..ROWS rows
     draft_step_ms: float
     catch_up_ms: float  # a drafting cycle's fixed cost: the head catching up on the kept rows
-    switch_ms: float  # a verify after a decode of other rows, on top (verify_ms: each width repeated)
+    switch_ms: float  # a width's first two verifies after a decode of other rows, on top (verify_ms: each repeated)
     exact_widths: int  # verify widths 1..exact_widths compute every row as a lone row does
     probed: int
     probe_s: float

@@ -30,7 +30,7 @@ class Prices:
     """Milliseconds a call takes on the emulated machine, warm, and what a change of shape adds."""
 
     verify_ms: list[float]  # [ROWS]: a target decode of 1..ROWS rows, repeated
-    switch_ms: float  # a target decode after one of other rows, on top
+    first_ms: float  # a target decode after one of other rows, on top (the switch's first share)
     head_decode_ms: float  # the head's decoder, repeated (launch-bound on a GPU: any width)
     head_encode_ms: float  # its encoder
     head_switch_ms: float  # either, after a call of another shape, on top
@@ -96,7 +96,7 @@ class Runner:
         self.run = 1 if changed else self.run + 1
         self.last, self.calls = shape, self.calls + 1
         if self.is_target:
-            return p.target(n) + (p.switch_ms if changed else p.capture_ms if self.run == 2 else 0.0)
+            return p.target(n) + (p.first_ms if changed else p.capture_ms if self.run == 2 else 0.0)
         return (p.head_encode_ms if "encode" in graph else p.head_decode_ms) + (p.head_switch_ms if changed else 0.0)
 
 

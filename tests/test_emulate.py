@@ -35,7 +35,7 @@ def test_prices_of_a_run_that_timed_each_width_after_another(tmp_path):
     parts = ph["parts"]
     assert p.verify_ms[0] == pytest.approx(parts["target_row_ms"])
     assert p.verify_ms[4] - p.verify_ms[0] == pytest.approx(ph["verify_ms"][4] - ph["verify_ms"][0])
-    assert p.switch_ms == pytest.approx(parts["target_row_after_ms"] - parts["target_row_ms"]) and p.switch_ms > 0.5
+    assert p.first_ms == pytest.approx(parts["target_row_after_ms"] - parts["target_row_ms"]) and p.first_ms > 0.5
     assert p.head_decode_ms == parts["head_decode_ms"] and p.head_encode_ms == parts["head_encode_ms"]
     assert p.target(20) > p.target(17) > p.target(1)  # a prompt past the curve: along its last slope
 
@@ -46,7 +46,7 @@ def test_prices_of_a_run_with_a_warm_curve(tmp_path):
     path = tmp_path / "results.json"
     path.write_text(json.dumps(data))
     p = emulate.prices_of(path, "llama-8b:q4_k_m")
-    assert p.verify_ms == data["shapes"][0]["physics"]["verify_ms"] and p.switch_ms == 0.25 and p.capture_ms == 0.0
+    assert p.verify_ms == data["shapes"][0]["physics"]["verify_ms"] and p.first_ms == 0.25 and p.capture_ms == 0.0
 
 
 def test_prices_split_the_switch_into_the_first_call_and_the_capture(tmp_path):
@@ -55,14 +55,14 @@ def test_prices_split_the_switch_into_the_first_call_and_the_capture(tmp_path):
     ph = h200()["physics"]
     first = ph["parts"]["target_row_after_ms"] - ph["parts"]["target_row_ms"]
     p = emulate.prices_of(H200, "llama-8b:q4_k_m")
-    assert p.switch_ms == pytest.approx(first) and p.capture_ms == pytest.approx(ph["switch_ms"] - first)
-    assert 0.5 < p.switch_ms < p.capture_ms  # capturing 8B's graph costs more than running it uncaptured
+    assert p.first_ms == pytest.approx(first) and p.capture_ms == pytest.approx(ph["switch_ms"] - first)
+    assert 0.5 < p.first_ms < p.capture_ms  # capturing 8B's graph costs more than running it uncaptured
     data = json.loads(H200.read_text())
     data["shapes"][0]["physics"]["capture_ms"] = 1.0
     path = tmp_path / "results.json"
     path.write_text(json.dumps(data))
     p = emulate.prices_of(path, "llama-8b:q4_k_m")
-    assert p.switch_ms == pytest.approx(ph["switch_ms"] - 1.0) and p.capture_ms == 1.0
+    assert p.first_ms == pytest.approx(ph["switch_ms"] - 1.0) and p.capture_ms == 1.0
 
 
 @pytest.mark.parametrize("spec", ["bench/scale-gpu/results.json", "bench/scale-gpu/results.json:gemma-9b:q4_0",

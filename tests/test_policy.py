@@ -193,7 +193,7 @@ def test_cost_cache_round_trip(key):
     assert load_costs(key, 3) is None  # too short for a larger K: measure again
 
 
-@pytest.mark.parametrize("damage", ["garbage", "nan", "negative", "other key", "old version"])
+@pytest.mark.parametrize("damage", ["garbage", "nan", "negative", "other key", "old version", "capture past switch"])
 def test_cost_cache_is_never_trusted_blindly(key, damage):
     save_costs(key, CostCurve([0.01, 0.016, 0.02], 0.001))
     path = key.path()
@@ -209,6 +209,8 @@ def test_cost_cache_is_never_trusted_blindly(key, damage):
             data["key"]["n_threads"] = 3
         elif damage == "old version":
             data["version"] = 0
+        elif damage == "capture past switch":  # a share of the switch cannot exceed it
+            data["switch_s"], data["capture_s"] = 0.001, 0.002
         path.write_text(json.dumps(data))
     assert load_costs(key, 2) is None
 
@@ -337,6 +339,9 @@ def test_the_capture_is_paid_by_the_second_verify_of_a_width():
     p.observe_plain(1.0)
     assert p.costs.scale == pytest.approx(1.0) and p.costs.verify(3) == pytest.approx(1.4)
     assert p.run == 3 and p.finish_stats().capture_cost == pytest.approx(1.1)
+    # what is learnt keeps at least a quarter of a timing (a switch priced above what one costs must not make a verify
+    # look free); a warm verify is learnt as it is
+    assert p._warm(1.2, 2) == pytest.approx(0.3) and p._warm(2.0, 2) == pytest.approx(0.9) and p._warm(2.0, 3) == 2.0
 
 
 def test_a_width_verified_once_is_priced_with_the_capture_to_come():

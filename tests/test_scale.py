@@ -197,10 +197,10 @@ def test_the_policy_learns_the_heads_time_not_the_replays(pair, prompts):
 
 def test_the_frozen_default_prices_cycles_as_the_physics_measured():
     """FROZEN's curve is the physics' (seconds from milliseconds), switch included, and learns no timing."""
-    ph = bench_scale.Physics([4.0, 5.0, 6.0], 0.5, 0.25, 1.0, 1, 3, 0.1, 0.2)
+    ph = bench_scale.Physics([4.0, 5.0, 6.0], 0.5, 0.25, 1.0, 1, 3, 0.1, 0.2, capture_ms=0.75)
     curve = bench_scale.frozen_curve(ph)
     assert curve.verify_s == [0.004, 0.005, 0.006] and curve.draft_step_s == 0.0005 and curve.draft_fixed_s == 0.00025
-    assert curve.switch_s == 0.001 and curve.frozen and curve.source == "given"
+    assert curve.switch_s == 0.001 and curve.capture_s == 0.00075 and curve.frozen and curve.source == "given"
     curve.observe_verify(2, 1.0)
     assert curve.verify(2) == 0.005
 
