@@ -9,13 +9,15 @@ of Llama-3.1-8B's shape and a head of its shape measure what a user's 8B pair wo
 travel (scripts/bench_scale.py; acceptance is replayed, scripts/replay.py). Quantizing billions of random floats
 in numpy is far too slow, so the quantized blocks are written directly: random quants, and block scales chosen so
 that the dequantized weights have the standard deviation wanted (1/sqrt(fan-in): the residual stream stays
-finite over the layers; the output rows scaled so the logits are not flat), with random signs so that no block's
-offset adds up across a row. Layouts follow ggml-common.h at the pin (block_q4_0, block_q4_K, block_q6_K);
+finite over the layers), with random signs so that no block's offset adds up across a row. An untied target is a
+successor model (NEXT_LOGIT): its output rows are its token_embd's, drawn again, dequantized and moved one row down,
+so the next token's logit stands far above the rest, as a trained model's often does. Layouts follow ggml-common.h at the pin (block_q4_0, block_q4_K, block_q6_K);
 tests/test_synthetic.py dequantizes them with gguf-py.
 
 - Targets: arch llama (its graph has the layer-input hooks the head reads), in llama-quantize's Q4_K_M mix
   (llama-quant.cpp: output Q6_K, or token_embd where the embeddings are tied; attn_v and ffn_down Q6_K in the
-  layers use_more_bits picks; the rest Q4_K; norms F32) or its Q4_0 mix (the same with Q4_0, output Q6_K).
+  layers use_more_bits picks; the rest Q4_K; norms F32) or its Q4_0 mix (the same with Q4_0, output Q6_K); an
+  untied target's output is Q8_0 instead (its rows are quantized from values, which gguf-py does for no K-quant).
   The vocab is SmolLM2's tokenizer padded to the shape's size with unused tokens. The output rows of the
   control tokens are zero, so an end-of-generation token is never the argmax and every run goes its length.
 - Heads: the layout convert/ writes (fc Q4_0, the other matrices in the head type asked: f16, q8_0 or q4_0;
@@ -53,7 +55,15 @@ QK_K = 256  # a K-quant super-block's values
 ALIGNMENT = 32  # GGUF's default data alignment (GGUFWriter's)
 CHUNK_BYTES = 8 << 20  # rows are generated and written about this many bytes at a time
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_UNUSED = 1, 3, 5  # tokenizer.ggml.token_type values (llama_token_type)
-LOGIT_STD = 3.0  # the logits' standard deviation over the vocab: a peaked, not flat, distribution
+LOGIT_STD = 3.0  # the logits' standard deviation over the vocab where the output is random (tied shapes, heads)
+# An untied target is a successor model: the layers' updates are small (UPDATE_SCALE of what keeps the residual
+# stream's RMS near 1 a layer), so the last hidden state stays near the current token's embedding, and the output row
+# of token j is the embedding of token j - 1 within its chunk of rows (SuccessorRows): the next token's logit is about
+# NEXT_LOGIT, every other one's a Gaussian of std NEXT_LOGIT / sqrt(n_embd). A margin that wide is far above a GPU's
+# rounding between batch widths, so every verify width picks target-only's token (flat random logits turned at each
+# difference: the H200's replays resynced a third of the cycles). The text walks consecutive token ids.
+NEXT_LOGIT = 20.0
+UPDATE_SCALE = 0.05
 FILE_TYPES = {"q4_k_m": 15, "q4_0": 2}  # general.file_type: LLAMA_FTYPE_MOSTLY_Q4_K_M, _Q4_0
 TYPES = tuple(FILE_TYPES)
 # the head's matrices (fc aside: Q4_0) as convert/'s --outtype writes them, and its general.file_type
@@ -117,6 +127,9 @@ class Planned:
     std: float  # the dequantized weights' standard deviation (F32 norms: 1 + std x noise)
     zero_rows: tuple[int, ...] = ()  # rows written as zeros (the control tokens' output rows)
     values: np.ndarray | None = field(default=None, compare=False)  # written as given (d2t)
+    # the name of a tensor of as many rows whose rows this one holds, each moved down one row within a chunk, times
+    # std (write_gguf: SuccessorRows)
+    successor_of: str = ""
 
     @property
     def n_bytes(self) -> int:
@@ -225,7 +238,9 @@ def target_tensors(s: Shape, qtype: str, control: tuple[int, ...]) -> list[Plann
     base = GT.Q4_K if qtype == "q4_k_m" else GT.Q4_0
     e, hd, kv = s.n_embd, s.head_dim, s.n_head_kv * s.head_dim
     out_std = LOGIT_STD / np.sqrt(e)  # after output_norm the hidden state's RMS is 1
-    # the residual stream gains ~1 RMS a layer: sqrt(2 n_layer) at the end, finite in f16 and f32 alike
+    # untied: a successor model (NEXT_LOGIT); tied: each layer's update ~1 RMS, sqrt(2 n_layer) at the end, finite in
+    # f16 and f32 alike
+    update = 1.0 if s.tied else UPDATE_SCALE
     plans = [Planned(keys.T_TOKEN_EMBD, (s.n_vocab, e), GT.Q6_K if s.tied else base,
                      out_std if s.tied else 1.0, control if s.tied else ())]
     for i in range(s.n_layer):
@@ -235,16 +250,19 @@ def target_tensors(s: Shape, qtype: str, control: tuple[int, ...]) -> list[Plann
             Planned(keys.blk(keys.T_ATTN_Q, i), (s.n_head * hd, e), base, e ** -0.5),  # [n_head * hd, n_embd]
             Planned(keys.blk(keys.T_ATTN_K, i), (kv, e), base, e ** -0.5),
             Planned(keys.blk(keys.T_ATTN_V, i), (kv, e), GT.Q6_K if more else base, e ** -0.5),
-            Planned(keys.blk(keys.T_ATTN_OUT, i), (e, s.n_head * hd), base, (s.n_head * hd) ** -0.5),
+            Planned(keys.blk(keys.T_ATTN_OUT, i), (e, s.n_head * hd), base, update * (s.n_head * hd) ** -0.5),
             Planned(keys.blk(keys.T_FFN_NORM, i), (e,), GT.F32, 0.02),
             Planned(keys.blk(keys.T_FFN_GATE, i), (s.n_ff, e), base, e ** -0.5),  # [n_ff, n_embd]
             Planned(keys.blk(keys.T_FFN_UP, i), (s.n_ff, e), base, e ** -0.5),
             # silu(gate) * up has an RMS near 0.5: twice the std keeps the FFN's update near 1
-            Planned(keys.blk(keys.T_FFN_DOWN, i), (e, s.n_ff), GT.Q6_K if more else base, 2 * s.n_ff ** -0.5),
+            Planned(keys.blk(keys.T_FFN_DOWN, i), (e, s.n_ff), GT.Q6_K if more else base,
+                    update * 2 * s.n_ff ** -0.5),
         ]
     plans.append(Planned(keys.T_OUTPUT_NORM, (e,), GT.F32, 0.02))
     if not s.tied:
-        plans.append(Planned(keys.T_OUTPUT, (s.n_vocab, e), GT.Q6_K, out_std, control))  # [n_vocab, n_embd]
+        # Q8_0, not the mix's Q6_K: gguf-py quantizes no K-quant (8B: 557 against 430 MiB, ~0.03 ms a decode on an H200)
+        plans.append(Planned(keys.T_OUTPUT, (s.n_vocab, e), GT.Q8_0, NEXT_LOGIT / e, control,
+                             successor_of=keys.T_TOKEN_EMBD))  # [n_vocab, n_embd]
     return plans
 
 
@@ -319,16 +337,33 @@ def _pad(n: int) -> int:
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
+def _chunks(t: Planned) -> list[tuple[int, int]]:
+    """The row ranges t is generated in, in order (its random draws follow them)."""
+    rows = t.shape[0] if len(t.shape) == 2 else 1
+    step = max(1, CHUNK_BYTES // max(t.n_bytes // rows, 1))
+    return [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
+
+
 def _fill(fd: int, offset: int, t: Planned, seed: tuple[int, ...]) -> None:
     """Write tensor t's rows at `offset`, a chunk of rows at a time."""
     rng = np.random.default_rng(seed)
-    rows = t.shape[0] if len(t.shape) == 2 else 1
-    step = max(1, CHUNK_BYTES // max(t.n_bytes // rows, 1))
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
+    for r0, r1 in _chunks(t):
         data = _rows(rng, t, r0, r1)
         os.pwrite(fd, data, offset)
         offset += data.nbytes
+
+
+def _fill_successors(fd: int, offset: int, t: Planned, src: Planned, src_seed: tuple[int, ...]) -> None:
+    """Write tensor t (successor_of src) at `offset`: src's rows drawn again as _fill drew them, dequantized, each
+    chunk's rows moved down one (row j holds src's row j - 1, the chunk's first its last), times t.std, zero rows
+    zeroed, quantized to t's type."""
+    rng = np.random.default_rng(src_seed)
+    row_bytes = t.n_bytes // t.shape[0]
+    for r0, r1 in _chunks(src):
+        x = gguf.quants.dequantize(_rows(rng, src, r0, r1).reshape(r1 - r0, -1), src.ggml_type)  # [rows, n_embd]
+        y = np.float32(t.std) * np.roll(x, 1, axis=0)
+        y[[r - r0 for r in t.zero_rows if r0 <= r < r1]] = 0.0
+        os.pwrite(fd, gguf.quants.quantize(y, t.ggml_type).reshape(-1), offset + r0 * row_bytes)
 
 
 def write_gguf(path: Path, arch: str, kvs: list[KeyValue], plans: list[Planned], seed: int, jobs: int = 1) -> Path:
@@ -359,7 +394,16 @@ def write_gguf(path: Path, arch: str, kvs: list[KeyValue], plans: list[Planned],
         with ThreadPoolExecutor(max(1, jobs)) as pool:
             # the largest first, so that the threads finish together
             order = sorted(range(len(plans)), key=lambda i: -plans[i].n_bytes)
-            for f in [pool.submit(_fill, fd, offsets[i], plans[i], (seed, i)) for i in order]:
+            index = {t.name: i for i, t in enumerate(plans)}
+            jobs_ = []
+            for i in order:
+                t = plans[i]
+                if t.successor_of:
+                    k = index[t.successor_of]
+                    jobs_.append(pool.submit(_fill_successors, fd, offsets[i], t, plans[k], (seed, k)))
+                else:
+                    jobs_.append(pool.submit(_fill, fd, offsets[i], t, (seed, i)))
+            for f in jobs_:
                 f.result()
     except BaseException:
         os.close(fd)
