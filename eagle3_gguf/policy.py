@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Callable
 
 from .draft import CATCH_UP_WINDOW, Draft, judge_p_min
-from .lookup import Lookup, LookupAcceptance
+from .lookup import N_MAX, Lookup, LookupAcceptance
 from .tree import DraftTree, branch_candidates, chain_tree, with_branches
 
 CACHE_VERSION = 3  # 3: the switch's capture apart; 2: warm verify costs and the switch; 1: sizes timed among others
@@ -58,6 +58,8 @@ SEEN_PRIOR = 2.0  # the scaled calibration counts as this many timings
 LOOKAHEAD_EMA = 0.5  # weight of one draft step in a position's expected acceptance (stretches are short)
 RATE_EMA = 0.1  # weight of one cycle in the realised rate
 PROBE_MIN, PROBE_MAX = 4, 64  # plain cycles between probes: reset on success, doubled on failure
+LOOKUP_PROBE_MIN = 16  # long matches declined before one is verified anyway (AdaptivePolicy.lookup), doubled to
+# PROBE_MAX while such probes miss
 CHECK_MIN, CHECK_MAX = 8, 256  # drafting cycles between plain ones that time one row: doubled while it holds
 CHECK_TOL = 0.1  # a plain cycle within 10% of its predicted time confirms the scale
 
@@ -368,6 +370,7 @@ class PolicyStats:
     chosen: list[int] = field(default_factory=list)  # [M + 1]: cycles that verified 0..M drafts (M: max(K, L))
     trace: list[int] = field(default_factory=list)  # [n_cycles]: drafts verified, cycle by cycle
     probes: int = 0
+    lookup_probes: int = 0  # long matches verified though not expected to pay (AdaptivePolicy.lookup)
     plain_cycles: int = 0  # cycles that ran no draft step at all
     predicted_tokens: float = 0.0  # the policy's expectation of the emitted tokens, summed over cycles
     predicted_s: float = 0.0  # ... and of the cycles' time
@@ -466,6 +469,9 @@ class AdaptivePolicy:
         self.rate = 1.0 / costs.verify(1)  # realised tokens/s, a running mean
         self.probe_wait = PROBE_MIN  # plain cycles until the next probe
         self.probe_gap = PROBE_MIN
+        self.lookup_wait = LOOKUP_PROBE_MIN  # long matches to decline until the next lookup probe
+        self.lookup_gap = LOOKUP_PROBE_MIN
+        self.lookup_probing = False
         self.probing = False
         self.drafting = False
         self.checking = False  # a plain cycle while drafting pays, to time one row
@@ -606,7 +612,12 @@ class AdaptivePolicy:
     def lookup(self, found: Lookup, k_cap: int) -> int:
         """How many of a lookup draft's tokens to verify this cycle (0: none): the length whose expected
         tokens beat, at the rate to beat, both plain decoding and the head's best planned draft. A lookup
-        draft costs its verify rows only (no draft step)."""
+        draft costs its verify rows only (no draft step).
+
+        A lookup probe: the LOOKUP_PROBE_MIN-th long match declined in a row is verified anyway, at its least losing
+        length. Nothing is learnt of matches that are never verified, and one early miss at the first position (a
+        copy not yet in step) could price every later match of a text under the rows where they are dear: the README
+        demo then ran at 0.96x in place of 1.2x, every copy declined (2 cores; bench/NOTES.md, lookup-probe)."""
         k = min(len(found.tokens), k_cap, self.lookup_max)
         if k <= 0:
             return 0
@@ -614,12 +625,21 @@ class AdaptivePolicy:
         head = max((gain - r * extra for gain, extra in self._head_drafts(min(k_cap, self.k_max))), default=-math.inf)
         best_v = 1.0 - r * c[0] + max(0.0, head)  # plain decoding, or the head's best planned draft
         best_j, best_gain, reach, gain = 0, 0.0, 1.0, 0.0
+        probe_j, probe_v, probe_gain = 0, -math.inf, 0.0
         for j in range(1, k + 1):
             reach *= self.lookup_acc.prob(found.n, j - 1)
             gain += reach
             v = 1.0 + gain - r * c[j]
             if v > best_v:
                 best_j, best_v, best_gain = j, v, gain
+            if v > probe_v:
+                probe_j, probe_v, probe_gain = j, v, gain
+        if found.n >= N_MAX:
+            self.lookup_wait = self.lookup_gap if best_j else self.lookup_wait - 1
+            if self.lookup_wait <= 0:
+                best_j, best_gain = probe_j, probe_gain
+                self.lookup_probing = True
+                self.stats.lookup_probes += 1
         if best_j:
             self._pred = (1.0 + best_gain, c[best_j])
         return best_j
@@ -742,6 +762,11 @@ class AdaptivePolicy:
         st.predicted_tokens += self._pred[0]
         st.predicted_s += self._pred[1] * costs.scale
         self.lookup_acc.observe(n, n_verified, n_accepted)
+        if self.lookup_probing:
+            self.lookup_probing = False
+            whole = n_accepted == n_verified
+            self.lookup_gap = LOOKUP_PROBE_MIN if whole else min(2 * self.lookup_gap, PROBE_MAX)
+            self.lookup_wait = self.lookup_gap
         rows = n_verified + 1 if n_rows is None else n_rows
         run = self._decoded(rows)
         self._observe_rows(rows, t_verify, run)

@@ -170,7 +170,8 @@ class SpecStats:
                 (f"drafts verified 0..{len(p.chosen) - 1} (cycles)", " ".join(str(x) for x in p.chosen))]
         if p.name == "adaptive":
             rows += [
-                ("plain cycles / probes", f"{p.plain_cycles} / {p.probes}"),
+                ("plain cycles / probes", f"{p.plain_cycles} / {p.probes}"
+                 + (f" (and {p.lookup_probes} of lookups)" if p.lookup_probes else "")),
                 (f"cost of 1..{len(p.cost_curve)} verify rows", " ".join(f"{x:.2f}" for x in p.cost_curve)
                  + f" x one row, +{p.switch_cost:.2f} where the row count changes"
                  + (f" ({p.capture_cost:.2f} of it on its second verify)" if p.capture_cost else "")

@@ -96,6 +96,31 @@ def test_policy_weighs_a_lookup_by_match_and_cost():
     assert one.lookup(Lookup([1, 2, 3, 4, 5], 5), 8) == 4 and one.plan(8) <= 1
 
 
+def test_a_long_match_declined_again_and_again_is_probed():
+    """Nothing is learnt of matches never verified: one miss at a long match's first position could price every later
+    match of a text under dear rows (the README demo ran at 0.95x in place of 1.1-1.2x). The LOOKUP_PROBE_MIN-th long
+    match declined in a row is verified anyway, the gap doubling while such probes miss and reset once one is kept
+    whole; a verified match restarts the count; short matches are never probed."""
+    from eagle3_gguf.lookup import Lookup
+    from eagle3_gguf.policy import LOOKUP_PROBE_MIN
+
+    dear = policy(DEAR)
+    for _ in range(3):
+        dear.observe_lookup(5, 4, 0, 0.02, 1)  # missed at the first position
+    long, short = Lookup([1, 2, 3, 4], 5), Lookup([1, 2, 3, 4], 2)
+    assert not any(dear.lookup(short, 4) for _ in range(3 * LOOKUP_PROBE_MIN))
+    got = [dear.lookup(long, 4) for _ in range(LOOKUP_PROBE_MIN)]
+    assert not any(got[:-1]) and got[-1] >= 1 and dear.stats.lookup_probes == 1
+    dear.observe_lookup(5, got[-1], 0, 0.02, 1)  # the probe missed: twice as many declines to the next
+    got = [dear.lookup(long, 4) for _ in range(2 * LOOKUP_PROBE_MIN)]
+    assert not any(got[:-1]) and got[-1] >= 1 and dear.stats.lookup_probes == 2
+    dear.observe_lookup(5, got[-1], got[-1], 0.02, got[-1] + 1)  # kept whole: back to the shortest gap
+    assert dear.lookup_gap == LOOKUP_PROBE_MIN and not dear.lookup_probing
+    cheap = policy(CHEAP)  # a match that pays is verified: no probe, and the count starts again
+    assert all(cheap.lookup(long, 4) for _ in range(2 * LOOKUP_PROBE_MIN)) and cheap.stats.lookup_probes == 0
+    assert cheap.lookup_wait == LOOKUP_PROBE_MIN
+
+
 REPEATED = ("def area(width, height):\n    return width * height\n\n"
             "def area(width, height):\n    return width * height\n\n"
             "def area(width, height):\n    return width * height\n\n")
