@@ -551,15 +551,9 @@ def _add(o: Outcome, r: ScaleRun, ratio: float, identical: bool, verify_s: list[
     o.tok_s.append(r.tok_s)
     o.tokens += st.n_generated - 1
     o.cycles += st.n_target_forwards - 1
-    k = len(st.drafted_by_pos)
-    if len(o.drafted_by_pos) < k:
-        o.drafted_by_pos += [0] * (k - len(o.drafted_by_pos))
-        o.accepted_by_pos += [0] * (k - len(o.accepted_by_pos))
-        o.reached_by_pos += [0] * (k - len(o.reached_by_pos))
-    for i in range(k):
-        o.drafted_by_pos[i] += st.drafted_by_pos[i]
-        o.accepted_by_pos[i] += st.accepted_by_pos[i]
-        o.reached_by_pos[i] += st.reached_by_pos[i]
+    _add_by_pos(o.drafted_by_pos, st.drafted_by_pos)
+    _add_by_pos(o.accepted_by_pos, st.accepted_by_pos)
+    _add_by_pos(o.reached_by_pos, st.reached_by_pos)
     o.identical += identical
     o.resyncs += r.resyncs
     o.tree_cycles += st.tree_cycles
@@ -573,6 +567,13 @@ def _add(o: Outcome, r: ScaleRun, ratio: float, identical: bool, verify_s: list[
     o.curve_s += sum(c * verify_s[min(n, len(verify_s)) - 1] for n, c in enumerate(st.verify_rows) if c) \
         + r.steps * step_s + r.cycles * catch_s
     o.head_runs += r.steps + r.cycles
+
+
+def _add_by_pos(total: list[int], more: list[int]) -> None:
+    """Add a run's counts by draft position into `total`, in place (longer where the run drafted further)."""
+    total += [0] * (len(more) - len(total))
+    for i, x in enumerate(more):
+        total[i] += x
 
 
 def prompt_tokens(target: Path, n: int, length: int, seed: int) -> list[list[int]]:

@@ -55,13 +55,12 @@ def prices_of(results: Path, shape: str) -> Prices:
         head = parts["head_decode_ms"]
         head_switch = max(parts["head_decode_after_ms"] - head, 0.0)
         first = max(parts["target_row_after_ms"] - parts["target_row_ms"], 0.0)
-        if "capture_ms" in ph:  # measured apart
-            first = ph["switch_ms"] - ph["capture_ms"]
-        if "switch_ms" in ph:
-            first = min(first, ph["switch_ms"])
-            return Prices(ph["verify_ms"], first, head, parts["head_encode_ms"], head_switch, ph["switch_ms"] - first)
-        shift = ph["verify_ms"][0] - parts["target_row_ms"]
-        return Prices([t - shift for t in ph["verify_ms"]], first, head, parts["head_encode_ms"], head_switch)
+        if "switch_ms" not in ph:
+            shift = ph["verify_ms"][0] - parts["target_row_ms"]
+            return Prices([t - shift for t in ph["verify_ms"]], first, head, parts["head_encode_ms"], head_switch)
+        s = ph["switch_ms"]
+        first = s - ph["capture_ms"] if "capture_ms" in ph else min(first, s)  # the capture measured apart, or not
+        return Prices(ph["verify_ms"], first, head, parts["head_encode_ms"], head_switch, s - first)
     except StopIteration:
         raise Eagle3Error(f"--emulate: {results} holds no shape {shape}") from None
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:

@@ -11,7 +11,8 @@ in numpy is far too slow, so the quantized blocks are written directly: random q
 that the dequantized weights have the standard deviation wanted (1/sqrt(fan-in): the residual stream stays
 finite over the layers), with random signs so that no block's offset adds up across a row. An untied target is a
 successor model (NEXT_LOGIT): its output rows are its token_embd's, drawn again, dequantized and moved one row down,
-so the next token's logit stands far above the rest, as a trained model's often does. Layouts follow ggml-common.h at the pin (block_q4_0, block_q4_K, block_q6_K);
+so the next token's logit stands far above the rest, as a trained model's often does. Layouts follow ggml-common.h at
+the pin (block_q4_0, block_q4_K, block_q6_K);
 tests/test_synthetic.py dequantizes them with gguf-py.
 
 - Targets: arch llama (its graph has the layer-input hooks the head reads), in llama-quantize's Q4_K_M mix
@@ -58,10 +59,10 @@ TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_UNUSED = 1, 3, 5  # tokenizer.ggml.token_type
 LOGIT_STD = 3.0  # the logits' standard deviation over the vocab where the output is random (tied shapes, heads)
 # An untied target is a successor model: the layers' updates are small (UPDATE_SCALE of what keeps the residual
 # stream's RMS near 1 a layer), so the last hidden state stays near the current token's embedding, and the output row
-# of token j is the embedding of token j - 1 within its chunk of rows (SuccessorRows): the next token's logit is about
-# NEXT_LOGIT, every other one's a Gaussian of std NEXT_LOGIT / sqrt(n_embd). A margin that wide is far above a GPU's
-# rounding between batch widths, so every verify width picks target-only's token (flat random logits turned at each
-# difference: the H200's replays resynced a third of the cycles). The text walks consecutive token ids.
+# of token j is the embedding of token j - 1 within its chunk of rows (_fill_successors): the next token's logit is
+# about NEXT_LOGIT, every other one's a Gaussian of std NEXT_LOGIT / sqrt(n_embd). A margin that wide is far above a
+# GPU's rounding between batch widths, so every verify width picks target-only's token (flat random logits turned at
+# each difference: the H200's replays resynced a third of the cycles). The text walks consecutive token ids.
 NEXT_LOGIT = 20.0
 UPDATE_SCALE = 0.05
 FILE_TYPES = {"q4_k_m": 15, "q4_0": 2}  # general.file_type: LLAMA_FTYPE_MOSTLY_Q4_K_M, _Q4_0
@@ -128,7 +129,7 @@ class Planned:
     zero_rows: tuple[int, ...] = ()  # rows written as zeros (the control tokens' output rows)
     values: np.ndarray | None = field(default=None, compare=False)  # written as given (d2t)
     # the name of a tensor of as many rows whose rows this one holds, each moved down one row within a chunk, times
-    # std (write_gguf: SuccessorRows)
+    # std (_fill_successors)
     successor_of: str = ""
 
     @property
@@ -395,15 +396,14 @@ def write_gguf(path: Path, arch: str, kvs: list[KeyValue], plans: list[Planned],
             # the largest first, so that the threads finish together
             order = sorted(range(len(plans)), key=lambda i: -plans[i].n_bytes)
             index = {t.name: i for i, t in enumerate(plans)}
-            jobs_ = []
-            for i in order:
+
+            def submit(i: int):
                 t = plans[i]
-                if t.successor_of:
-                    k = index[t.successor_of]
-                    jobs_.append(pool.submit(_fill_successors, fd, offsets[i], t, plans[k], (seed, k)))
-                else:
-                    jobs_.append(pool.submit(_fill, fd, offsets[i], t, (seed, i)))
-            for f in jobs_:
+                if not t.successor_of:
+                    return pool.submit(_fill, fd, offsets[i], t, (seed, i))
+                k = index[t.successor_of]
+                return pool.submit(_fill_successors, fd, offsets[i], t, plans[k], (seed, k))
+            for f in [submit(i) for i in order]:
                 f.result()
     except BaseException:
         os.close(fd)
