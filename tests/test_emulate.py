@@ -43,6 +43,7 @@ def test_prices_of_a_run_that_timed_each_width_after_another(tmp_path):
 def test_prices_of_a_run_with_a_warm_curve(tmp_path):
     data = json.loads(H200.read_text())
     data["shapes"][0]["physics"]["switch_ms"] = 0.25
+    del data["shapes"][0]["physics"]["capture_ms"]  # the switch before the capture was measured apart (call 1)
     path = tmp_path / "results.json"
     path.write_text(json.dumps(data))
     p = emulate.prices_of(path, "llama-8b:q4_k_m")
@@ -53,16 +54,16 @@ def test_prices_split_the_switch_into_the_first_call_and_the_capture(tmp_path):
     """The H200's switch (a width's first two verifies beyond two warm ones): the first call pays what a row right
     after two rows cost beyond a warm one, the second the rest (ggml-cuda's capture); or as the run measured them."""
     ph = h200()["physics"]
-    first = ph["parts"]["target_row_after_ms"] - ph["parts"]["target_row_ms"]
     p = emulate.prices_of(H200, "llama-8b:q4_k_m")
-    assert p.first_ms == pytest.approx(first) and p.capture_ms == pytest.approx(ph["switch_ms"] - first)
+    assert p.first_ms == pytest.approx(ph["switch_ms"] - ph["capture_ms"]) and p.capture_ms == ph["capture_ms"]
     assert 0.5 < p.first_ms < p.capture_ms  # capturing 8B's graph costs more than running it uncaptured
     data = json.loads(H200.read_text())
-    data["shapes"][0]["physics"]["capture_ms"] = 1.0
+    del data["shapes"][0]["physics"]["capture_ms"]
     path = tmp_path / "results.json"
     path.write_text(json.dumps(data))
     p = emulate.prices_of(path, "llama-8b:q4_k_m")
-    assert p.first_ms == pytest.approx(ph["switch_ms"] - 1.0) and p.capture_ms == 1.0
+    first = ph["parts"]["target_row_after_ms"] - ph["parts"]["target_row_ms"]
+    assert p.first_ms == pytest.approx(first) and p.capture_ms == pytest.approx(ph["switch_ms"] - first)
 
 
 @pytest.mark.parametrize("spec", ["bench/scale-gpu/results.json", "bench/scale-gpu/results.json:gemma-9b:q4_0",
