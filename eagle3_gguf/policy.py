@@ -98,10 +98,16 @@ class CostCurve:
     seen_s: list[float] = field(default_factory=list)  # [K_max + 1]: real seconds, a running mean per n
     seen_n: list[float] = field(default_factory=list)  # [K_max + 1]
     now_s: list[float] = field(default_factory=list)  # [K_max + 1]: the refined curve, calibrated seconds
+    # a draft step as the loop pays it (calibrated seconds; 0: draft_step_s, until a draft of two steps or more is
+    # timed): calibration times warm drafts repeated, while in the loop each follows the target's graph (on an H200
+    # at 8B's head 0.52 ms a step against 0.43 calibrated, enough to draft 3 where 2 paid more)
+    step_s: float = 0.0
+    step_n: float = 0.0  # drafts whose later steps were timed (capped)
 
     def __post_init__(self) -> None:
         if len(self.seen_s) != len(self.verify_s):
             self.seen_s, self.seen_n = [0.0] * len(self.verify_s), [0.0] * len(self.verify_s)
+        self.step_s = self.step_s or self.draft_step_s
         self._refresh()
 
     def _refresh(self) -> None:
@@ -148,11 +154,17 @@ class CostCurve:
             self.seen_n[i] = min(w + 1.0, SEEN_CAP)
             self._refresh()
 
-    def observe_draft(self, steps: int, seconds: float) -> None:
-        """A draft of `steps` took `seconds`: the steps at the measured step cost, the rest is fixed cost."""
-        if steps > 0 and not self.frozen:
-            fixed = max(seconds / self.scale - steps * self.draft_step_s, 0.0)
-            self.draft_fixed_s += EMA * (fixed - self.draft_fixed_s)
+    def observe_draft(self, steps: int, seconds: float, later_s: float | None = None) -> None:
+        """A draft of `steps` took `seconds`, `later_s` of them the steps after the first (None: not timed apart, a
+        tree): those price a step (the calibration counting as SEEN_PRIOR timings), the rest is fixed cost."""
+        if steps <= 0 or self.frozen:
+            return
+        if later_s is not None and steps >= 2:
+            self.step_n = min(self.step_n + 1.0, SEEN_CAP)
+            x = later_s / self.scale / (steps - 1)
+            self.step_s += max(EMA, 1.0 / (self.step_n + SEEN_PRIOR)) * (x - self.step_s)
+        fixed = max(seconds / self.scale - steps * self.step_s, 0.0)
+        self.draft_fixed_s += EMA * (fixed - self.draft_fixed_s)
 
     def valid(self, k_max: int) -> bool:
         ok = lambda x: isinstance(x, float) and math.isfinite(x) and 0.0 <= x < 10.0  # noqa: E731
@@ -428,7 +440,8 @@ class FixedPolicy:
         return judge_p_min(confs, n_max, self.p_min)
 
     def observe(self, confs: list[float], n_verified: int, n_accepted: int, n_drafted: int,
-                t_verify: float, t_draft: float, n_emitted: int, n_rows: int | None = None) -> None:
+                t_verify: float, t_draft: float, n_emitted: int, n_rows: int | None = None,
+                t_steps: float | None = None) -> None:
         self.stats.chosen[n_verified] += 1
         self.stats.trace.append(n_verified)
         if n_drafted == 0:
@@ -675,7 +688,7 @@ class AdaptivePolicy:
     def _head_drafts(self, k_cap: int) -> list[tuple[float, float]]:
         """For a head draft of j = 1..k_cap at the expected acceptances: (E_j - 1, T_j - c(1)), the drafts
         expected to be emitted and what the cycle costs beyond a plain one (draft steps and catch-up included)."""
-        c, d, e = self._prices(), self.costs.draft_step_s, self.costs.draft_fixed_s
+        c, d, e = self._prices(), self.costs.step_s, self.costs.draft_fixed_s
         out, reach, gain = [], 1.0, 0.0
         for j in range(1, k_cap + 1):
             reach *= self.acc.lookahead[j - 1]
@@ -689,7 +702,7 @@ class AdaptivePolicy:
         stop and verify the first j drafts. Steps not drafted yet are expected to go as the last one did
         (acceptance runs in stretches), which is also what the plan of the next cycle learns."""
         i = len(confs)
-        acc, r, c, d = self.acc, self._r(), self._prices(), self.costs.draft_step_s
+        acc, r, c, d = self.acc, self._r(), self._prices(), self.costs.step_s
         # stopping now: the best prefix j <= i of what was drafted (the draft steps are spent either way)
         reach, gain = 1.0, 0.0
         best_j, best_v, best_gain = 0, -r * c[0], 0.0
@@ -715,9 +728,11 @@ class AdaptivePolicy:
 
     # -- after the cycle ------------------------------------------------------------------------------
     def observe(self, confs: list[float], n_verified: int, n_accepted: int, n_drafted: int,
-                t_verify: float, t_draft: float, n_emitted: int, n_rows: int | None = None) -> None:
-        """The cycle's outcome: drafts verified and accepted, and its timings (seconds). n_rows: the rows its
-        verify decoded, where that is not n_verified + 1 (a tree's branches, a kept branch decoded again)."""
+                t_verify: float, t_draft: float, n_emitted: int, n_rows: int | None = None,
+                t_steps: float | None = None) -> None:
+        """The cycle's outcome: drafts verified and accepted, and its timings (seconds; t_steps: the draft's steps
+        after the first, where timed apart). n_rows: the rows its verify decoded, where that is not n_verified + 1
+        (a tree's branches, a kept branch decoded again)."""
         rows = n_verified + 1 if n_rows is None else n_rows
         if n_drafted == 0 and rows == 1:
             self.observe_plain(t_verify)
@@ -734,7 +749,7 @@ class AdaptivePolicy:
         self.since_plain += 1
         if rows > 1:
             self._observe_rows(rows, t_verify, run)
-        costs.observe_draft(n_drafted, t_draft)
+        costs.observe_draft(n_drafted, t_draft, t_steps)
         self._changed()
         t = self._priced(rows, n_drafted, run) if costs.frozen else t_verify + t_draft
         if t > 0:
@@ -801,7 +816,7 @@ class AdaptivePolicy:
         verify of that count in a row pays, and n_drafted draft steps."""
         c = self.costs
         t = c.verify(min(rows, c.k_max + 1)) + c.paid(run)
-        return t + c.scale * (c.draft_fixed_s + n_drafted * c.draft_step_s) if n_drafted else t
+        return t + c.scale * (c.draft_fixed_s + n_drafted * c.step_s) if n_drafted else t
 
     def observe_plain(self, t_verify: float) -> None:
         """A plain cycle's outcome (one row emitted, no draft step): the common case, kept short (it runs
@@ -842,7 +857,7 @@ class AdaptivePolicy:
         self._learn_streak()
         st = self.stats
         st.cost_curve = self.costs.relative()
-        st.draft_step_cost = self.costs.draft_step_s / self.costs.now_s[0]
+        st.draft_step_cost = self.costs.step_s / self.costs.now_s[0]
         st.draft_fixed_cost = self.costs.draft_fixed_s / self.costs.now_s[0]
         st.switch_cost = self.costs.switch_s / self.costs.now_s[0]
         st.capture_cost = self.costs.capture_s / self.costs.now_s[0]

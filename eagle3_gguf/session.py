@@ -31,6 +31,7 @@ The API takes target positions; `pending_pos` and the queues are in the head's.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -121,6 +122,10 @@ class Eagle3Session:
     # seconds spent inside draft() on work no head does (a benchmark's replay choosing tokens and resyncing to
     # target-only's text): the loop's statistics keep them, the policy learns the draft's cost without them
     t_aside = 0.0
+    # seconds inside draft() on the steps after the first (each a 1-row decoder graph, reading its row, the judge):
+    # a step's price as the loop pays it, which a calibration of warm repeated drafts reads low on a GPU (0.52 ms
+    # against 0.43 at 8B's head on an H200: bench/NOTES.md, scale-gpu ninth session)
+    t_steps = 0.0
 
     def __init__(self, target: Context, draft: Context, target_layers: list[int] | None = None,
                  window: int = CATCH_UP_WINDOW):
@@ -431,6 +436,7 @@ class Eagle3Session:
         out, confs, qs = [], [], []
         alts = Draft() if n_alt else None
         batch = self.dec_batch
+        t_later = 0.0  # when the second step began (0: not yet)
         while True:
             ctx.decode(batch)
             token, conf = self._choose(ctx.logits_ith(row), sampler, qs, alts, n_alt)
@@ -438,9 +444,12 @@ class Eagle3Session:
             confs.append(conf)
             keep = judge(confs, n_max)
             if keep >= 0:
+                if t_later:
+                    self.t_steps += time.perf_counter() - t_later
                 if alts is None:
                     return Draft(out[:keep], confs, qs)
                 return Draft(out[:keep], confs, qs, alts.alt_tokens, alts.alt_probs)
+            t_later = t_later or time.perf_counter()
             p += 1
             batch.set_embd_one(self._feedback(row), p, token)
             row = 0

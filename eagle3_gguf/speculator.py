@@ -398,11 +398,12 @@ class Speculator:
                 policy.observe_plain(t_verify)
             return Cycle(pos, rows, out, 0)
         draft, tree = None, None
-        t_draft = 0.0
+        t_draft, t_steps = 0.0, None
         if found is not None:  # a deterministic proposal: q is one-hot at each draft
             draft = Draft(found.tokens, [], [one_hot(tok) for tok in found.tokens] if rejection is not None else [])
         elif k > 0:
-            t, native0, aside0 = time.perf_counter(), session.draft_ctx.t_native, session.t_aside
+            t, native0 = time.perf_counter(), session.draft_ctx.t_native
+            aside0, steps0 = session.t_aside, session.t_steps
             if policy.expand:
                 tree = session.draft_tree(id_last, k, policy.expand, min(policy.nodes, k_cap))
                 draft = tree.chain_draft
@@ -413,6 +414,7 @@ class Speculator:
                 draft = session.draft(id_last, k, policy.judge, sampler=rejection,
                                       n_alt=policy.n_alt if rejection is None else 0)
                 tree = policy.tree(id_last, draft, k_cap) if draft.alt_tokens else None
+                t_steps = session.t_steps - steps0
             t_draft = time.perf_counter() - t
             st.t_draft += t_draft
             st.t_draft_native += session.draft_ctx.t_native - native0
@@ -467,7 +469,8 @@ class Speculator:
                 policy.observe_lookup(found.n, len(drafts), n_acc, t_verify, len(out), n_rows)
             else:
                 confs = draft.confs if draft is not None else []
-                policy.observe(confs, len(drafts), on_chain, len(confs), t_verify, t_draft, len(out), n_rows)
+                policy.observe(confs, len(drafts), on_chain, len(confs), t_verify, t_draft, len(out), n_rows,
+                               t_steps)
         return Cycle(pos, rows, out, n_acc)
 
     def _verify_tree(self, tree: DraftTree, redo: list[int], pos: int,

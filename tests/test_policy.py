@@ -481,3 +481,50 @@ def test_a_frozen_policy_decodes_plainly_alike_at_any_timing():
     assert runs[0] == runs[1]
     trace, stats = runs[0][:2]
     assert trace.count(0) >= 0.95 * len(trace) and stats.probes >= 4
+
+
+def test_a_draft_step_is_priced_as_the_loop_pays_it():
+    """Calibration times warm drafts repeated; in the loop a step follows the target's graph and costs more (an
+    H200 at 8B's head: 0.52 ms against 0.43). The steps after a draft's first, timed apart, price a step (the
+    calibration counting as two timings); the first step and the catch-up stay the fixed cost. A tree's draft is
+    not timed apart: it moves the fixed cost alone."""
+    curve = CostCurve(list(GPU), 0.02, 0.05, "measured")
+    assert curve.step_s == 0.02
+    for _ in range(200):
+        curve.observe_draft(3, 0.05 + 3 * 0.06, 2 * 0.06)
+    assert curve.step_s == pytest.approx(0.06, rel=1e-4) and curve.draft_fixed_s == pytest.approx(0.05, rel=1e-3)
+    assert curve.draft_step_s == 0.02  # the calibration, as cached
+    tree = CostCurve(list(GPU), 0.02, 0.05, "measured")
+    for _ in range(200):
+        tree.observe_draft(3, 0.05 + 3 * 0.06)
+    assert tree.step_s == 0.02 and tree.draft_fixed_s == pytest.approx(0.05 + 3 * 0.04, rel=1e-3)
+
+
+def test_a_policy_that_times_its_steps_drafts_the_length_that_pays():
+    """A GPU-like curve where the loop's steps cost three times the calibration's: priced as calibrated, drafting
+    3 or 4 looks best; timed apart, the policy drafts 2, the length that pays most at the loop's price."""
+    curve = [1.0, 1.1, 1.3, 1.5, 1.7]
+    d_loop = 0.15
+    traces = {}
+    for timed in (False, True):
+        world = World(curve, d_loop, accept=0.75, conf=0.75, seed=3)
+        assert max(range(1, 5), key=world.expected_rate) == 2
+        policy = AdaptivePolicy(CostCurve(list(curve), 0.05, 0.0, "given"), 4)
+        policy.begin()
+        trace = []
+        for _ in range(400):
+            k = policy.plan(4)
+            confs, j = [], 0
+            if k > 0:
+                while (j := policy.judge(confs := confs + [world.conf], k)) < 0:
+                    pass
+            n_acc = 0
+            while n_acc < j and world.rng.random() < world.accept:
+                n_acc += 1
+            steps = len(confs)
+            policy.observe(confs, j, n_acc, steps, curve[j], steps * d_loop, n_acc + 1,
+                           t_steps=(steps - 1) * d_loop if timed and steps else None)
+            trace.append(j)
+        traces[timed] = trace[200:]
+    assert traces[False].count(3) + traces[False].count(4) > 150, traces[False]  # at the calibration's step
+    assert traces[True].count(2) > 190, traces[True]

@@ -193,6 +193,7 @@ def test_the_policy_learns_the_heads_time_not_the_replays(pair, prompts):
     assert all(n >= 1 and r.stats.t_draft >= 0.2 for r, n in runs)  # the run's statistics keep the resyncs
     # what the policy learnt a drafting cycle's fixed cost to be, in rows: 1-2 here; with the resyncs learnt 100-200
     assert all(r.stats.policy.draft_fixed_cost < 20.0 for r, _ in runs)
+    assert all(r.stats.policy.draft_step_cost < 20.0 for r, _ in runs)  # nor as a draft step's
 
 
 def test_the_frozen_default_prices_cycles_as_the_physics_measured():

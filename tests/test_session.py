@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -313,3 +315,22 @@ def test_a_draft_with_nothing_to_seed_from_is_a_plain_cycle_that_keeps_its_row(t
         assert s.can_seed and len(s.aside) == 1
         spec.cycle(policy, first.out[-1], len(prompt) + 1, 4, pick, st)
         assert st.n_drafted == 2
+
+
+def test_a_draft_times_its_steps_after_the_first(tiny_pair):
+    """t_steps: the seconds a draft spent on its steps after the first (the policy's price of a step); a draft of
+    one step adds nothing."""
+    seq = tokenize(tiny_pair.target_model, "A long sentence that we will use as the ground truth, word by word.")
+    with Eagle3Session(tiny_pair.target, tiny_pair.head) as s:
+        tiny_pair.target.clear()
+        s.reset()
+        with Batch(64) as b:
+            b.set(seq[:6], 0, logits="last")
+            tiny_pair.target.decode(b)
+        s.process(seq[:6], 0)
+        assert s.t_steps == 0.0
+        assert len(s.draft(seq[6], 1).tokens) == 1 and s.t_steps == 0.0
+        s.accept(0)
+        t0 = time.perf_counter()
+        assert len(s.draft(seq[6], 4).tokens) == 4
+        assert 0.0 < s.t_steps < time.perf_counter() - t0
