@@ -501,6 +501,10 @@ class AdaptivePolicy:
         # curve as this cycle pays it, for those
         self.last_rows = 0
         self.run = 0
+        # (last_rows, run) from before a check's plain cycle, which prices the cycle after it: the check is a one-off,
+        # and priced as a change of width, returning to the drafting width never paid (8B on an H200 with a slow
+        # host, an 8 ms switch: 8 drafting cycles, a check, then plain decoding for good at 0.95x)
+        self._held: tuple[int, int] | None = None
         self._prices_of: tuple[list[float] | None, int, float] = (None, -1, 0.0)
         self._prices_now: list[float] = costs.now_s
         # A plain streak (plan()): plain cycles left that plan() need not weigh, and the timings of the
@@ -518,6 +522,7 @@ class AdaptivePolicy:
         self.stats = PolicyStats("adaptive", [0] * (max(self.k_max, self.lookup_max) + 1), cost_source=self.costs.source)
         self.probe_wait = 1
         self.last_rows = self.run = 0
+        self._held = None
         self.lookup_acc.forget()
 
     # -- the rate to beat -----------------------------------------------------------------------------
@@ -530,8 +535,9 @@ class AdaptivePolicy:
         every row count but the last decode's, and the capture for that one where it ran once so far. So a policy
         that drafts keeps its width unless another pays for the change, and one that decodes plainly starts drafting
         only where a draft pays for it.  # [K_max + 1]"""
-        costs, last = self.costs, self.last_rows
-        cap = costs.capture_s if self.run == 1 else 0.0
+        costs = self.costs
+        last, run = self._held or (self.last_rows, self.run)
+        cap = costs.capture_s if run == 1 else 0.0
         if self._prices_of[0] is not costs.now_s or self._prices_of[1:] != (last, cap):
             s = costs.switch_s
             self._prices_now = ([t + (s if n != last else cap) for n, t in enumerate(costs.now_s, 1)] if s
@@ -568,6 +574,7 @@ class AdaptivePolicy:
             # time one row again: its cost is learnt from plain cycles only (a frozen curve learns nothing)
             if self.since_plain >= self.check_gap and not self.costs.frozen:
                 self.checking = True
+                self._held = (self.last_rows, self.run)
                 return 0
             return k_cap
         self.drafting = False
@@ -797,6 +804,8 @@ class AdaptivePolicy:
         2: the second in a row, ggml-cuda's capture)."""
         self.run = self.run + 1 if rows == self.last_rows else 1
         self.last_rows = rows
+        if not self.checking:  # the cycle after a check has been priced as if it had not happened
+            self._held = None
         return self.run
 
     def _observe_rows(self, rows: int, t_verify: float, run: int) -> None:

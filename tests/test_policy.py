@@ -528,3 +528,16 @@ def test_a_policy_that_times_its_steps_drafts_the_length_that_pays():
         traces[timed] = trace[200:]
     assert traces[False].count(3) + traces[False].count(4) > 150, traces[False]  # at the calibration's step
     assert traces[True].count(2) > 190, traces[True]
+
+
+def test_a_check_does_not_end_drafting_where_a_change_of_width_is_dear():
+    """While drafting pays, a plain cycle now and then times one row (a check). Where a change of width costs more
+    than a cycle gains (8B on an H200 with a slow host: an 8 ms switch), pricing the return from the check as a change
+    stopped drafting for good after the first check; the cycle after a check is priced as if it had not happened."""
+    curve = CostCurve([1.0, 1.1, 1.2, 1.3, 1.4], 0.02, 0.05, "given", switch_s=4.0, capture_s=3.0)
+    policy = AdaptivePolicy(curve, 4)
+    policy.begin()
+    _, trace = World(GPU, 0.02, accept=0.6, conf=0.6, seed=4).run(policy, 4, 200)
+    first_check = trace.index(0, trace.index(4))  # the first plain cycle after drafting began
+    assert first_check <= CHECK_MIN + 2, trace
+    assert trace[first_check + 1:].count(0) <= 10 and policy.stats.plain_cycles <= 12, trace
