@@ -14,7 +14,8 @@ token is worth its cost only when its chance of being emitted beats R times what
   for the change; measured at load (`calibrate`, a fraction of a second, cached per
   target file, head file, threads, GPU layers and KV types in `~/.cache/eagle3-gguf/costs/`; a corrupt
   or stale entry is measured again) and refined online: one row's cost (a scale on the whole curve)
-  from plain cycles, each larger row count's from the cycles that verified that many.
+  from plain cycles, each larger row count's from the cycles that verified that many, d from a draft's steps after
+  its first (timed apart: the loop pays more than a calibration of warm repeated drafts reads).
 - `Acceptance`: P(draft accepted | earlier drafts accepted, the head's top probability) by draft
   position, from counts in confidence bins with a prior (a calibrated head's confidence), pooled
   across positions while a position has few counts; and the expected acceptance of a step not yet
@@ -501,10 +502,12 @@ class AdaptivePolicy:
         # curve as this cycle pays it, for those
         self.last_rows = 0
         self.run = 0
-        # (last_rows, run) from before a check's plain cycle, which prices the cycle after it: the check is a one-off,
-        # and priced as a change of width, returning to the drafting width never paid (8B on an H200 with a slow
-        # host, an 8 ms switch: 8 drafting cycles, a check, then plain decoding for good at 0.95x)
-        self._held: tuple[int, int] | None = None
+        # the cycle after a check's plain cycle prices every width warm: the check has left the drafting width, and
+        # returning to any width pays the switch alike. Priced as a change of width, returning never paid where the
+        # switch outweighs a cycle's gain (8B on an H200 with a slow host, an 8 ms switch: 8 drafting cycles, a check,
+        # then plain decoding for good at 0.95x); and so each check lets the policy move to the width that pays most
+        # now, where else it keeps the width it first drafted at (a probe's, with its first estimates)
+        self._after_check = False
         self._prices_of: tuple[list[float] | None, int, float] = (None, -1, 0.0)
         self._prices_now: list[float] = costs.now_s
         # A plain streak (plan()): plain cycles left that plan() need not weigh, and the timings of the
@@ -522,7 +525,7 @@ class AdaptivePolicy:
         self.stats = PolicyStats("adaptive", [0] * (max(self.k_max, self.lookup_max) + 1), cost_source=self.costs.source)
         self.probe_wait = 1
         self.last_rows = self.run = 0
-        self._held = None
+        self._after_check = False
         self.lookup_acc.forget()
 
     # -- the rate to beat -----------------------------------------------------------------------------
@@ -534,10 +537,12 @@ class AdaptivePolicy:
         """What verifying 1..K_max+1 rows costs this cycle, calibrated seconds: the curve, plus the whole switch for
         every row count but the last decode's, and the capture for that one where it ran once so far. So a policy
         that drafts keeps its width unless another pays for the change, and one that decodes plainly starts drafting
-        only where a draft pays for it.  # [K_max + 1]"""
+        only where a draft pays for it. The cycle after a check: every width warm.  # [K_max + 1]"""
         costs = self.costs
-        last, run = self._held or (self.last_rows, self.run)
-        cap = costs.capture_s if run == 1 else 0.0
+        if self._after_check:
+            return costs.now_s
+        last = self.last_rows
+        cap = costs.capture_s if self.run == 1 else 0.0
         if self._prices_of[0] is not costs.now_s or self._prices_of[1:] != (last, cap):
             s = costs.switch_s
             self._prices_now = ([t + (s if n != last else cap) for n, t in enumerate(costs.now_s, 1)] if s
@@ -574,7 +579,7 @@ class AdaptivePolicy:
             # time one row again: its cost is learnt from plain cycles only (a frozen curve learns nothing)
             if self.since_plain >= self.check_gap and not self.costs.frozen:
                 self.checking = True
-                self._held = (self.last_rows, self.run)
+                self._after_check = True
                 return 0
             return k_cap
         self.drafting = False
@@ -804,8 +809,8 @@ class AdaptivePolicy:
         2: the second in a row, ggml-cuda's capture)."""
         self.run = self.run + 1 if rows == self.last_rows else 1
         self.last_rows = rows
-        if not self.checking:  # the cycle after a check has been priced as if it had not happened
-            self._held = None
+        if not self.checking:  # the cycle after a check has been priced warm
+            self._after_check = False
         return self.run
 
     def _observe_rows(self, rows: int, t_verify: float, run: int) -> None:
