@@ -11,9 +11,9 @@ token is worth its cost only when its chance of being emitted beats R times what
 - `CostCurve`: c(1..K_max+1) (each width warm) and d, and the switch s the first two verifies of a row count pay on
   top where it is not the target's last decode's (llama.cpp's graph rebuilt; on CUDA the graph run uncaptured, then
   captured on the second call: its share of s is the capture), so that a policy keeps its width unless another pays
-  for the change; measured at load (`calibrate`, a fraction of a second, cached per
-  target file, head file, threads, GPU layers and KV types in `~/.cache/eagle3-gguf/costs/`; a corrupt
-  or stale entry is measured again) and refined online: one row's cost (a scale on the whole curve)
+  for the change (the cycle after a check excepted: every width warm); measured at load (`calibrate`, a fraction of
+  a second, cached per target file, head file, threads, GPU layers and KV types in `~/.cache/eagle3-gguf/costs/`; a
+  corrupt or stale entry is measured again) and refined online: one row's cost (a scale on the whole curve)
   from plain cycles, each larger row count's from the cycles that verified that many, d from a draft's steps after
   its first (timed apart: the loop pays more than a calibration of warm repeated drafts reads).
 - `Acceptance`: P(draft accepted | earlier drafts accepted, the head's top probability) by draft
@@ -52,7 +52,7 @@ from .tree import DraftTree, branch_candidates, chain_tree, with_branches
 CACHE_VERSION = 3  # 3: the switch's capture apart; 2: warm verify costs and the switch; 1: sizes timed among others
 N_BINS = 10  # confidence bins over [0, 1]
 PRIOR_COUNT = 4.0  # pseudo-counts of each prior
-EMA = 0.05  # weight of one new timing in the online cost refinement (scale, draft fixed cost)
+EMA = 0.05  # weight of one new timing in the online cost refinement (scale, draft step, draft fixed cost)
 SEEN_EMA = 0.1  # weight of one verify in its row count's running mean (a plain mean over the first ten)
 SEEN_CAP = 16.0  # a row count's own timings outweigh the calibration at most SEEN_CAP : SEEN_PRIOR
 SEEN_PRIOR = 2.0  # the scaled calibration counts as this many timings
@@ -72,7 +72,7 @@ CHECK_TOL = 0.1  # a plain cycle within 10% of its predicted time confirms the s
 @dataclass
 class CostCurve:
     verify_s: list[float]  # [K_max + 1]: seconds to verify n = 1..K_max+1 rows (index n - 1), as calibrated
-    draft_step_s: float  # seconds per draft step (head decode of one row, plus reading it)
+    draft_step_s: float  # seconds per draft step as calibrated (head decode of one row, plus reading it); see step_s
     draft_fixed_s: float = 0.0  # seconds a drafting cycle costs besides its steps (the head's catch-up)
     source: str = "measured"  # "measured", "cache" or "given"
     # Online refinement. `scale`: real seconds per calibrated second, from plain cycles (one row, no draft
@@ -502,11 +502,8 @@ class AdaptivePolicy:
         # curve as this cycle pays it, for those
         self.last_rows = 0
         self.run = 0
-        # the cycle after a check's plain cycle prices every width warm: the check has left the drafting width, and
-        # returning to any width pays the switch alike. Priced as a change of width, returning never paid where the
-        # switch outweighs a cycle's gain (8B on an H200 with a slow host, an 8 ms switch: 8 drafting cycles, a check,
-        # then plain decoding for good at 0.95x); and so each check lets the policy move to the width that pays most
-        # now, where else it keeps the width it first drafted at (a probe's, with its first estimates)
+        # the cycle after a check prices every width warm: returning to any width pays the switch alike (priced as a
+        # change, the return never paid where a switch outweighs a cycle's gain: bench/NOTES.md, scale-gpu, 9th)
         self._after_check = False
         self._prices_of: tuple[list[float] | None, int, float] = (None, -1, 0.0)
         self._prices_now: list[float] = costs.now_s
@@ -579,7 +576,6 @@ class AdaptivePolicy:
             # time one row again: its cost is learnt from plain cycles only (a frozen curve learns nothing)
             if self.since_plain >= self.check_gap and not self.costs.frozen:
                 self.checking = True
-                self._after_check = True
                 return 0
             return k_cap
         self.drafting = False
@@ -809,8 +805,7 @@ class AdaptivePolicy:
         2: the second in a row, ggml-cuda's capture)."""
         self.run = self.run + 1 if rows == self.last_rows else 1
         self.last_rows = rows
-        if not self.checking:  # the cycle after a check has been priced warm
-            self._after_check = False
+        self._after_check = False  # the cycle after a check has been priced warm (set by _learn_plain)
         return self.run
 
     def _observe_rows(self, rows: int, t_verify: float, run: int) -> None:
@@ -860,6 +855,7 @@ class AdaptivePolicy:
         if self.checking:
             ok = abs(warm / one - 1.0) < CHECK_TOL
             self.check_gap = min(2 * self.check_gap, CHECK_MAX) if ok else CHECK_MIN
+            self.checking, self._after_check = False, True  # one cycle, whether plan() or a lookup decides it
         self.since_plain = 0
         costs.observe_verify(1, warm)
         if costs.frozen:
