@@ -644,25 +644,23 @@ class AdaptivePolicy:
             return 0
         r, c = self._r(), self._prices()
         head = max((gain - r * extra for gain, extra in self._head_drafts(min(k_cap, self.k_max))), default=-math.inf)
-        best_v = 1.0 - r * c[0] + max(0.0, head)  # plain decoding, or the head's best planned draft
-        best_j, best_gain, reach, gain = 0, 0.0, 1.0, 0.0
-        probe_j, probe_v, probe_gain = 0, -math.inf, 0.0
+        floor = 1.0 - r * c[0] + max(0.0, head)  # plain decoding, or the head's best planned draft
+        best_j, best_v, best_gain, reach, gain = 0, -math.inf, 0.0, 1.0, 0.0  # the best length, paying or not
         for j in range(1, k + 1):
             reach *= self.lookup_acc.prob(found.n, j - 1)
             gain += reach
             v = 1.0 + gain - r * c[j]
             if v > best_v:
                 best_j, best_v, best_gain = j, v, gain
-            if v > probe_v:
-                probe_j, probe_v, probe_gain = j, v, gain
+        pays = best_v > floor
         if found.n >= N_MAX:
-            self.lookup_wait = self.lookup_gap if best_j else self.lookup_wait - 1
+            self.lookup_wait = self.lookup_gap if pays else self.lookup_wait - 1
             if self.lookup_wait <= 0:
-                best_j, best_gain = probe_j, probe_gain
-                self.lookup_probing = True
+                pays = self.lookup_probing = True
                 self.stats.lookup_probes += 1
-        if best_j:
-            self._pred = (1.0 + best_gain, c[best_j])
+        if not pays:
+            return 0
+        self._pred = (1.0 + best_gain, c[best_j])
         return best_j
 
     def tree(self, id_last: int, draft: Draft, room: int) -> DraftTree | None:
