@@ -12,17 +12,12 @@ final output are not captured: heads read neither at these architectures' usual 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shlex
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 from llama_cpp import llama_cpp as C
 
+from .cbuild import library
 from .errors import Eagle3Error
 from .gguf_file import TargetInfo
 from .native import sibling_library
@@ -45,51 +40,15 @@ def graph_name(lid: int) -> str:
     return f"l_out-{lid - 1}"
 
 
-_library: ctypes.CDLL | None = None
-
-
 def _compiled() -> ctypes.CDLL:
-    """capture.c built once per source version and machine into the cache (EAGLE3_GGUF_CACHE or
-    ~/.cache/eagle3-gguf); CC names the compiler (words split as a shell would: "ccache gcc")."""
-    global _library
-    if _library is not None:
-        return _library
-    source = _SOURCE.read_bytes()
-    base = Path(os.environ.get("EAGLE3_GGUF_CACHE", Path.home() / ".cache" / "eagle3-gguf"))
-    lib = base / f"capture-{platform.machine()}-{hashlib.sha256(source).hexdigest()[:12]}.so"
-    try:
-        if not lib.is_file():
-            _compile(lib)
-        _library = ctypes.CDLL(str(lib))
-    except OSError as e:
-        raise Eagle3Error(f"{lib}: {e.strerror or e} (the capture callback could not be built or loaded there; "
-                          "EAGLE3_GGUF_CACHE names another folder)") from None
+    """capture.c, built once per source version and machine into the cache (cbuild.py)."""
+    lib = library(_SOURCE, "capturing this target's hidden states")
     # size_t eagle3_capture_size(void): the struct as the compiler laid it out
-    _library.eagle3_capture_size.restype = ctypes.c_size_t
-    if _library.eagle3_capture_size() != ctypes.sizeof(_Capture):
-        raise Eagle3Error(f"{lib}: its struct capture is {_library.eagle3_capture_size()} bytes, ctypes' "
+    lib.eagle3_capture_size.restype = ctypes.c_size_t
+    if lib.eagle3_capture_size() != ctypes.sizeof(_Capture):
+        raise Eagle3Error(f"{lib._name}: its struct capture is {lib.eagle3_capture_size()} bytes, ctypes' "
                           f"{ctypes.sizeof(_Capture)}: delete it to rebuild")
-    return _library
-
-
-def _compile(lib: Path) -> None:
-    cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")]
-    if cc[0] is None:
-        raise Eagle3Error("capturing this target's hidden states needs a C compiler once (cc, gcc or clang; "
-                          "CC= names another), to build the 40-line callback in eagle3_gguf/capture.c")
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    tmp = lib.with_suffix(f".{os.getpid()}.tmp")  # each process its own, renamed into place: races are harmless
-    try:
-        res = subprocess.run([*cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(_SOURCE)], capture_output=True,
-                             text=True)
-    except OSError as e:
-        raise Eagle3Error(f"{cc[0]}: {e.strerror or e} (capturing this target's hidden states needs a C compiler "
-                          "once: set CC or install cc)") from None
-    if res.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        why = (res.stderr.strip().splitlines() or ["no message"])[-1]
-        raise Eagle3Error(f"{cc[0]} could not build eagle3_gguf/capture.c ({why})")
-    tmp.replace(lib)
+    return lib
 
 
 class LayerCapture:

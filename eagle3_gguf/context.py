@@ -1,7 +1,7 @@
 """`Context`, the owner of a llama_context (an EAGLE-3 head's is paired with its target's through `ctx_other`):
-its KV cache, the graph calls (llama_decode, llama_process, llama_encode), the logits or the graph's greedy
-choices, and the hidden states the staging API extracts. `GreedySampler` is the sampler chain a Context holds
-for greedy sampling in the graph.
+its KV cache, the graph calls (llama_decode, llama_process, llama_encode), the logits or the tokens the graph
+chose (choice.py's `GraphChoice`, the sampler chain a Context holds for it), and the hidden states the staging API
+extracts.
 
 The staging functions it calls (native.py's `_bind`) and the logits getters that hand back addresses
 (native.py's `_address_twin`) are bound here, on the libllama native.py binds.
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 from llama_cpp import llama_cpp as C
 
+from .choice import GraphChoice
 from .errors import Eagle3Error
 from .native import Model, _address_twin, _bind, _Owner, _type_name, default_threads, require_ext
 
@@ -61,7 +62,7 @@ llama_get_logits_addr = _address_twin("llama_get_logits", [ctx_p])
 llama_get_logits_ith_addr = _address_twin("llama_get_logits_ith", [ctx_p, ctypes.c_int32])
 
 
-NO_LOGITS = "no logits: this context samples greedily in the graph (set_greedy_sampling)"
+NO_LOGITS = "no logits: this context chooses tokens in the graph (set_graph_choice)"
 
 
 class Context(_Owner):
@@ -123,14 +124,14 @@ class Context(_Owner):
         self._layer_inp: set[int] = set()
         self._nextn = False
         self._decoded = False
-        self._greedy: GreedySampler | None = None
+        self._choice: GraphChoice | None = None  # the graph chooses tokens (set_graph_choice)
 
     def _free(self, ptr) -> None:
         if self._owned:
             C.llama_free(ptr)
-        if self._greedy is not None:  # after the context: it held the sampler
-            self._greedy.close()
-            self._greedy = None
+        if self._choice is not None:  # after the context: it held the sampler
+            self._choice.close()
+            self._choice = None
 
     @property
     def n_ctx(self) -> int:
@@ -204,7 +205,7 @@ class Context(_Owner):
         if rc != 0:
             raise Eagle3Error(f"llama_encode failed (rc={rc})")
 
-    # -- greedy sampling inside the graph ----------------------------------------------------------
+    # -- choosing tokens inside the graph ----------------------------------------------------------
     @property
     def owned(self) -> bool:
         """Made here (not borrowed from llama_cpp.Llama)."""
@@ -212,42 +213,62 @@ class Context(_Owner):
 
     @property
     def greedy_sampling(self) -> bool:
-        return self._greedy is not None
+        """Whether the graph chooses (set_graph_choice): the logits are then not handed back."""
+        return self._choice is not None
 
     def set_greedy_sampling(self, enabled: bool) -> bool:
-        """Let the graph take each output row's argmax (llama.cpp's backend sampling, sequence 0) instead of
-        handing the logits back: the rows' logits are then neither copied out nor read (logits() raises), and
-        sampled_token(i) gives the choices. On a GPU it saves the device-to-host copy of every verify row; on a
-        CPU ggml's argmax costs more than the copy and numpy's argmax (decode.greedy_in_graph decides). Only on a
-        context made here: a borrowed one's owner reads the logits itself. Returns whether it is on: False
-        where the backend cannot run the sampler (llama.cpp then keeps handing back logits)."""
-        if enabled == self.greedy_sampling:
-            return enabled
+        """Let the graph take each output row's argmax (sampled_token) instead of handing the logits back:
+        set_graph_choice(1) or (0). On a GPU it saves the device-to-host copy of every verify row; on a CPU ggml's
+        argmax costs more than numpy's over the copy (decode.greedy_in_graph decides)."""
+        return self.set_graph_choice(1 if enabled else 0)
+
+    def set_graph_choice(self, k: int, probs: bool = False) -> bool:
+        """Let the graph choose each output row's tokens of sequence 0 (choice.py, llama.cpp's backend sampling):
+        k = 1 its argmax (sampled_token), k > 1 its k likeliest (sampled_top), and with `probs` their probabilities
+        under a softmax over the row; 0: hand the logits back again. While the graph chooses, no logits are copied
+        out (logits() raises). Only on a context made here: a borrowed one's owner reads the logits itself. Returns
+        whether the graph chooses: False where the backend cannot (llama.cpp then hands back logits)."""
+        probs = probs and k > 0
+        if (k, probs) == ((self._choice.k, self._choice.probs) if self._choice is not None else (0, False)):
+            return k > 0
         if not self._owned:
-            raise Eagle3Error("greedy sampling in the graph needs a context eagle3-gguf made, not a borrowed one")
-        if enabled:
-            smpl = GreedySampler()
-            # LLAMA_API bool llama_set_sampler(struct llama_context * ctx, llama_seq_id seq_id, struct llama_sampler * smpl);
-            if not C.llama_set_sampler(self._live(), 0, smpl.ptr):
-                smpl.close()
-                return False
-            self._greedy = smpl
-        else:
+            raise Eagle3Error("choosing tokens in the graph needs a context eagle3-gguf made, not a borrowed one")
+        if self._choice is not None:
             C.llama_set_sampler(self._live(), 0, None)
-            self._greedy.close()
-            self._greedy = None
-        return enabled
+            self._choice.close()
+            self._choice = None
+        if k:
+            choice = GraphChoice(k, probs)
+            # LLAMA_API bool llama_set_sampler(struct llama_context * ctx, llama_seq_id seq_id, struct llama_sampler * smpl);
+            if not C.llama_set_sampler(self._live(), 0, choice.ptr):
+                choice.close()
+                return False
+            self._choice = choice
+        return k > 0
 
     def sampled_token(self, i: int) -> int:
-        """The graph's choice (argmax) at batch row i of the last decode (set_greedy_sampling on)."""
+        """The graph's choice (argmax) at batch row i of the last decode (set_graph_choice(1))."""
         tok = C.llama_get_sampled_token_ith(self._live(), i)
         if tok < 0:
             raise Eagle3Error(f"no sampled token for batch row {i}: set_greedy_sampling(True) before the decode")
         return tok
 
+    def sampled_top(self, i: int) -> tuple[list[int], list[float]]:
+        """The graph's k likeliest tokens at batch row i of the last decode, in no order, and their probabilities
+        (set_graph_choice(k, probs=True))."""
+        c = self._choice
+        if c is None or not c.probs:
+            raise Eagle3Error("no probabilities chosen in the graph: set_graph_choice(k, probs=True) before the decode")
+        ctx = self._live()
+        probs = C.llama_get_sampled_probs_ith(ctx, i)
+        ids = [C.llama_get_sampled_token_ith(ctx, i)] if c.k == 1 else C.llama_get_sampled_candidates_ith(ctx, i)
+        if not probs or not ids:
+            raise Eagle3Error(f"no tokens chosen in the graph for batch row {i}")
+        return ids[:c.k], probs[:c.k]
+
     def logits(self, n_rows: int) -> np.ndarray:
         """The output rows of the last decode, in batch order.  # [n_rows, n_vocab] (view)"""
-        if self._greedy is not None:
+        if self._choice is not None:
             raise Eagle3Error(NO_LOGITS)
         addr = llama_get_logits_addr(self._live())
         if not addr:
@@ -255,7 +276,7 @@ class Context(_Owner):
         return self._view(addr, (n_rows, self.model.n_vocab))
 
     def logits_ith(self, i: int) -> np.ndarray:
-        if self._greedy is not None:
+        if self._choice is not None:
             raise Eagle3Error(NO_LOGITS)
         addr = llama_get_logits_ith_addr(self._live(), i)
         if not addr:
@@ -345,19 +366,3 @@ class Context(_Owner):
         if not addr:
             raise Eagle3Error(f"no pre-norm hidden state for batch row {i}")
         return self._view(addr, (self.model.n_embd,))
-
-
-class GreedySampler(_Owner):
-    """A sampler chain holding llama.cpp's greedy sampler, for Context.set_greedy_sampling."""
-
-    def __init__(self):
-        # LLAMA_API struct llama_sampler * llama_sampler_chain_init(struct llama_sampler_chain_params params);
-        ptr = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
-        if not ptr:
-            raise Eagle3Error("llama_sampler_chain_init failed")
-        self.ptr = ptr
-        # LLAMA_API void llama_sampler_chain_add(struct llama_sampler * chain, struct llama_sampler * smpl);
-        C.llama_sampler_chain_add(ptr, C.llama_sampler_init_greedy())  # the chain owns it
-
-    def _free(self, ptr) -> None:
-        C.llama_sampler_free(ptr)

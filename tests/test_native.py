@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from llama_cpp import llama_cpp as C
 
 from eagle3_gguf import keys, native
 from eagle3_gguf.batch import Batch, BatchExt
@@ -111,7 +112,7 @@ def test_layer_inp_guarded_before_extraction(tiny_target):
 def test_greedy_sampling_in_the_graph_picks_the_argmax_of_every_row(smollm2_path):
     """Backend greedy sampling on a verify-shaped batch (every row an output, as many as a verify sends) gives
     numpy's argmax of the same rows, leaves the extracted layer inputs as they were, and hides the logits
-    it no longer copies out."""
+    it no longer copies out: not even as the sampled rows' logits, which llama.cpp's own greedy sampler hands back."""
     tokens = [1, 504, 3458, 314, 260, 1345, 28, 198]
     with Model(smollm2_path) as tm, Context(tm, n_ctx=64, n_batch=16, n_threads=2) as tc, Batch(16) as b:
         tc.set_layer_inp(3)
@@ -129,15 +130,50 @@ def test_greedy_sampling_in_the_graph_picks_the_argmax_of_every_row(smollm2_path
         assert tc.set_greedy_sampling(True) and tc.greedy_sampling
         assert np.array_equal(run(), feats)
         assert [tc.sampled_token(i) for i in range(len(tokens))] == want
-        with pytest.raises(Eagle3Error, match="samples greedily in the graph"):
+        assert [C.llama_get_sampled_logits_count_ith(tc.ptr, i) for i in range(len(tokens))] == [0] * len(tokens)
+        with pytest.raises(Eagle3Error, match="chooses tokens in the graph"):
             tc.logits_ith(0)
-        with pytest.raises(Eagle3Error, match="samples greedily in the graph"):
+        with pytest.raises(Eagle3Error, match="chooses tokens in the graph"):
             tc.logits(len(tokens))
         tc.set_greedy_sampling(False)
         run()
         assert [int(np.argmax(tc.logits_ith(i))) for i in range(len(tokens))] == want
         with pytest.raises(Eagle3Error, match="needs a context eagle3-gguf made"):
             Context(tm, borrowed=tc.ptr).set_greedy_sampling(True)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_the_graph_chooses_a_rows_likeliest_tokens_with_their_probabilities(smollm2_path, k):
+    """set_graph_choice(k, probs=True), as a head's draft step reads a row: the k likeliest tokens of every output
+    row and their probabilities under a softmax over the whole row, as numpy finds them in the logits; no logits
+    handed back; and back to the logits when asked."""
+    tokens = [1, 504, 3458, 314, 260, 1345]
+    with Model(smollm2_path) as tm, Context(tm, n_ctx=64, n_batch=16, n_threads=2) as tc, Batch(16) as b:
+        def run() -> None:
+            tc.clear()
+            b.set(tokens, 0, logits="all")
+            tc.decode(b)
+
+        run()
+        z = tc.logits(len(tokens)).astype(np.float64)  # [n, n_vocab]
+        p = np.exp(z - z.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        want = [np.argsort(-row, kind="stable")[:k] for row in p]
+        with pytest.raises(Eagle3Error, match=r"set_graph_choice\(k, probs=True\)"):
+            tc.sampled_top(0)
+        assert tc.set_graph_choice(k, probs=True)
+        run()
+        for i in range(len(tokens)):
+            ids, probs = tc.sampled_top(i)
+            order = np.argsort(probs)[::-1]
+            assert [ids[j] for j in order] == want[i].tolist()
+            assert np.allclose([probs[j] for j in order], p[i, want[i]], rtol=1e-4, atol=1e-7)
+            assert C.llama_get_sampled_logits_count_ith(tc.ptr, i) == 0
+        with pytest.raises(Eagle3Error, match="chooses tokens in the graph"):
+            tc.logits_ith(0)
+        assert not tc.set_graph_choice(0)
+        run()
+        assert np.array_equal(tc.logits(len(tokens)), z.astype(np.float32))
 
 
 def test_greedy_sampling_the_backend_refuses_leaves_the_logits(smollm2_path, monkeypatch):

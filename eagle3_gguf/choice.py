@@ -1,0 +1,71 @@
+"""A row's choice made in the graph: choice.c's backend sampler, for Context.set_graph_choice.
+
+Greedy decoding reads one thing of a verify row, its argmax, and a greedy draft step two or a few: the head's
+likeliest tokens and their probabilities under a softmax over the whole vocab (the policy's confidence, a tree's
+branches). llama.cpp's backend sampling can take them in the graph, so that a row's logits need not cross to the host
+(128,256 floats a row at Llama 3's vocab) nor numpy go over them. Its own greedy sampler hands the row back all the
+same (as the sampled row's logits); choice.c's sampler hands back only the ids and probabilities asked for.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+from llama_cpp import llama_cpp as C
+
+from .cbuild import library
+from .errors import Eagle3Error
+from .native import _Owner, sibling_library
+
+_SOURCE = Path(__file__).with_name("choice.c")
+_GGML = ("nelements", "reshape_1d", "reshape_2d", "soft_max", "argmax", "top_k", "get_rows")
+
+
+class _Choice(ctypes.Structure):
+    """choice.c's `struct choice`."""
+
+    _fields_ = [*((name, ctypes.c_void_p) for name in _GGML), ("k", ctypes.c_int), ("probs", ctypes.c_int)]
+
+
+def _compiled() -> ctypes.CDLL:
+    lib = library(_SOURCE, "choosing tokens in the graph")
+    # size_t eagle3_choice_size(void): the struct as the compiler laid it out
+    lib.eagle3_choice_size.restype = ctypes.c_size_t
+    if lib.eagle3_choice_size() != ctypes.sizeof(_Choice):
+        raise Eagle3Error(f"{lib._name}: its struct choice is {lib.eagle3_choice_size()} bytes, ctypes' "
+                          f"{ctypes.sizeof(_Choice)}: delete it to rebuild")
+    # struct llama_sampler_i * eagle3_choice_iface(void)
+    lib.eagle3_choice_iface.restype = ctypes.c_void_p
+    return lib
+
+
+class GraphChoice(_Owner):
+    """A sampler chain holding choice.c's sampler: each output row's argmax (k = 1) or its k likeliest token ids in
+    no order (k > 1), and with `probs` their probabilities. The chain owns the sampler; the sampler reads its settings
+    from `_struct`, which lives as long as this object."""
+
+    def __init__(self, k: int, probs: bool):
+        if k < 1:
+            raise Eagle3Error(f"a graph choice of {k} tokens: at least 1")
+        base = sibling_library("ggml-base")
+        if base is None:
+            raise Eagle3Error("no libggml-base beside libllama: tokens cannot be chosen in the graph")
+        lib = _compiled()
+        self.k, self.probs = k, probs
+        c = self._struct = _Choice(k=k, probs=int(probs))
+        for name in _GGML:
+            setattr(c, name, ctypes.cast(getattr(base, f"ggml_{name}"), ctypes.c_void_p))
+        # LLAMA_API struct llama_sampler * llama_sampler_chain_init(struct llama_sampler_chain_params params);
+        ptr = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
+        if not ptr:
+            raise Eagle3Error("llama_sampler_chain_init failed")
+        self.ptr = ptr
+        # LLAMA_API struct llama_sampler * llama_sampler_init(struct llama_sampler_i * iface, llama_sampler_context_t ctx);
+        smpl = C.llama_sampler_init(ctypes.cast(lib.eagle3_choice_iface(), ctypes.POINTER(C.llama_sampler_i)),
+                                    ctypes.cast(ctypes.pointer(c), ctypes.c_void_p))
+        # LLAMA_API void llama_sampler_chain_add(struct llama_sampler * chain, struct llama_sampler * smpl);
+        C.llama_sampler_chain_add(ptr, smpl)  # the chain owns it
+
+    def _free(self, ptr) -> None:
+        C.llama_sampler_free(ptr)
