@@ -153,9 +153,10 @@ class Batch(_Owner):
         self._fit(n)
         self._point("token", n, seq_ids=True)
 
-    def set_embd(self, rows: np.ndarray, pos, tokens=None, seq_ids=None) -> int:
-        """Embedding rows (with tokens: token + embedding entries) at positions `pos`, every row an output
-        (the pinned eagle3 graphs have no output-row selection), of sequence 0 or of `seq_ids` (one a row).
+    def set_embd(self, rows: np.ndarray, pos, tokens=None, seq_ids=None, outputs: bool = True) -> int:
+        """Embedding rows (with tokens: token + embedding entries) at positions `pos`, of sequence 0 or of `seq_ids`
+        (one a row), every row an output or (outputs False) none: the pinned eagle3 graphs have no output-row
+        selection, so the first outputs' rows are handed back whichever rows were marked.
         # rows: [n, n_embd]; pos, tokens, seq_ids: [n]"""
         n = rows.shape[0]
         self._fit(n)
@@ -163,7 +164,7 @@ class Batch(_Owner):
             raise Eagle3Error(f"embedding rows of width {rows.shape[1]} in a batch of width {self.n_embd}")
         self._embd[:n] = rows
         self._pos[:n] = pos
-        self._logits[:n] = 1
+        self._logits[:n] = outputs
         if tokens is not None:
             self._token[:n] = tokens
         if seq_ids is not None:

@@ -55,6 +55,7 @@ class Contender:
     # a head session of its own, made on the loaded pair (scripts/replay.py's replayed acceptance); None: the
     # bench's session
     session: Callable[[Pair], Eagle3Session] | None = None
+    head_choice: bool = False  # the head's graph chooses its drafts' tokens (Speculator.head_choice)
 
     @property
     def speculative(self) -> bool:
@@ -316,6 +317,7 @@ class Bench:
                 if c.session is not None:
                     session = self.sessions[c.name] = self._open.enter_context(c.session(self.pair))
                 self.runners[c.name] = self._open.enter_context(Runner(self.pair.target, session))
+                self.runners[c.name].spec.head_choice = c.head_choice
             if c.name != TARGET.name:
                 self.contenders.append(c)
 

@@ -19,6 +19,9 @@ from .errors import Eagle3Error
 from .native import _Owner, sibling_library
 
 _SOURCE = Path(__file__).with_name("choice.c")
+# rows a decode may mark as outputs while the graph chooses: each adds 7 nodes to the graph, and llama.cpp sizes a
+# head's graph for 1,024 (graph_max_nodes: max(1024, 8 x its ~15 tensors); a head decoder's own graph has ~43)
+CHOICE_ROWS = 32
 _GGML = ("nelements", "reshape_1d", "reshape_2d", "soft_max", "argmax", "top_k", "get_rows")
 
 

@@ -216,6 +216,11 @@ class Context(_Owner):
         """Whether the graph chooses (set_graph_choice): the logits are then not handed back."""
         return self._choice is not None
 
+    @property
+    def graph_choice(self) -> GraphChoice | None:
+        """What the graph chooses (set_graph_choice), None where it hands back the logits."""
+        return self._choice
+
     def set_greedy_sampling(self, enabled: bool) -> bool:
         """Let the graph take each output row's argmax (sampled_token) instead of handing the logits back:
         set_graph_choice(1) or (0). On a GPU it saves the device-to-host copy of every verify row; on a CPU ggml's

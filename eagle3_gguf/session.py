@@ -38,6 +38,7 @@ from typing import Callable
 import numpy as np
 
 from .batch import Batch
+from .choice import CHOICE_ROWS
 from .context import Context
 from .errors import Eagle3Error
 from .extract import TargetFeatures
@@ -173,6 +174,20 @@ class Eagle3Session:
         self.gaps, self.shift = [], 0
         self._drop_rows()
         self._set_queue(self._q_tok[:0], self._q_pos[:0], self._q_g[:0])
+
+    def choose_in_graph(self, k: int) -> bool:
+        """Let the head's graph choose each draft step's k likeliest tokens with their probabilities (choice.py)
+        instead of handing back its logits over the whole target vocab for numpy to gather, exponentiate and search
+        (~50 us a step at a 32k draft vocab, and the row's copy off a GPU): k = 1 + the runner-ups a step reports;
+        0 reads the logits again. Greedy chains only: rejection sampling draws from the logits, and a draft tree's
+        depths run on sequences the graph's choice does not serve. Returns whether the graph chooses."""
+        return self.draft_ctx.set_graph_choice(k, probs=True)
+
+    @property
+    def chooses_in_graph(self) -> int:
+        """The tokens the head's graph chooses a step (0: it hands back its logits)."""
+        choice = self.draft_ctx.graph_choice
+        return choice.k if choice is not None else 0
 
     def truncate(self, n: int) -> bool:
         """Keep what the head holds of target positions < n (a new prompt sharing n tokens with the old
@@ -339,11 +354,12 @@ class Eagle3Session:
         self._q_tok, self._q_pos, self._q_g = tok, pos, g
 
     def flush(self) -> None:
-        """Run the queued decoder pairs now (draft() does this itself), in n_ubatch chunks."""
+        """Run the queued decoder pairs now (draft() does this itself), in n_ubatch chunks: only their KV entries
+        are wanted, so no row is an output (none of their logits is computed into a buffer or copied out)."""
         n = len(self._q_tok)
         for i in range(0, n, self.n_ubatch):
             m = min(self.n_ubatch, n - i)
-            self.dec_batch.set_embd(self._q_g[i:i + m], self._q_pos[i:i + m], self._q_tok[i:i + m])
+            self.dec_batch.set_embd(self._q_g[i:i + m], self._q_pos[i:i + m], self._q_tok[i:i + m], outputs=False)
             self.draft_ctx.decode(self.dec_batch)
         self._set_queue(self._q_tok[:0], self._q_pos[:0], self._q_g[:0])
 
@@ -387,6 +403,20 @@ class Eagle3Session:
         qs.append(q)
         return token, conf
 
+    def _chosen(self, row: int, alts: Draft | None, n_alt: int) -> tuple[int, float]:
+        """_choose's token and top probability (and runner-ups) as the head's graph chose them at batch `row`."""
+        ids, probs = self.draft_ctx.sampled_top(row)  # the k likeliest, in no order
+        if len(ids) == 1:
+            return ids[0], probs[0]
+        order = sorted(range(len(ids)), key=probs.__getitem__, reverse=True)
+        if n_alt:
+            if n_alt >= len(ids):
+                raise Eagle3Error(f"{n_alt} runner-ups a step from a graph that chooses {len(ids)} tokens: "
+                                  f"choose_in_graph({n_alt + 1})")
+            alts.alt_tokens.append([ids[j] for j in order[1:1 + n_alt]])
+            alts.alt_probs.append([probs[j] for j in order[1:1 + n_alt]])
+        return ids[order[0]], probs[order[0]]
+
     def _seed(self, id_last: int) -> int:
         """Fill the decoder batch with the seed step (id_last, pending_g) at pending_pos, after the queued
         pairs: the seed's row in it."""
@@ -397,7 +427,7 @@ class Eagle3Session:
         # The queued pairs ride along with the seed step (one graph instead of two), all rows marked as
         # outputs: the pinned eagle3 decoder graph has no output-row selection (no inp_out_ids), so with
         # outputs on a subset of rows llama.cpp hands back the first rows' logits, not the marked ones.
-        if len(self._q_tok) + 1 > self.n_ubatch:
+        if len(self._q_tok) + 1 > (CHOICE_ROWS if self.draft_ctx.greedy_sampling else self.n_ubatch):
             self.flush()
         q = len(self._q_tok)
         tok = np.append(self._q_tok, np.int32(id_last))  # [q + 1]
@@ -436,10 +466,16 @@ class Eagle3Session:
         out, confs, qs = [], [], []
         alts = Draft() if n_alt else None
         batch = self.dec_batch
+        in_graph = ctx.greedy_sampling
+        if in_graph and sampler is not None:
+            raise Eagle3Error("rejection sampling draws from the head's logits: choose_in_graph(0) first")
         t_later = 0.0  # when the second step began (0: not yet)
         while True:
             ctx.decode(batch)
-            token, conf = self._choose(ctx.logits_ith(row), sampler, qs, alts, n_alt)
+            if in_graph:
+                token, conf = self._chosen(row, alts, n_alt)
+            else:
+                token, conf = self._choose(ctx.logits_ith(row), sampler, qs, alts, n_alt)
             out.append(token)
             confs.append(conf)
             keep = judge(confs, n_max)
@@ -462,6 +498,8 @@ class Eagle3Session:
         than n_nodes (no deeper node could be chosen) nor than the head's free cells allow. The head's cache
         holds the seed after it, as after draft()."""
         ctx = self.draft_ctx
+        if ctx.greedy_sampling:
+            raise Eagle3Error("a draft tree reads the head's logits on several sequences: choose_in_graph(0) first")
         if ctx.n_seq_max < head_sequences(topk):
             raise Eagle3Error(f"a draft tree of top-{topk} needs a head context with {head_sequences(topk)} "
                               f"sequences (this one has {ctx.n_seq_max}): PairConfig(n_seq_max=...)")

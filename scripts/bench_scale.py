@@ -81,6 +81,7 @@ GOAL_PROFILE, GOAL_CONTENDER = "vllm-8b", "adaptive (default)"
 # the default on the physics' curve, frozen: its choices turn on acceptance alone (no timing learnt), so beside the
 # default it tells what the loop's timings made of the policy from what the replayed acceptance did
 FROZEN = f"{GOAL_CONTENDER}, curve frozen"
+IN_GRAPH = ", head's choice in its graph"  # Speculator.head_choice: to time it against numpy over the logits on a GPU
 LLAMA_LINES = ("graph: nodes", "layers to GPU", "model buffer size", "compute buffer size", "sched copies",
                "cannot be used with preferred buffer type")
 LOGITS_READ = "target-only, logits read"
@@ -90,11 +91,14 @@ HEAD_TYPES = ("q8_0", "f16", "q4_0")  # --head-types' default: convert's --outty
 
 def contenders(n_predict: int, exact: str) -> list[Contender]:
     """The default adaptive policy as `generate` runs it (trees capped at 4 / 8), the same on the physics' curve frozen
-    (FROZEN), fixed chains of 2 and 4 (p_min 0), and EAGLE-2's dynamic tree 4 deep, top-4, 8 tokens."""
+    (FROZEN), and with the head's tokens chosen in its graph (IN_GRAPH: no logits read back, no numpy over them), fixed
+    chains of 2 (also IN_GRAPH) and 4 (p_min 0), and EAGLE-2's dynamic tree 4 deep, top-4, 8 tokens."""
     g = lambda **kw: GenerateConfig(n_predict=n_predict, exact=exact, **kw)  # noqa: E731
     return [Contender(GOAL_CONTENDER, g(draft_topk=4, draft_nodes=8)),
             Contender(FROZEN, g(draft_topk=4, draft_nodes=8)),
+            Contender(f"{GOAL_CONTENDER}{IN_GRAPH}", g(draft_topk=4, draft_nodes=8), head_choice=True),
             Contender("fixed K=2", g(draft_policy="fixed", draft_max=2)),
+            Contender(f"fixed K=2{IN_GRAPH}", g(draft_policy="fixed", draft_max=2), head_choice=True),
             Contender("fixed K=4", g(draft_policy="fixed", draft_max=4)),
             Contender("tree 4x4x8", g(draft_policy="fixed", draft_max=4, draft_topk=4, draft_nodes=8))]
 

@@ -334,3 +334,74 @@ def test_a_draft_times_its_steps_after_the_first(tiny_pair):
         t0 = time.perf_counter()
         assert len(s.draft(seq[6], 4).tokens) == 4
         assert 0.0 < s.t_steps < time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("head", ["tiny_head", "tiny_head_d2t"])
+def test_the_heads_graph_chooses_the_drafts_numpy_finds_in_its_logits(request, tiny_target, head):
+    """choose_in_graph(4): each draft step's token, top probability and 3 runner-ups as the graph chose them equal
+    what numpy finds in the logits (a draft vocab's head too: -inf outside it); a long queue of pairs goes ahead of
+    the seed in a decode of its own (a graph chooses for every output row: a head's graph has room for few); and
+    rejection sampling and trees, which read the logits, are refused while the graph chooses."""
+    with load_pair(tiny_target, request.getfixturevalue(head), PairConfig(n_ctx=512, n_batch=64)) as pair, \
+            Eagle3Session(pair.target, pair.head) as s, Batch(64) as b:
+        prompt = tokenize(pair.target_model, PROMPTS[2] * 4)
+        assert len(prompt) > 33  # the prompt's queued pairs do not fit one decode with the seed while the graph chooses
+
+        def drafts():
+            s.reset()
+            pair.target.clear()
+            b.set(prompt, 0, logits="last")
+            pair.target.decode(b)
+            s.process(prompt, 0)
+            out = []
+            for id_last in (17, 934):
+                d = s.draft(id_last, 4, lambda confs, n_max: len(confs) if len(confs) >= n_max else -1, n_alt=3)
+                out.append(d)
+                s.accept(0)
+            return out
+
+        want = drafts()
+        assert s.choose_in_graph(4) and s.chooses_in_graph == 4
+        got = drafts()
+        for w, g in zip(want, got):
+            assert g.tokens == w.tokens and g.alt_tokens == w.alt_tokens
+            assert np.allclose(g.confs, w.confs, rtol=1e-4) and np.allclose(g.alt_probs, w.alt_probs, rtol=1e-4,
+                                                                             atol=1e-7)
+        with pytest.raises(Eagle3Error, match=r"rejection sampling draws from the head's logits"):
+            s.draft(17, 2, sampler=Sampler(temperature=0.8).rejection(1.0))
+        with pytest.raises(Eagle3Error, match=r"a draft tree reads the head's logits"):
+            s.draft_tree(17, 2, 2, 4)
+        assert not s.choose_in_graph(0)
+        assert [d.tokens for d in drafts()] == [d.tokens for d in want]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_drafts_chosen_in_the_heads_graph_keep_target_onlys_text(smollm2_path, policy):
+    """Speculator.head_choice on (the shipped head on SmolLM2, greedy): the text is target-only's, drafts are
+    accepted, and a fixed K=4 accepts at every position what the same run reading the head's logits does (the same
+    drafts); the adaptive policy's run (its costs stated GPU-like, so that it drafts and may branch) takes its
+    runner-ups from the graph (draft_topk 4)."""
+    from eagle3_gguf.assets import default_head_path
+    from oracle import GPU_ROWS, stated_costs
+
+    cfg = GenerateConfig(n_predict=48, draft_max=4, draft_policy=policy, **(
+        {"draft_topk": 4, "draft_nodes": 8} if policy == "adaptive" else {}))
+    with load_pair(smollm2_path, default_head_path(), PairConfig(n_ctx=512, n_threads=2,
+                                                                 n_seq_max=cfg.tree_sequences)) as pair, \
+            Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
+        prompt = tokenize(pair.target_model, apply_chat_template(pair.target_model, [Message("user", "Explain how a bicycle works.")]),
+                          add_special=False)
+        base = d.generate(prompt, cfg, speculative=False)
+        if policy == "adaptive":
+            d.spec.costs = stated_costs(GPU_ROWS, 0.02, 0.05)
+        logits = d.generate(prompt, cfg)
+        d.spec.head_choice = True
+        graph = d.generate(prompt, cfg)
+        assert s.chooses_in_graph == cfg.draft_topk
+        assert graph.tokens == logits.tokens == base.tokens and graph.stats.n_accepted >= 8, graph.stats.n_accepted
+        if policy == "fixed":
+            assert graph.stats.accepted_by_pos == logits.stats.accepted_by_pos
+        d.spec.head_choice = False
+        d.generate(prompt, cfg)
+        assert s.chooses_in_graph == 0
