@@ -426,8 +426,10 @@ class Eagle3Session:
         self.draft_ctx.seq_rm(0, self.pending_pos, -1)
         # The queued pairs ride along with the seed step (one graph instead of two), all rows marked as
         # outputs: the pinned eagle3 decoder graph has no output-row selection (no inp_out_ids), so with
-        # outputs on a subset of rows llama.cpp hands back the first rows' logits, not the marked ones.
-        if len(self._q_tok) + 1 > (CHOICE_ROWS if self.draft_ctx.greedy_sampling else self.n_ubatch):
+        # outputs on a subset of rows llama.cpp hands back the first rows' logits, not the marked ones. Many
+        # (a prompt's) go first with no outputs: their logits are never read (a 300-token prompt's first draft
+        # 55 -> 52 ms on 2 cores, bench/NOTES.md "graph-choice"), and a graph that chooses has room for few.
+        if len(self._q_tok) + 1 > CHOICE_ROWS:
             self.flush()
         q = len(self._q_tok)
         tok = np.append(self._q_tok, np.int32(id_last))  # [q + 1]
