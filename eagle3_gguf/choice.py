@@ -19,9 +19,6 @@ from .errors import Eagle3Error
 from .native import _Owner, sibling_library
 
 _SOURCE = Path(__file__).with_name("choice.c")
-# rows a decode may mark as outputs while the graph chooses: each adds 7 nodes to the graph, and llama.cpp sizes a
-# head's graph for 1,024 (graph_max_nodes: max(1024, 8 x its ~15 tensors); a head decoder's own graph has ~43)
-CHOICE_ROWS = 32
 _GGML = ("nelements", "reshape_1d", "reshape_2d", "soft_max", "argmax", "top_k", "get_rows")
 
 
@@ -29,6 +26,24 @@ class _Choice(ctypes.Structure):
     """choice.c's `struct choice`."""
 
     _fields_ = [*((name, ctypes.c_void_p) for name in _GGML), ("k", ctypes.c_int), ("probs", ctypes.c_int)]
+
+
+_unavailable: str | None = None  # why choice.c cannot be built or loaded in this process, once found
+
+
+def available() -> bool:
+    """Whether the graph can choose here: choice.c builds (a C compiler, once) and ggml's base library is beside
+    libllama. Where not, a Context hands back the logits as llama-cpp-python does (no compiler is needed to decode)."""
+    global _unavailable
+    if _unavailable is None:
+        try:
+            _compiled()
+            if sibling_library("ggml-base") is None:
+                raise Eagle3Error("no libggml-base beside libllama")
+            _unavailable = ""
+        except Eagle3Error as e:
+            _unavailable = str(e)
+    return not _unavailable
 
 
 def _compiled() -> ctypes.CDLL:

@@ -17,6 +17,7 @@ import numpy as np
 from llama_cpp import llama_cpp as C
 
 from .choice import GraphChoice
+from .choice import available as choice_available
 from .errors import Eagle3Error
 from .native import Model, _address_twin, _bind, _Owner, _type_name, default_threads, require_ext
 
@@ -232,7 +233,8 @@ class Context(_Owner):
         k = 1 its argmax (sampled_token), k > 1 its k likeliest (sampled_top), and with `probs` their probabilities
         under a softmax over the row; 0: hand the logits back again. While the graph chooses, no logits are copied
         out (logits() raises). Only on a context made here: a borrowed one's owner reads the logits itself. Returns
-        whether the graph chooses: False where the backend cannot (llama.cpp then hands back logits)."""
+        whether the graph chooses: False where the backend cannot, or choice.c cannot be built here (choice.available:
+        no C compiler); the logits are then handed back."""
         probs = probs and k > 0
         if (k, probs) == ((self._choice.k, self._choice.probs) if self._choice is not None else (0, False)):
             return k > 0
@@ -242,14 +244,14 @@ class Context(_Owner):
             C.llama_set_sampler(self._live(), 0, None)
             self._choice.close()
             self._choice = None
-        if k:
+        if k and choice_available():
             choice = GraphChoice(k, probs)
             # LLAMA_API bool llama_set_sampler(struct llama_context * ctx, llama_seq_id seq_id, struct llama_sampler * smpl);
             if not C.llama_set_sampler(self._live(), 0, choice.ptr):
                 choice.close()
                 return False
             self._choice = choice
-        return k > 0
+        return self._choice is not None
 
     def sampled_token(self, i: int) -> int:
         """The graph's choice (argmax) at batch row i of the last decode (set_graph_choice(1))."""
@@ -265,11 +267,12 @@ class Context(_Owner):
         if c is None or not c.probs:
             raise Eagle3Error("no probabilities chosen in the graph: set_graph_choice(k, probs=True) before the decode")
         ctx = self._live()
-        probs = C.llama_get_sampled_probs_ith(ctx, i)
-        ids = [C.llama_get_sampled_token_ith(ctx, i)] if c.k == 1 else C.llama_get_sampled_candidates_ith(ctx, i)
-        if not probs or not ids:
+        # (a row the graph chose nothing for reads as the whole vocab's ids: its counts tell)
+        if C.llama_get_sampled_probs_count_ith(ctx, i) != c.k or \
+                (c.k > 1 and C.llama_get_sampled_candidates_count_ith(ctx, i) != c.k):
             raise Eagle3Error(f"no tokens chosen in the graph for batch row {i}")
-        return ids[:c.k], probs[:c.k]
+        ids = [C.llama_get_sampled_token_ith(ctx, i)] if c.k == 1 else C.llama_get_sampled_candidates_ith(ctx, i)[:c.k]
+        return ids, C.llama_get_sampled_probs_ith(ctx, i)[:c.k]
 
     def logits(self, n_rows: int) -> np.ndarray:
         """The output rows of the last decode, in batch order.  # [n_rows, n_vocab] (view)"""

@@ -38,7 +38,6 @@ from typing import Callable
 import numpy as np
 
 from .batch import Batch
-from .choice import CHOICE_ROWS
 from .context import Context
 from .errors import Eagle3Error
 from .extract import TargetFeatures
@@ -46,6 +45,12 @@ from .draft import CATCH_UP_WINDOW, Draft, judge_p_min
 from .head_norms import HeadNorms
 from .spec_sampling import Dist, RejectionSampler
 from .tree import DraftTree, Expansion, head_sequences
+
+
+# rows a head decode or encode carries with outputs at most: more queued pairs (a prompt's) go first in decodes without
+# outputs, since their logits are never read (bench/NOTES.md "graph-choice"); and while the graph chooses, an output
+# row also takes llama.cpp's host output buffer 4 x n_vocab values (2 MiB at Llama 3's vocab; it never shrinks)
+OUTPUT_ROWS = 32
 
 
 class RowsAside:
@@ -223,8 +228,9 @@ class Eagle3Session:
         n = feats.shape[0]
         g = np.empty((n, self.n_embd), dtype=np.float32)  # [n, n_embd]
         base = self.draft_ctx.pos_max() + 1  # the encoder ignores positions; llama.cpp wants them after the KV
-        for i in range(0, n, self.n_ubatch):
-            m = min(self.n_ubatch, n - i)
+        chunk = min(self.n_ubatch, OUTPUT_ROWS) if self.chooses_in_graph else self.n_ubatch  # every row an output
+        for i in range(0, n, chunk):
+            m = min(chunk, n - i)
             self.enc_batch.set_embd(feats[i:i + m], np.arange(base, base + m, dtype=np.int32))
             self.draft_ctx.encode(self.enc_batch)
             g[i:i + m] = self.draft_ctx.nextn(m)
@@ -406,13 +412,13 @@ class Eagle3Session:
     def _chosen(self, row: int, alts: Draft | None, n_alt: int) -> tuple[int, float]:
         """_choose's token and top probability (and runner-ups) as the head's graph chose them at batch `row`."""
         ids, probs = self.draft_ctx.sampled_top(row)  # the k likeliest, in no order
+        if n_alt >= len(ids):
+            raise Eagle3Error(f"{n_alt} runner-ups a step from a graph that chooses {len(ids)} tokens: "
+                              f"choose_in_graph({n_alt + 1})")
         if len(ids) == 1:
             return ids[0], probs[0]
         order = sorted(range(len(ids)), key=probs.__getitem__, reverse=True)
         if n_alt:
-            if n_alt >= len(ids):
-                raise Eagle3Error(f"{n_alt} runner-ups a step from a graph that chooses {len(ids)} tokens: "
-                                  f"choose_in_graph({n_alt + 1})")
             alts.alt_tokens.append([ids[j] for j in order[1:1 + n_alt]])
             alts.alt_probs.append([probs[j] for j in order[1:1 + n_alt]])
         return ids[order[0]], probs[order[0]]
@@ -426,10 +432,9 @@ class Eagle3Session:
         self.draft_ctx.seq_rm(0, self.pending_pos, -1)
         # The queued pairs ride along with the seed step (one graph instead of two), all rows marked as
         # outputs: the pinned eagle3 decoder graph has no output-row selection (no inp_out_ids), so with
-        # outputs on a subset of rows llama.cpp hands back the first rows' logits, not the marked ones. Many
-        # (a prompt's) go first with no outputs: their logits are never read (a 300-token prompt's first draft
-        # 55 -> 52 ms on 2 cores, bench/NOTES.md "graph-choice"), and a graph that chooses has room for few.
-        if len(self._q_tok) + 1 > CHOICE_ROWS:
+        # outputs on a subset of rows llama.cpp hands back the first rows' logits, not the marked ones. More than
+        # OUTPUT_ROWS go first with none (a 300-token prompt's first draft 55 -> 52 ms on 2 cores).
+        if len(self._q_tok) + 1 > min(self.n_ubatch, OUTPUT_ROWS):
             self.flush()
         q = len(self._q_tok)
         tok = np.append(self._q_tok, np.int32(id_last))  # [q + 1]
@@ -462,15 +467,15 @@ class Eagle3Session:
             return Draft()
         if judge is None:
             judge = lambda confs, n: judge_p_min(confs, n, p_min)  # noqa: E731
+        in_graph = self.chooses_in_graph > 0
+        if in_graph and sampler is not None:
+            raise Eagle3Error("rejection sampling draws from the head's logits: choose_in_graph(0) first")
         ctx = self.draft_ctx
         row = self._seed(id_last)
         p = self.pending_pos
         out, confs, qs = [], [], []
         alts = Draft() if n_alt else None
         batch = self.dec_batch
-        in_graph = ctx.greedy_sampling
-        if in_graph and sampler is not None:
-            raise Eagle3Error("rejection sampling draws from the head's logits: choose_in_graph(0) first")
         t_later = 0.0  # when the second step began (0: not yet)
         while True:
             ctx.decode(batch)
@@ -500,7 +505,7 @@ class Eagle3Session:
         than n_nodes (no deeper node could be chosen) nor than the head's free cells allow. The head's cache
         holds the seed after it, as after draft()."""
         ctx = self.draft_ctx
-        if ctx.greedy_sampling:
+        if self.chooses_in_graph:
             raise Eagle3Error("a draft tree reads the head's logits on several sequences: choose_in_graph(0) first")
         if ctx.n_seq_max < head_sequences(topk):
             raise Eagle3Error(f"a draft tree of top-{topk} needs a head context with {head_sequences(topk)} "

@@ -102,6 +102,7 @@ class Speculator:
         # off until a lent GPU has timed it against numpy over the logits (scripts/bench_scale.py's contender)
         self.head_choice = False
         self._head_k = 0  # what the head's graph chooses a step in this speculator's runs (_head_choice)
+        self._costs_head_k = 0  # ... and in the runs `costs` was calibrated for (its draft steps timed so)
         # a draft tree's kept branch nodes, decoded again at the head of the next cycle's batch (tree.py), and
         # the position of the first: the target's cache holds the positions before it
         self._redo: list[int] = []
@@ -172,7 +173,10 @@ class Speculator:
         if self._needs_probe(config):
             return True
         k = self._drafts_max(config, self._exact_limit(config))
-        return config.draft_policy == "adaptive" and k > 0 and (self.costs is None or self.costs.k_max < k)
+        costs = self.costs
+        return config.draft_policy == "adaptive" and k > 0 and (
+            costs is None or costs.k_max < k
+            or (self._costs_head_k != self._head_k and costs.source != "given"))  # a given curve stays
 
     def _exact_limit(self, config: DraftConfig) -> int:
         """The drafts a cycle may verify under config's exactness mode (the probe has run where it must): widths
@@ -261,6 +265,7 @@ class Speculator:
         target, session = self.target, self.session
         session.extract.enable(True)  # verify rows as a cycle decodes them
         session.choose_in_graph(self._head_k)  # draft steps as this speculator's runs take them
+        self._costs_head_k = self._head_k
         key = CostKey.for_contexts(target, session.draft_ctx, self.batch.capacity,
                                    reads=("graph" if target.greedy_sampling else "logits")
                                    + (f", head graph {session.chooses_in_graph}" if session.chooses_in_graph else ""))

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from llama_cpp import llama_cpp as C
@@ -295,3 +299,21 @@ def test_where_a_model_runs(tiny_target, tiny_head):
     gpu = native.Placement(("CUDA0 (NVIDIA H100 80GB HBM3)",), 31, 31)
     assert str(gpu) == "CUDA0 (NVIDIA H100 80GB HBM3): 31/31 layers offloaded"
     assert str(native.Placement(("CUDA0 (NVIDIA H100 80GB HBM3)",), 0, 31)) == "CPU"
+
+
+def test_without_a_compiler_the_graph_does_not_choose_and_the_logits_are_read(tmp_path, smollm2_path):
+    """choice.c is built once with the system compiler; where none is, greedy decoding reads the logits as
+    llama-cpp-python does (set_greedy_sampling says False) instead of failing: no compiler is needed to decode."""
+    code = f"""
+from eagle3_gguf.native import Model
+from eagle3_gguf.context import Context
+from eagle3_gguf.batch import Batch
+with Model({str(smollm2_path)!r}) as m, Context(m, n_ctx=64, n_batch=16, n_threads=2) as c, Batch(16) as b:
+    assert not c.set_greedy_sampling(True) and not c.greedy_sampling
+    b.set([1, 504, 3458], 0, logits="all")
+    c.decode(b)
+    print(int(c.logits_ith(2).argmax()))
+"""
+    env = {**os.environ, "EAGLE3_GGUF_CACHE": str(tmp_path), "CC": str(tmp_path / "no-cc")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.strip().isdigit(), r.stderr[-2000:]

@@ -340,5 +340,7 @@ def test_the_lent_calls_dry_run(tmp_path, smollm2_path):
         assert n == 4 and all(o["identical"] == n for key, o in runs.items() if "--exact off" not in key[1])
         if ph["exact_widths"] < 9:  # the probe caps the default's trees: speculating past it is measured beside
             assert len(runs["vllm-8b", "adaptive (default), --exact off"]["speedup"]) == n
+        k2 = runs["vllm-8b", f"fixed K=2{bench_scale.IN_GRAPH}"]  # the head's tokens chosen in its graph
+        assert ("vllm-8b", f"{bench_scale.GOAL_CONTENDER}{bench_scale.IN_GRAPH}") in runs and k2["tau"] > 1.5
         k4 = runs["vllm-8b", "fixed K=4"]
         assert abs(k4["acceptance"][0] - VLLM.p(0)) < 0.2 and k4["tau"] > 2.0 and k4["ceiling"] > 0

@@ -339,9 +339,8 @@ def test_a_draft_times_its_steps_after_the_first(tiny_pair):
 @pytest.mark.parametrize("head", ["tiny_head", "tiny_head_d2t"])
 def test_the_heads_graph_chooses_the_drafts_numpy_finds_in_its_logits(request, tiny_target, head):
     """choose_in_graph(4): each draft step's token, top probability and 3 runner-ups as the graph chose them equal
-    what numpy finds in the logits (a draft vocab's head too: -inf outside it); a long queue of pairs goes ahead of
-    the seed in a decode of its own (a graph chooses for every output row: a head's graph has room for few); and
-    rejection sampling and trees, which read the logits, are refused while the graph chooses."""
+    what numpy finds in the logits (a draft vocab's head too: -inf outside it); rejection sampling and trees, which
+    read the logits, are refused while the graph chooses, before the head's state is touched."""
     with load_pair(tiny_target, request.getfixturevalue(head), PairConfig(n_ctx=512, n_batch=64)) as pair, \
             Eagle3Session(pair.target, pair.head) as s, Batch(64) as b:
         prompt = tokenize(pair.target_model, PROMPTS[2] * 4)
@@ -367,12 +366,57 @@ def test_the_heads_graph_chooses_the_drafts_numpy_finds_in_its_logits(request, t
             assert g.tokens == w.tokens and g.alt_tokens == w.alt_tokens
             assert np.allclose(g.confs, w.confs, rtol=1e-4) and np.allclose(g.alt_probs, w.alt_probs, rtol=1e-4,
                                                                              atol=1e-7)
+        b.set([17, 934, 11], len(prompt), logits="last")  # rows kept and set aside: the next draft catches up on them
+        pair.target.decode(b)
+        s.keep([17, 934, 11], len(prompt))
+        state = (len(s.aside), len(s._q_tok), s._open, s.pending_pos)
         with pytest.raises(Eagle3Error, match=r"rejection sampling draws from the head's logits"):
-            s.draft(17, 2, sampler=Sampler(temperature=0.8).rejection(1.0))
+            s.draft(11, 2, sampler=Sampler(temperature=0.8).rejection(1.0))
+        assert (len(s.aside), len(s._q_tok), s._open, s.pending_pos) == state
         with pytest.raises(Eagle3Error, match=r"a draft tree reads the head's logits"):
             s.draft_tree(17, 2, 2, 4)
         assert not s.choose_in_graph(0)
         assert [d.tokens for d in drafts()] == [d.tokens for d in want]
+
+
+def test_a_prompts_pairs_go_ahead_of_the_seed_in_a_decode_without_outputs(tiny_pair):
+    """A prompt's queued pairs (more than OUTPUT_ROWS) are decoded before the first draft's seed with no output rows
+    (their logits are never read), so the seed's decode holds one output; a few pairs ride along with the seed, every
+    row an output (the eagle3 graph has no output-row selection)."""
+    from eagle3_gguf.session import OUTPUT_ROWS
+
+    with Eagle3Session(tiny_pair.target, tiny_pair.head) as s, Batch(64) as b:
+        prompt = tokenize(tiny_pair.target_model, PROMPTS[2] * 4)
+        assert len(prompt) > OUTPUT_ROWS
+        tiny_pair.target.clear()
+        b.set(prompt, 0, logits="last")
+        tiny_pair.target.decode(b)
+        s.process(prompt, 0)
+        s.draft(17, 1, lambda confs, n_max: 1)  # the seed step alone
+        s.draft_ctx.logits_ith(0)
+        with pytest.raises(Eagle3Error, match="no logits for batch row 1"):
+            s.draft_ctx.logits_ith(1)
+        s.accept(0)
+        b.set([17, 934, 11], len(prompt), logits="last")
+        tiny_pair.target.decode(b)
+        s.keep([17, 934, 11], len(prompt))
+        s.draft(5, 1, lambda confs, n_max: 1)
+        assert s.draft_ctx.logits_ith(2) is not None  # two pairs (the third row's waits for its token) and the seed
+
+
+@pytest.mark.parametrize("head_choice", [False, True])
+def test_a_head_with_a_small_batch_drafts_after_a_long_prompt(tiny_target, tiny_head, head_choice):
+    """n_batch 16 (under OUTPUT_ROWS): a prompt's queued pairs still go to the head in batches that fit, and the
+    text is target-only's."""
+    with load_pair(tiny_target, tiny_head, PairConfig(n_ctx=512, n_batch=16)) as pair, \
+            Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
+        prompt = tokenize(pair.target_model, PROMPTS[2] * 3)
+        assert len(prompt) > 16
+        cfg = GenerateConfig(n_predict=24, draft_max=4, draft_policy="fixed")
+        base = d.generate(prompt, cfg, speculative=False)
+        d.spec.head_choice = head_choice
+        spec = d.generate(prompt, cfg)
+        assert spec.tokens == base.tokens and spec.stats.n_drafted > 0 and s.chooses_in_graph == int(head_choice)
 
 
 @pytest.mark.slow
