@@ -42,13 +42,7 @@ def graph_name(lid: int) -> str:
 
 def _compiled() -> ctypes.CDLL:
     """capture.c, built once per source version and machine into the cache (cbuild.py)."""
-    lib = library(_SOURCE, "capturing this target's hidden states")
-    # size_t eagle3_capture_size(void): the struct as the compiler laid it out
-    lib.eagle3_capture_size.restype = ctypes.c_size_t
-    if lib.eagle3_capture_size() != ctypes.sizeof(_Capture):
-        raise Eagle3Error(f"{lib._name}: its struct capture is {lib.eagle3_capture_size()} bytes, ctypes' "
-                          f"{ctypes.sizeof(_Capture)}: delete it to rebuild")
-    return lib
+    return library(_SOURCE, "capturing this target's hidden states", _Capture)
 
 
 class LayerCapture:

@@ -18,9 +18,11 @@ from .errors import Eagle3Error
 _built: dict[str, ctypes.CDLL] = {}
 
 
-def library(source: Path, why: str) -> ctypes.CDLL:
+def library(source: Path, why: str, struct: type[ctypes.Structure]) -> ctypes.CDLL:
     """`source` compiled and loaded (once per process); CC names the compiler (words split as a shell would:
-    "ccache gcc"). `why` says in errors what the library is for, e.g. "capturing this target's hidden states"."""
+    "ccache gcc"). `why` says in errors what the library is for, e.g. "capturing this target's hidden states".
+    `struct` is the ctypes twin of the C struct its callers fill: the source's `size_t eagle3_<stem>_size(void)`
+    must give its size (a source changed without its twin is refused, not run)."""
     if source.name in _built:
         return _built[source.name]
     text = source.read_bytes()
@@ -29,10 +31,16 @@ def library(source: Path, why: str) -> ctypes.CDLL:
     try:
         if not lib.is_file():
             _compile(source, lib, why)
-        _built[source.name] = loaded = ctypes.CDLL(str(lib))
+        loaded = ctypes.CDLL(str(lib))
     except OSError as e:
         raise Eagle3Error(f"{lib}: {e.strerror or e} ({why} needs it built or loaded there; EAGLE3_GGUF_CACHE names "
                           "another folder)") from None
+    size = getattr(loaded, f"eagle3_{source.stem}_size")
+    size.restype = ctypes.c_size_t
+    if size() != ctypes.sizeof(struct):
+        raise Eagle3Error(f"{lib}: its {struct.__name__} is {size()} bytes, ctypes' {ctypes.sizeof(struct)}: "
+                          "delete it to rebuild")
+    _built[source.name] = loaded
     return loaded
 
 

@@ -47,12 +47,7 @@ def available() -> bool:
 
 
 def _compiled() -> ctypes.CDLL:
-    lib = library(_SOURCE, "choosing tokens in the graph")
-    # size_t eagle3_choice_size(void): the struct as the compiler laid it out
-    lib.eagle3_choice_size.restype = ctypes.c_size_t
-    if lib.eagle3_choice_size() != ctypes.sizeof(_Choice):
-        raise Eagle3Error(f"{lib._name}: its struct choice is {lib.eagle3_choice_size()} bytes, ctypes' "
-                          f"{ctypes.sizeof(_Choice)}: delete it to rebuild")
+    lib = library(_SOURCE, "choosing tokens in the graph", _Choice)
     # struct llama_sampler_i * eagle3_choice_iface(void)
     lib.eagle3_choice_iface.restype = ctypes.c_void_p
     return lib
