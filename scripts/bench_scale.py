@@ -145,6 +145,13 @@ class Parts:
     target_verify5_ms: float = 0.0
     # the head's 1-row decoder with its matrices in each type made (--head-types), the run's head first
     head_types: list[HeadTypeCost] = field(default_factory=list)
+    # a one-step draft as a cycle runs it (its seed step, the token and its probability read), the token chosen from
+    # the logits by numpy or in the head's graph (Eagle3Session.choose_in_graph), alone or with 3 runner-ups (the
+    # default's; in the graph ggml_top_k, a sort of the whole row at CUDA 13.0)
+    draft_logits1_ms: float = 0.0
+    draft_graph1_ms: float = 0.0
+    draft_logits4_ms: float = 0.0
+    draft_graph4_ms: float = 0.0
 
 
 @dataclass
@@ -307,12 +314,31 @@ def time_parts(spec: Speculator, heads: list[HeadBeside]) -> Parts:
         five.set([0] * 5, 5 * i, logits="all")
         target.decode(five)
 
+    def one_step_draft(n_alt: int) -> Callable[[int], None]:
+        def run(i: int) -> None:  # the seed step again at the same position: the same graph each time
+            session.draft(0, 1, lambda confs, n_max: 1, n_alt=n_alt)
+            session.accept(0)
+        return run
+
+    def draft_reads() -> list[float]:
+        """One-step drafts, top 1 then with 3 runner-ups, each from the logits then chosen in the graph."""
+        session.process([0] * 3, 0, np.zeros((3, extract.width), np.float32))
+        took = []
+        for k in (1, 4):
+            for in_graph in (False, True):
+                session.choose_in_graph(k if in_graph else 0)
+                took.append(median_ms(one_step_draft(k - 1), lambda: None))
+        session.choose_in_graph(0)
+        session.reset()
+        return took
+
     try:
         session.reset()
         target.clear()
         step = median_ms(head_step, head.clear)
         step_after = median_ms(head_step_after, head.clear, head_pair)
         fc = median_ms(encode, head.clear)
+        reads = draft_reads()
         extract.enable(True)
         row = median_ms(target_row, target.clear)
         row_after = median_ms(target_row_after, target.clear, target_pair)
@@ -322,10 +348,11 @@ def time_parts(spec: Speculator, heads: list[HeadBeside]) -> Parts:
         types = time_head_types(heads, session.n_embd)
     finally:
         extract.enable(was)
+        session.choose_in_graph(0)
         session.reset()
         for b in (dec, enc, one, two, pair, five):
             b.close()
-    return Parts(step, fc, row, plain, step_after, row_after, verify5, types)
+    return Parts(step, fc, row, plain, step_after, row_after, verify5, types, *reads)
 
 
 def time_head_types(heads: list[HeadBeside], n_embd: int) -> list[HeadTypeCost]:
@@ -719,7 +746,10 @@ def physics_lines(ph: Physics) -> str:
                          f"- the same 1-row graphs right after one of 2 rows (a cycle's order): the head's "
                          f"{ph.parts.head_decode_after_ms:.3f} ms, the target's {ph.parts.target_row_after_ms:.3f} ms",
                          f"- a 5-row target verify repeated: {ph.parts.target_verify5_ms:.3f} ms (median; the curve's, "
-                         f"the least of its repeated runs: {ph.verify_ms[4]:.3f} ms)"]
+                         f"the least of its repeated runs: {ph.verify_ms[4]:.3f} ms)",
+                         f"- a one-step draft, its token read from the logits / chosen in the head's graph: "
+                         f"{ph.parts.draft_logits1_ms:.3f} / {ph.parts.draft_graph1_ms:.3f} ms; with 3 runner-ups "
+                         f"{ph.parts.draft_logits4_ms:.3f} / {ph.parts.draft_graph4_ms:.3f} ms"]
                         if ph.parts else [])
                      + ([f"- the head's 1-row decoder by the type of its matrices: "
                          + ", ".join(f"{h.head_type} ({h.mib:.0f} MiB) {h.decode_ms:.3f} ms"

@@ -330,7 +330,7 @@ def test_the_lent_calls_dry_run(tmp_path, smollm2_path):
         assert len(ph["verify_ms"]) == 17 and all(t > 0 for t in ph["verify_ms"])
         assert ph["probed"] == 17 and 1 <= ph["exact_widths"] <= 17 and ph["draft_step_ms"] > 0 and ph["switch_ms"] >= 0
         types = ph["parts"].pop("head_types")  # the head's decoder in each type, the run's own first
-        assert len(ph["parts"]) == 7 and all(ms > 0 for ms in ph["parts"].values())  # each graph timed, both orders
+        assert len(ph["parts"]) == 11 and all(ms > 0 for ms in ph["parts"].values())  # each graph timed, both orders
         assert s["head_type"] == "q8_0" and [t["head_type"] for t in types] == list(bench_scale.HEAD_TYPES)
         assert all(t["decode_ms"] > 0 and t["mib"] > 0 for t in types)
         runs = {(o["profile"], o["contender"]): o for o in s["outcomes"]}
