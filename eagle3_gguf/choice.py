@@ -61,10 +61,9 @@ class GraphChoice(_Owner):
     def __init__(self, k: int, probs: bool):
         if k < 1:
             raise Eagle3Error(f"a graph choice of {k} tokens: at least 1")
-        base = sibling_library("ggml-base")
-        if base is None:
-            raise Eagle3Error("no libggml-base beside libllama: tokens cannot be chosen in the graph")
-        lib = _compiled()
+        if not available():
+            raise Eagle3Error(f"tokens cannot be chosen in the graph here: {_unavailable}")
+        base, lib = sibling_library("ggml-base"), _compiled()
         self.k, self.probs = k, probs
         c = self._struct = _Choice(k=k, probs=int(probs))
         for name in _GGML:

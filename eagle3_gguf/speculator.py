@@ -101,7 +101,7 @@ class Speculator:
         # the head's graph chooses its drafts' tokens where a run allows (choice.py, Eagle3Session.choose_in_graph):
         # off until a lent GPU has timed it against numpy over the logits (scripts/bench_scale.py's contender)
         self.head_choice = False
-        self._head_k = 0  # what the head's graph chooses a step in this speculator's runs (_head_choice)
+        self._head_k = 0  # what the head's graph chooses a step in this speculator's runs (_choose_head)
         self._costs_head_k = 0  # ... and in the runs `costs` was calibrated for (its draft steps timed so)
         # a draft tree's kept branch nodes, decoded again at the head of the next cycle's batch (tree.py), and
         # the position of the first: the target's cache holds the positions before it
@@ -199,8 +199,7 @@ class Speculator:
 
     def prepare(self, config: DraftConfig) -> ExactReport:
         """Probe and calibrate for config now, as the next (greedy) run would first: what it found about exactness."""
-        self._head_k = self._head_choice(config, None)
-        self.session.choose_in_graph(self._head_k)
+        self._choose_head(config, None)
         self.policy_for(config)
         return self.exact_report(config)
 
@@ -318,9 +317,8 @@ class Speculator:
         `rejection`: verify drafts drawn from the head's q by rejection sampling instead of hooks.pick.
         `spec_sampling`: how drafts are verified, for the statistics. May calibrate (see policy_for)."""
         speculative = config is not None and config.draft_max > 0 and self.session is not None
-        if speculative:  # a head context may serve several speculators (a benchmark's contenders): each sets it
-            self._head_k = self._head_choice(config, rejection)
-            self.session.choose_in_graph(self._head_k)  # before calibrate() times draft steps
+        if speculative:
+            self._choose_head(config, rejection)  # before calibrate() times draft steps
         if speculative and self.needs_calibration(config):
             keep = 0  # calibrating clears both caches
         policy = self.policy_for(config) if speculative else None
@@ -332,15 +330,16 @@ class Speculator:
         return Run(self, prompt, hooks, policy, rejection if speculative else None, spec_sampling if speculative else "",
                    keep, index, exact)
 
-    def _head_choice(self, config: DraftConfig, rejection: RejectionSampler | None) -> int:
-        """The tokens the head's graph chooses a draft step for this run (0: numpy reads its logits): with
-        head_choice on, for greedy chains of sequence 0 (rejection sampling draws from the logits; a fixed tree's
-        depths run on several sequences): the argmax, and the adaptive policy's runner-ups (draft_topk - 1)."""
-        if not self.head_choice or not config.draft_max or rejection is not None or self.seq != 0:
-            return 0
-        if config.draft_policy == "fixed":
-            return 1 if config.draft_topk == 1 else 0
-        return config.draft_topk
+    def _choose_head(self, config: DraftConfig, rejection: RejectionSampler | None) -> None:
+        """Set the tokens the head's graph chooses a draft step in this run (0: numpy reads its logits), on the
+        session now (a head context may serve several speculators: a benchmark's contenders): with head_choice on,
+        for greedy chains of sequence 0 (rejection sampling draws from the logits; a fixed tree's depths run on
+        several sequences), the argmax and the adaptive policy's runner-ups (draft_topk - 1)."""
+        k = 0
+        if self.head_choice and config.draft_max and rejection is None and self.seq == 0:
+            k = config.draft_topk if config.draft_policy == "adaptive" else int(config.draft_topk == 1)
+        self._head_k = k
+        self.session.choose_in_graph(k)
 
     def rewind(self, keep: int, speculative: bool) -> int:
         """Keep the first `keep` positions in the target's cache (and the head's, speculative), or clear
