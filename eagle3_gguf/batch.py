@@ -173,6 +173,21 @@ class Batch(_Owner):
         self._point("both" if tokens is not None else "embd", n, seq_ids=seq_ids is not None)
         return n
 
+    def embd_rows(self, n: int) -> np.ndarray:
+        """Rows 0..n-1's embedding slots, for a caller to write in place before fill_embd(n, ...).
+        # [n, n_embd] (view)"""
+        self._fit(n)
+        return self._embd[:n]
+
+    def fill_embd(self, n: int, pos0: int, tokens: np.ndarray) -> None:
+        """Token + embedding entries of sequence 0 at positions pos0.., every row an output, their embedding rows
+        already written through embd_rows(n): set_embd without copying the rows.  # tokens: [n]"""
+        self._fit(n)
+        self._token[:n] = tokens
+        np.add(self._ramp[:n], pos0, out=self._pos[:n])
+        self._logits[:n] = 1
+        self._point("both", n)
+
     def set_embd_one(self, row: np.ndarray, pos: int, token: int) -> None:
         """One token + embedding entry at `pos`, an output: set_embd(row[None], [pos], [token]) for a draft
         step, without the arrays made per call.  # row: [n_embd]"""

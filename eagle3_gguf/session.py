@@ -159,6 +159,7 @@ class Eagle3Session:
         self._q_tok = np.zeros(0, np.int32)  # [n_q]
         self._q_pos = np.zeros(0, np.int32)  # [n_q]
         self._q_g = np.zeros((0, self.n_embd), np.float32)  # [n_q, n_embd]
+        self._seed_tok = np.zeros(min(n_ub, OUTPUT_ROWS), np.int32)  # [rows]: _seed_aside's tokens
         self._vocab: np.ndarray | None = None  # draft-vocab ids inside the full logits row, once known
 
     def close(self) -> None:
@@ -223,10 +224,11 @@ class Eagle3Session:
             feats[:] = self.norms.apply_features(feats)
         return feats
 
-    def encode(self, feats: np.ndarray) -> np.ndarray:
-        """Run the head's encoder (fc) on feature rows.  # [n, 3 * n_embd_tgt] -> [n, n_embd]"""
+    def encode(self, feats: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Run the head's encoder (fc) on feature rows (into `out` when given).
+        # [n, 3 * n_embd_tgt] -> [n, n_embd]"""
         n = feats.shape[0]
-        g = np.empty((n, self.n_embd), dtype=np.float32)  # [n, n_embd]
+        g = np.empty((n, self.n_embd), dtype=np.float32) if out is None else out  # [n, n_embd]
         base = self.draft_ctx.pos_max() + 1  # the encoder ignores positions; llama.cpp wants them after the KV
         chunk = min(self.n_ubatch, OUTPUT_ROWS) if self.chooses_in_graph else self.n_ubatch  # every row an output
         for i in range(0, n, chunk):
@@ -426,6 +428,11 @@ class Eagle3Session:
     def _seed(self, id_last: int) -> int:
         """Fill the decoder batch with the seed step (id_last, pending_g) at pending_pos, after the queued
         pairs: the seed's row in it."""
+        n = len(self.aside)
+        if n and not len(self._q_tok):
+            o = int(self._open and self.pending_pos + 1 == self.aside.pos0)  # the deferred pair goes first
+            if o + n <= len(self._seed_tok):
+                return self._seed_aside(id_last, n, o)
         self.catch_up()
         if self.pending_pos < 0:
             raise Eagle3Error("draft() before process(): feed the head the prompt first")
@@ -444,6 +451,27 @@ class Eagle3Session:
         self._open = False  # the seed step writes the deferred pair
         self.dec_batch.set_embd(g, pos, tok)
         return q
+
+    def _seed_aside(self, id_last: int, n: int, o: int) -> int:
+        """_seed, the common case (nothing queued, a cycle's few rows aside): what catch_up would queue and the seed
+        step are one run of positions, pending_pos - o.. (the deferred pair where o = 1, the rows' pairs, the seed),
+        so the encoder writes g straight into the decoder batch: no queue, no concatenation, no copy of g."""
+        aside, batch = self.aside, self.dec_batch
+        pos0 = aside.pos0 - o
+        rows = batch.embd_rows(o + n)  # [o + n, n_embd]: g of the pairs' positions, the seed's last
+        if o:
+            rows[0] = self.pending_g
+        self.encode(aside.feats, out=rows[o:])
+        tok = self._seed_tok[:o + n]  # [o + n]: token[p + 1] at each position p, id_last at the seed's
+        tok[:-1] = aside.tokens[1 - o:]
+        tok[-1] = id_last
+        self.pending_g = rows[-1].copy()
+        self.pending_pos = pos0 + o + n - 1
+        self._open = False  # the seed step writes the deferred pair
+        self._drop_rows()
+        self.draft_ctx.seq_rm(0, self.pending_pos, -1)
+        batch.fill_embd(o + n, pos0, tok)
+        return o + n - 1
 
     def _feedback(self, row: int) -> np.ndarray:
         """The next step's g from the decoder's row: its pre-norm hidden state (EAGLE 3.1 norm_output: the

@@ -191,6 +191,35 @@ def test_accept_leaves_draft_kv_as_a_fresh_run(tiny_pair, n_acc):
     np.testing.assert_allclose(logits_a, logits_b, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("before", ["a draft", "a flush"])
+def test_a_seed_encoded_straight_into_the_decoder_batch_drafts_as_a_fresh_run(tiny_pair, before):
+    """Rows a cycle set aside (keep, not process) go through the encoder straight into the next draft's decoder
+    batch with the seed: after a draft (its seed wrote the deferred pair) or after a flush (the deferred pair goes
+    first). The draft, the head's logits and its cache end as a fresh session's that processed the same tokens."""
+    k = 3
+    seq = tokenize(tiny_pair.target_model, "A long sentence that we will use as the ground truth for this test.")
+    p = 6
+    with Eagle3Session(tiny_pair.target, tiny_pair.head) as s, Batch(64) as b:
+        tiny_pair.target.clear()
+        s.reset()
+        b.set(seq[:p], 0, logits="last")
+        tiny_pair.target.decode(b)
+        s.process(seq[:p], 0)
+        if before == "a draft":
+            s.draft(seq[p], k)
+            s.accept(2)
+        else:
+            s.flush()
+        b.set(seq[p:p + 3], p, logits="all")  # the target kept 3 rows
+        tiny_pair.target.decode(b)
+        s.keep(seq[p:p + 3], p)
+        drafted = s.draft(seq[p + 3], k).tokens
+        logits, pos = s.draft_ctx.logits_ith(0).copy(), s.draft_ctx.pos_max()
+        fresh, logits_b, pos_b = _fresh_draft(tiny_pair, s, seq[:p + 3], seq[p + 3], k)
+    assert drafted == fresh and pos == pos_b == p + 3 + k - 2
+    np.testing.assert_allclose(logits, logits_b, rtol=1e-3, atol=1e-3)
+
+
 def test_context_full_stops_cleanly(tiny_target, tiny_head):
     with load_pair(tiny_target, tiny_head, PairConfig(n_ctx=256, n_batch=64)) as pair:
         n_ctx = pair.target.n_ctx
