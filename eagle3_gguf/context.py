@@ -189,6 +189,12 @@ class Context(_Owner):
             self._capture.check()
         return rc
 
+    def ran(self, seconds: float, decoded: bool) -> None:
+        """Graphs run on this context from C (chain.c's draft steps) took `seconds` up to llama_synchronize, timed into
+        t_native; where one succeeded (`decoded`) its outputs are there to read."""
+        self.t_native += seconds
+        self._decoded = self._decoded or decoded
+
     def decode(self, batch: "Batch") -> None:
         rc = self._run(C.llama_decode, batch.struct)
         if rc != 0:

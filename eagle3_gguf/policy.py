@@ -41,11 +41,12 @@ import json
 import math
 import os
 import platform
+from array import array
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .draft import CATCH_UP_WINDOW, Draft, judge_p_min
+from .draft import CATCH_UP_WINDOW, Draft, NativeJudge, judge_p_min
 from .lookup import N_MAX, Lookup, LookupAcceptance
 from .tree import DraftTree, branch_candidates, chain_tree, with_branches
 
@@ -314,22 +315,29 @@ def _bin(conf: float) -> int:
 
 
 class Acceptance:
-    """Online P(accept | position, confidence) and the expected acceptance of the next step."""
+    """Online P(accept | position, confidence) and the expected acceptance of the next step. The counts are arrays of
+    doubles (a list's speed in Python) that chain.c's judge reads and updates in place (native_judge)."""
 
     def __init__(self, k_max: int, lookahead_prior: float = 0.5):
         self.k_max = k_max
         mids = [(b + 0.5) / N_BINS for b in range(N_BINS)]
-        self.pool_hits = [PRIOR_COUNT * m for m in mids]  # [N_BINS], prior: a calibrated head
-        self.pool_seen = [PRIOR_COUNT] * N_BINS
-        self.hits = [[0.0] * N_BINS for _ in range(k_max)]  # [K_max][N_BINS]
-        self.seen = [[0.0] * N_BINS for _ in range(k_max)]
-        self.lookahead = [lookahead_prior] * k_max  # [K_max]: expected acceptance of a step not yet drafted
+        self.pool_hits = array("d", [PRIOR_COUNT * m for m in mids])  # [N_BINS], prior: a calibrated head
+        self.pool_seen = array("d", [PRIOR_COUNT] * N_BINS)
+        self.hits = array("d", [0.0] * (k_max * N_BINS))  # [K_max * N_BINS]: position i's bins at i * N_BINS
+        self.seen = array("d", [0.0] * (k_max * N_BINS))
+        self.lookahead = array("d", [lookahead_prior] * k_max)  # [K_max]: expected acceptance of a step not yet drafted
 
     def prob(self, i: int, conf: float) -> float:
         """Chance that draft i (0-based) is accepted, given drafts 0..i-1 were, at this confidence."""
         b = _bin(conf)
         pooled = self.pool_hits[b] / self.pool_seen[b]
-        return (self.hits[i][b] + PRIOR_COUNT * pooled) / (self.seen[i][b] + PRIOR_COUNT)
+        at = i * N_BINS + b
+        return (self.hits[at] + PRIOR_COUNT * pooled) / (self.seen[at] + PRIOR_COUNT)
+
+    def native_judge(self, **kw) -> NativeJudge:
+        """AdaptivePolicy.judge's rule over these arrays, for chain.c (kw: the cycle's rate, prices, step, done)."""
+        return NativeJudge(hits=self.hits, seen=self.seen, pool_hits=self.pool_hits, pool_seen=self.pool_seen,
+                           lookahead=self.lookahead, prior=PRIOR_COUNT, ema=LOOKAHEAD_EMA, **kw)
 
     def saw_step(self, i: int, p: float) -> None:
         """Draft step i was run and its estimate is p: move the position's expectation towards it."""
@@ -341,8 +349,8 @@ class Acceptance:
         for i in range(min(n_accepted + 1, n_verified)):
             b = _bin(confs[i])
             ok = 1.0 if i < n_accepted else 0.0
-            self.hits[i][b] += ok
-            self.seen[i][b] += 1.0
+            self.hits[i * N_BINS + b] += ok
+            self.seen[i * N_BINS + b] += 1.0
             self.pool_hits[b] += ok
             self.pool_seen[b] += 1.0
 
@@ -412,6 +420,7 @@ class FixedPolicy:
         self.k = self.k_max = k
         self.lookup_max = 0  # verifies no lookup drafts
         self.p_min = p_min
+        self._native: NativeJudge | None = None
         self.n_alt = 0  # runner-up tokens the head reports per chain step (the adaptive policy's branches)
         self.expand = topk if topk > 1 else 0  # a tree's tokens per depth (0: chains)
         self.nodes = nodes
@@ -439,6 +448,12 @@ class FixedPolicy:
     def judge(self, confs: list[float], n_max: int) -> int:
         """-1: draft another step; j >= 0: stop and verify the first j drafts."""
         return judge_p_min(confs, n_max, self.p_min)
+
+    def native_judge(self) -> NativeJudge:
+        """judge() as chain.c runs it (one for every draft: it does not change)."""
+        if self._native is None or self._native.p_min != self.p_min:
+            self._native = NativeJudge(p_min=self.p_min)
+        return self._native
 
     def observe(self, confs: list[float], n_verified: int, n_accepted: int, n_drafted: int,
                 t_verify: float, t_draft: float, n_emitted: int, n_rows: int | None = None,
@@ -731,6 +746,15 @@ class AdaptivePolicy:
                 return -1
         self._pred = (1.0 + best_gain, c[best_j] + self.costs.draft_fixed_s + i * d)
         return best_j
+
+    def native_judge(self) -> NativeJudge:
+        """judge() as chain.c runs it, at this cycle's prices; _judged() takes what its last call decided."""
+        return self.acc.native_judge(r=self._r(), prices=self._prices(), step_s=self.costs.step_s, done=self._judged)
+
+    def _judged(self, steps: int, keep: int, best_gain: float) -> None:
+        """What judge() leaves behind after its last call (steps drafted, keep verified), from chain.c's judge."""
+        self._changed()
+        self._pred = (1.0 + best_gain, self._prices()[keep] + self.costs.draft_fixed_s + steps * self.costs.step_s)
 
     # -- after the cycle ------------------------------------------------------------------------------
     def observe(self, confs: list[float], n_verified: int, n_accepted: int, n_drafted: int,

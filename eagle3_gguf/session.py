@@ -37,11 +37,12 @@ from typing import Callable
 
 import numpy as np
 
+from . import chain
 from .batch import Batch
 from .context import Context
 from .errors import Eagle3Error
 from .extract import TargetFeatures
-from .draft import CATCH_UP_WINDOW, Draft, judge_p_min
+from .draft import CATCH_UP_WINDOW, Draft, NativeJudge, judge_p_min
 from .head_norms import HeadNorms
 from .spec_sampling import Dist, RejectionSampler
 from .tree import DraftTree, Expansion, head_sequences
@@ -161,6 +162,7 @@ class Eagle3Session:
         self._q_g = np.zeros((0, self.n_embd), np.float32)  # [n_q, n_embd]
         self._seed_tok = np.zeros(min(n_ub, OUTPUT_ROWS), np.int32)  # [rows]: _seed_aside's tokens
         self._vocab: np.ndarray | None = None  # draft-vocab ids inside the full logits row, once known
+        self._chain: chain.Chain | None = None  # drafts in one C call (choose_in_graph makes it)
 
     def close(self) -> None:
         self.enc_batch.close()
@@ -186,8 +188,12 @@ class Eagle3Session:
         instead of handing back its logits over the whole target vocab for numpy to gather, exponentiate and search
         (~50 us a step at a 32k draft vocab, and the row's copy off a GPU): k = 1 + the runner-ups a step reports;
         0 reads the logits again. Greedy chains only: rejection sampling draws from the logits, and a draft tree's
-        depths run on sequences the graph's choice does not serve. Returns whether the graph chooses."""
-        return self.draft_ctx.set_graph_choice(k, probs=True)
+        depths run on sequences the graph's choice does not serve. Returns whether the graph chooses. Where it does, an
+        EAGLE-3 head's draft steps can run in one C call (chain.py; built here, once, not in a timed draft)."""
+        chooses = self.draft_ctx.set_graph_choice(k, probs=True)
+        if chooses and self._chain is None and self.norms is None and chain.available():
+            self._chain = chain.Chain(self.draft_ctx, self.dec_batch)
+        return chooses
 
     @property
     def chooses_in_graph(self) -> int:
@@ -413,10 +419,7 @@ class Eagle3Session:
 
     def _chosen(self, row: int, alts: Draft | None, n_alt: int) -> tuple[int, float]:
         """_choose's token and top probability (and runner-ups) as the head's graph chose them at batch `row`."""
-        ids, probs = self.draft_ctx.sampled_top(row)  # the k likeliest, in no order
-        if n_alt >= len(ids):
-            raise Eagle3Error(f"{n_alt} runner-ups a step from a graph that chooses {len(ids)} tokens: "
-                              f"choose_in_graph({n_alt + 1})")
+        ids, probs = self.draft_ctx.sampled_top(row)  # the k likeliest, in no order (draft() checked n_alt < k)
         if len(ids) == 1:
             return ids[0], probs[0]
         order = sorted(range(len(ids)), key=probs.__getitem__, reverse=True)
@@ -481,7 +484,8 @@ class Eagle3Session:
         return self.norms.feedback(h) if self.norms is not None else h
 
     def draft(self, id_last: int, n_max: int, judge: Callable[[list[float], int], int] | None = None,
-              p_min: float = 0.0, sampler: RejectionSampler | None = None, n_alt: int = 0) -> Draft:
+              p_min: float = 0.0, sampler: RejectionSampler | None = None, n_alt: int = 0,
+              native: Callable[[], NativeJudge] | None = None) -> Draft:
         """Draft up to n_max tokens that follow id_last (the target's newest token). After each step,
         `judge(confs, n_max)` (confs: the top probabilities so far) returns -1 to go on or j >= 0 to stop
         and keep the first j drafts; without a judge, drafting stops where the top probability falls
@@ -490,16 +494,29 @@ class Eagle3Session:
         Greedy drafts are the head's argmax. With a `sampler` (rejection sampling) each draft is drawn
         from the head's distribution q over the target vocab (its draft vocab mapped through d2t, zero
         elsewhere; the sampler's transform), and the Draft holds each step's q. n_alt > 0 (greedy drafts): the
-        Draft also holds each step's n_alt runner-up tokens (the branches of a draft tree)."""
+        Draft also holds each step's n_alt runner-up tokens (the branches of a draft tree).
+
+        `native` gives the judge as chain.c runs it (the same rule): where the head's graph chooses, the head is an
+        EAGLE-3 one (no norm_output to apply in numpy) and chain.c builds here, the steps run in one C call."""
         if n_max <= 0:
             return Draft()
         if judge is None:
             judge = lambda confs, n: judge_p_min(confs, n, p_min)  # noqa: E731
-        in_graph = self.chooses_in_graph > 0
+        k = self.chooses_in_graph
+        in_graph = k > 0
         if in_graph and sampler is not None:
             raise Eagle3Error("rejection sampling draws from the head's logits: choose_in_graph(0) first")
+        if in_graph and n_alt >= k:
+            raise Eagle3Error(f"{n_alt} runner-ups a step from a graph that chooses {k} tokens: "
+                              f"choose_in_graph({n_alt + 1})")
         ctx = self.draft_ctx
         row = self._seed(id_last)
+        # in chain.c where it was built (an EAGLE-3 head: 3.1's norm_output is applied in numpy) and the head's calls
+        # are not wrapped (Context.runner: an emulation)
+        if native is not None and in_graph and self._chain is not None and ctx.runner is None:
+            out, t_steps = self._chain.draft(row, self.pending_pos, n_max, k, n_alt, native())
+            self.t_steps += t_steps
+            return out
         p = self.pending_pos
         out, confs, qs = [], [], []
         alts = Draft() if n_alt else None

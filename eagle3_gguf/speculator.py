@@ -30,7 +30,7 @@ from .exactness import ExactWidths, load_exact, probe, save_exact
 from .policy import (DENSE_ROWS, AdaptivePolicy, CostCurve, CostKey, DraftPolicy, FixedPolicy, load_costs, measure,
                      save_costs)
 from .lookup import Lookup, LookupIndex
-from .draft import Draft
+from .draft import Draft, NativeJudge
 from .session import Eagle3Session
 from .spec_sampling import RejectionSampler, one_hot, verify_match
 from .stats import ExactReport, SpecStats, StageClock
@@ -293,11 +293,12 @@ class Speculator:
             """A draft as a cycle runs it: the head first catches up on two kept rows."""
             session.reset()
             session.process([tok] * 3, 0, np.zeros((3, session.extract.width), np.float32))
-            session.draft(tok, 1, lambda confs, n_max: len(confs))
+            session.draft(tok, 1, lambda confs, n_max: len(confs), native=NativeJudge)
             session.accept(0)
             session.keep([tok, tok], 3, feats)
             t = time.perf_counter()
-            session.draft(tok, steps, lambda confs, n_max: len(confs) if len(confs) >= n_max else -1)
+            session.draft(tok, steps, lambda confs, n_max: len(confs) if len(confs) >= n_max else -1,
+                          native=NativeJudge)  # p_min 0: all steps, as the loop pays them
             return time.perf_counter() - t
 
         target.clear()
@@ -437,7 +438,8 @@ class Speculator:
                 tree = tree if tree.n_nodes > tree.chain else None  # a chain alone: verified as one
             else:
                 draft = session.draft(id_last, k, policy.judge, sampler=rejection,
-                                      n_alt=policy.n_alt if rejection is None else 0)
+                                      n_alt=policy.n_alt if rejection is None else 0,
+                                      native=policy.native_judge if rejection is None else None)
                 tree = policy.tree(id_last, draft, k_cap) if draft.alt_tokens else None
                 t_steps = session.t_steps - steps0
             t_draft = time.perf_counter() - t

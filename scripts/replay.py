@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 
 from eagle3_gguf.errors import Eagle3Error
-from eagle3_gguf.draft import Draft, judge_p_min
+from eagle3_gguf.draft import Draft, judge_p_min, seeing
 from eagle3_gguf.session import Eagle3Session
 from eagle3_gguf.tree import DraftTree
 
@@ -155,14 +155,15 @@ class ReplaySession(Eagle3Session):
         """A k-th token that is not the truth (siblings take different k, so they differ too)."""
         return ((true if true is not None else 0) + 1 + k) % self.n_vocab
 
-    def draft(self, id_last: int, n_max: int, judge=None, p_min: float = 0.0, sampler=None, n_alt: int = 0) -> Draft:
+    def draft(self, id_last: int, n_max: int, judge=None, p_min: float = 0.0, sampler=None, n_alt: int = 0,
+              native=None) -> Draft:
         if sampler is not None:
             raise Eagle3Error("a replayed head drafts for greedy verification only (temperature 0)")
         prof = self.profile
         inner = judge if judge is not None else lambda confs, n: judge_p_min(confs, n, p_min)  # noqa: E731
         ps = [prof.p(i) for i in range(n_max)]  # once a draft: the judge runs inside every step, in the run's Python
         calibrated = lambda confs, n: inner(ps[:len(confs)], n)  # noqa: E731
-        real = super().draft(id_last, n_max, calibrated, p_min, None, n_alt)
+        real = super().draft(id_last, n_max, calibrated, p_min, None, n_alt, seeing(native, ps))
         t0 = time.perf_counter()
         start = self._follow(id_last)
         self.steps += len(real.confs)

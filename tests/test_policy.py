@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from array import array
 from typing import Callable
 
 import numpy as np
@@ -288,7 +289,7 @@ def test_a_drafting_cycle_pays_its_fixed_cost():
     one, four = AdaptivePolicy(costs, 1), AdaptivePolicy(CostCurve(list(GPU), 0.01, 1.0), 4)
     for policy in (one, four):
         policy.begin()
-        policy.acc.lookahead = [0.6] * policy.k_max
+        policy.acc.lookahead[:] = array("d", [0.6] * policy.k_max)
         policy.probe_wait = PROBE_MAX  # past the first cycle's probe
     assert one.plan(1) == 0 and not one.probing and four.plan(4) == 4
 

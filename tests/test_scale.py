@@ -98,8 +98,8 @@ def test_every_contender_meets_the_same_easy_and_hard_positions(pair, prompts):
     prompt and seed propose the same first draft wherever both draft from the same position (so contenders' ratios
     compare them on the same luck), and tokens after a draft the judge cut do not shift the draws."""
     class Recording(replay.ReplaySession):
-        def draft(self, id_last, n_max, judge=None, p_min=0.0, sampler=None, n_alt=0):
-            out = super().draft(id_last, n_max, judge, p_min, sampler, n_alt)
+        def draft(self, id_last, n_max, judge=None, p_min=0.0, sampler=None, n_alt=0, native=None):
+            out = super().draft(id_last, n_max, judge, p_min, sampler, n_alt, native)
             self.first[self.pending_pos + self.shift + 2] = out.tokens[:1]  # the first draft's target position
             return out
 

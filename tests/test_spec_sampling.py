@@ -390,9 +390,9 @@ class MirrorSession(Eagle3Session):
         self.history[pos0:] = list(tokens)
         super().skip(tokens, pos0)
 
-    def draft(self, id_last, n_max, judge=None, p_min=0.0, sampler=None, n_alt=0):
+    def draft(self, id_last, n_max, judge=None, p_min=0.0, sampler=None, n_alt=0, native=None):
         self._text = self.history + [id_last]
-        return super().draft(id_last, n_max, judge, p_min, sampler, n_alt)
+        return super().draft(id_last, n_max, judge, p_min, sampler, n_alt, native)
 
     def _choose(self, logits, sampler, qs, alts=None, n_alt=0):
         key = tuple(self._text)

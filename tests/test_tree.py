@@ -152,8 +152,8 @@ class SecondChoice(Eagle3Session):
     def _next_true(self, depth: int) -> int:
         return self.truth[self.pending_pos + self.shift + 1 + depth]  # id_last sits at pending_pos + shift + 1
 
-    def draft(self, id_last, n_max, judge=None, p_min=0.0, sampler=None, n_alt=0) -> Draft:
-        real = super().draft(id_last, n_max, judge, p_min, sampler, n_alt)
+    def draft(self, id_last, n_max, judge=None, p_min=0.0, sampler=None, n_alt=0, native=None) -> Draft:
+        real = super().draft(id_last, n_max, judge, p_min, sampler, n_alt, native)
         wrong = [(self._next_true(1 + i) + 1) % 49152 for i in range(len(real.tokens))]
         return dataclasses.replace(real, tokens=wrong)
 

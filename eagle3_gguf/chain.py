@@ -1,0 +1,167 @@
+"""The head's greedy draft chain in one C call (chain.c), for Eagle3Session.draft where the head's graph chooses.
+
+Between two draft steps the Python loop reads the graph's choice, asks the policy's judge and feeds the step's hidden
+state back: 50-80 us a step on a GPU machine's host, where the step's graph takes ~0.35 ms at 8B's head. chain.c runs
+the same steps and both judges (draft.py's judge_p_min and AdaptivePolicy.judge, over the policy's arrays) without
+coming back to Python until the judge stops. Where it cannot be built (no C compiler) the Python loop drafts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+from llama_cpp import llama_cpp as C
+
+from .batch import Batch
+from .cbuild import library
+from .context import Context, llama_get_embeddings_nextn_ith
+from .draft import Draft, NativeJudge
+from .errors import Eagle3Error
+from .native import require_ext
+
+_SOURCE = Path(__file__).with_name("chain.c")
+_LLAMA = ("decode", "synchronize", "get_sampled_token_ith", "get_sampled_probs_ith", "get_sampled_probs_count_ith",
+          "get_sampled_candidates_ith", "get_sampled_candidates_count_ith")
+_p = ctypes.c_void_p
+
+
+class _Chain(ctypes.Structure):
+    """chain.c's `struct chain`: llama.cpp's entry points and the head's width."""
+
+    _fields_ = [*((name, _p) for name in _LLAMA), ("nextn_ith", _p), ("n_embd", ctypes.c_int32)]
+
+
+class _Judge(ctypes.Structure):
+    """chain.c's `struct judge`."""
+
+    _fields_ = [("kind", ctypes.c_int32), ("k_max", ctypes.c_int32), ("n_bins", ctypes.c_int32),
+                ("p_min", ctypes.c_double), ("prior", ctypes.c_double), ("ema", ctypes.c_double),
+                ("r", ctypes.c_double), ("step_s", ctypes.c_double), ("prices", _p), ("hits", _p), ("seen", _p),
+                ("pool_hits", _p), ("pool_seen", _p), ("lookahead", _p), ("confs_seen", _p),
+                ("best_gain", ctypes.c_double)]
+
+
+class _Run(ctypes.Structure):
+    """chain.c's `struct chain_run`."""
+
+    _fields_ = [("row", ctypes.c_int32), ("pos", ctypes.c_int32), ("n_max", ctypes.c_int32), ("k", ctypes.c_int32),
+                ("n_alt", ctypes.c_int32), ("tokens", _p), ("confs", _p), ("alt_tokens", _p), ("alt_probs", _p),
+                ("steps", ctypes.c_int32), ("keep", ctypes.c_int32), ("t_native", ctypes.c_double),
+                ("t_steps", ctypes.c_double)]
+
+
+_unavailable: str | None = None  # why chain.c cannot be built or loaded in this process, once found
+
+
+def available() -> bool:
+    """Whether drafts can run in one C call here: chain.c builds (a C compiler, once) and libllama has the staging
+    API's pre-norm rows."""
+    global _unavailable
+    if _unavailable is None:
+        try:
+            require_ext()
+            _compiled()
+            _unavailable = ""
+        except Eagle3Error as e:
+            _unavailable = str(e)
+    return not _unavailable
+
+
+def _compiled() -> ctypes.CDLL:
+    lib = library(_SOURCE, "drafting in one call", _Chain, (("judge", _Judge), ("run", _Run)))
+    # int32_t eagle3_chain_draft(const struct chain *, struct llama_context *, llama_batch *, struct chain_run *,
+    #                            struct judge *)
+    lib.eagle3_chain_draft.argtypes = [ctypes.POINTER(_Chain), _p, ctypes.POINTER(C.llama_batch), ctypes.POINTER(_Run),
+                                       ctypes.POINTER(_Judge)]
+    lib.eagle3_chain_draft.restype = ctypes.c_int32
+    return lib
+
+
+class Chain:
+    """Drafts of one head context in chain.c, through its decoder batch: the entry points, the run's buffers (grown to
+    the longest draft) and the call's arguments, made once (a draft's Python around the call is what it saves)."""
+
+    def __init__(self, ctx: Context, batch: Batch):
+        if not available():
+            raise Eagle3Error(f"drafts cannot run in one call here: {_unavailable}")
+        self._fn = _compiled().eagle3_chain_draft
+        self._ctx = ctx
+        self._api = _Chain(n_embd=ctx.model.n_embd, nextn_ith=ctypes.cast(llama_get_embeddings_nextn_ith, _p))
+        for name in _LLAMA:
+            setattr(self._api, name, ctypes.cast(getattr(C._lib, f"llama_{name}"), _p))
+        self._run = _Run()
+        self._judge = _Judge(n_bins=0)
+        self._args = (ctypes.byref(self._api), ctypes.c_void_p(ctx.ptr), ctypes.byref(batch.struct),
+                      ctypes.byref(self._run), ctypes.byref(self._judge))
+        self._size = (0, 0)
+        self._grow(8, 0)
+
+    def _grow(self, n_max: int, n_alt: int) -> None:
+        self._tokens = np.zeros(n_max, np.int32)  # [n_max]
+        self._confs = np.zeros(n_max, np.float64)  # [n_max]
+        self._alt_tokens = np.zeros(n_max * max(n_alt, 1), np.int32)  # [n_max, n_alt]
+        self._alt_probs = np.zeros(n_max * max(n_alt, 1), np.float64)  # [n_max, n_alt]
+        r = self._run
+        r.tokens, r.confs = self._tokens.ctypes.data, self._confs.ctypes.data
+        r.alt_tokens, r.alt_probs = self._alt_tokens.ctypes.data, self._alt_probs.ctypes.data
+        self._size = (n_max, n_alt)
+
+    def draft(self, row: int, pos: int, n_max: int, k: int, n_alt: int, judge: NativeJudge) -> tuple[Draft, float]:
+        """Eagle3Session.draft's loop from the seed's decode on (the batch holds it at `row`, head position `pos`), the
+        graph choosing k tokens a step: the Draft and the seconds of its steps after the first. The judge's arrays
+        (the adaptive policy's) are updated in place; judge.done is told what it decided."""
+        if n_max > self._size[0] or n_alt > self._size[1]:
+            self._grow(max(n_max, self._size[0]), max(n_alt, self._size[1]))
+        run, j = self._run, self._judge
+        run.row, run.pos, run.n_max, run.k, run.n_alt = row, pos, n_max, k, n_alt
+        seen = None
+        if judge.confs_seen is not None:
+            seen = np.asarray(judge.confs_seen[:n_max], np.float64)  # [n_max]
+            if len(seen) < n_max:
+                raise Eagle3Error(f"{len(seen)} confidences for the judge to see in a draft of up to {n_max}")
+        j.confs_seen = seen.ctypes.data if seen is not None else None
+        if judge.hits is None:
+            j.kind, j.p_min = 0, judge.p_min
+            prices = None
+        else:
+            prices = np.asarray(judge.prices, np.float64)  # [k_max + 1]
+            hits, seen, pool_hits, pool_seen = judge.hits, judge.seen, judge.pool_hits, judge.pool_seen
+            j.k_max, j.n_bins = len(judge.lookahead), len(pool_hits)
+            if len(hits) != j.k_max * j.n_bins or len(seen) != len(hits) or len(pool_seen) != j.n_bins:
+                raise Eagle3Error(f"an adaptive judge's tables of {len(hits)} and {len(pool_hits)} counts over "
+                                  f"{j.k_max} positions")
+            j.hits, j.seen = hits.buffer_info()[0], seen.buffer_info()[0]
+            j.pool_hits, j.pool_seen = pool_hits.buffer_info()[0], pool_seen.buffer_info()[0]
+            j.lookahead = judge.lookahead.buffer_info()[0]
+            if n_max > j.k_max or len(prices) <= n_max:
+                raise Eagle3Error(f"a draft of up to {n_max} judged over {j.k_max} positions and {len(prices)} prices")
+            j.kind, j.prior, j.ema, j.r, j.step_s = 1, judge.prior, judge.ema, judge.r, judge.step_s
+            j.prices = prices.ctypes.data
+        self._ctx._live()  # raises where the context was closed (the struct holds its raw pointer)
+        rc = self._fn(*self._args)
+        self._ctx.ran(run.t_native, run.steps > 0)
+        if rc != 0:
+            raise Eagle3Error(_failure(rc))
+        steps, a = run.steps, n_alt
+        tokens = self._tokens[:run.keep].tolist()
+        confs = self._confs[:steps].tolist()
+        draft = Draft(tokens, confs)
+        if a:
+            alt_t, alt_p = self._alt_tokens[:steps * a].tolist(), self._alt_probs[:steps * a].tolist()
+            draft.alt_tokens = [alt_t[i * a:(i + 1) * a] for i in range(steps)]
+            draft.alt_probs = [alt_p[i * a:(i + 1) * a] for i in range(steps)]
+        if judge.done is not None:
+            judge.done(steps, run.keep, j.best_gain)
+        return draft, run.t_steps
+
+
+def _failure(rc: int) -> str:
+    if rc <= -300000:
+        return f"no pre-norm hidden state for batch row {-300000 - rc}"
+    if rc <= -200000:
+        return "chain.c refused the draft's settings"
+    if rc <= -100000:
+        return f"no tokens chosen in the graph for batch row {-100000 - rc}"
+    return f"llama_decode failed (rc={rc}): the context may be full (raise -c)"

@@ -1,0 +1,123 @@
+"""chain.c: a draft's steps in one C call, against Eagle3Session.draft's Python loop on the same head state."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from eagle3_gguf import chain
+from eagle3_gguf.batch import Batch
+from eagle3_gguf.draft import NativeJudge, seeing
+from eagle3_gguf.errors import Eagle3Error
+from eagle3_gguf.pair import PairConfig, load_pair
+from eagle3_gguf.policy import N_BINS, AdaptivePolicy, CostCurve, FixedPolicy
+from eagle3_gguf.session import Eagle3Session
+from eagle3_gguf.tokens import tokenize
+
+pytestmark = pytest.mark.skipif(not chain.available(), reason="chain.c needs a C compiler here")
+
+PROMPT = "Once upon a time, in a small village, there lived an old clockmaker who"
+
+
+def adaptive(k_max: int) -> AdaptivePolicy:
+    """The adaptive policy on cheap rows (a GPU's shape of curve), its tables saying a draft is kept about as often as
+    its confidence says, a little less further on."""
+    rows = [1.0, 1.1, 1.25, 1.45, 1.7, 2.0, 2.35, 2.75, 3.2]
+    policy = AdaptivePolicy(CostCurve([3e-3 * x for x in rows], 0.3e-3, 0.2e-3, "given", frozen=True), k_max)
+    acc = policy.acc
+    for i in range(k_max):
+        for b in range(N_BINS):
+            acc.hits[i * N_BINS + b] = 100.0 * (b + 0.5) / N_BINS * (1.0 - 0.03 * i)
+            acc.seen[i * N_BINS + b] = 100.0
+    return policy
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny_target, tiny_head, tiny_head_d2t):
+    with load_pair(tiny_target, tiny_head, PairConfig(n_ctx=512, n_batch=64)) as a, \
+            load_pair(tiny_target, tiny_head_d2t, PairConfig(n_ctx=512, n_batch=64)) as b:
+        yield {"tiny_head": a, "tiny_head_d2t": b}
+
+
+def drafts_both_ways(pair, k: int, n_max: int, n_alt: int, policies: list, seen: list[float] | None = None):
+    """The same draft (after the same prompt and a warm-up draft) by the Python loop, then by chain.c, each judged by
+    its own policy: the two (draft, the next draft after it) pairs."""
+    with Eagle3Session(pair.target, pair.head) as s, Batch(64) as b:
+        assert s.choose_in_graph(k)
+        prompt = tokenize(pair.target_model, PROMPT)
+        s.reset()
+        pair.target.clear()
+        b.set(prompt, 0, logits="last")
+        pair.target.decode(b)
+        s.process(prompt, 0)
+        s.draft(17, 1)  # the prompt's pairs go with this seed; each draft below seeds alone, from the same cache
+        s.accept(0)
+        out = []
+        for policy, native in zip(policies, (False, True)):
+            judge = policy.judge if seen is None else (lambda confs, n, j=policy.judge: j(seen[:len(confs)], n))
+            factory = seeing(policy.native_judge, seen) if seen is not None else policy.native_judge
+            d = s.draft(17, n_max, judge, n_alt=n_alt, native=factory if native else None)
+            s.accept(0)  # back to the cache before the draft: the seed's pair, nothing after it
+            nxt = s.draft(17, 2)
+            s.accept(0)
+            out.append((d, nxt))
+        return out
+
+
+@pytest.mark.parametrize("head", ["tiny_head", "tiny_head_d2t"])
+@pytest.mark.parametrize("k, n_alt", [(1, 0), (4, 3)])
+def test_a_fixed_policys_draft_in_one_call_is_the_python_loops(pairs, head, k, n_alt):
+    """judge_p_min's rule (p_min 0: every step; 0.5: the random head stops early): the same tokens, top
+    probabilities and runner-ups (likeliest first), and the head's cache after."""
+    for p_min in (0.0, 0.5):
+        policies = [FixedPolicy(5, p_min), FixedPolicy(5, p_min)]
+        (py, py_next), (c, c_next) = drafts_both_ways(pairs[head], k, 5, n_alt, policies)
+        assert (c.tokens, c.confs, c.alt_tokens, c.alt_probs) == (py.tokens, py.confs, py.alt_tokens, py.alt_probs)
+        assert (c_next.tokens, c_next.confs) == (py_next.tokens, py_next.confs)
+        assert len(c.alt_tokens) == (len(c.confs) if n_alt else 0)
+        assert all(sorted(alts, reverse=True) == alts and alts[0] <= conf for alts, conf in zip(c.alt_probs, c.confs))
+        if p_min == 0.0:
+            assert len(c.tokens) == len(c.confs) == 5
+        else:  # stopped at the first step under p_min, its draft cut
+            assert len(c.tokens) == len(c.confs) - 1 and c.confs[-1] < p_min <= min(c.confs[:-1], default=1.0)
+
+
+@pytest.mark.parametrize("head", ["tiny_head", "tiny_head_d2t"])
+@pytest.mark.parametrize("seen", [None, [0.97, 0.95, 0.93, 0.2, 0.9, 0.9], [0.97] * 6],
+                         ids=["head's", "a stop at 4", "all high"])
+def test_the_adaptive_policys_draft_in_one_call_is_the_python_loops(pairs, head, seen):
+    """AdaptivePolicy.judge's rule, on the head's confidences or on ones a replay makes it see: the same draft and
+    runner-ups, and the policy after it the same (its expected acceptances moved alike, its prediction alike)."""
+    a = adaptive(6)
+    b = copy.deepcopy(a)
+    (py, py_next), (c, c_next) = drafts_both_ways(pairs[head], 4, 6, 3, [a, b], seen)
+    assert (c.tokens, c.confs, c.alt_tokens, c.alt_probs) == (py.tokens, py.confs, py.alt_tokens, py.alt_probs)
+    assert (c_next.tokens, c_next.confs) == (py_next.tokens, py_next.confs)
+    assert list(b.acc.lookahead) == list(a.acc.lookahead) != [0.5] * 6
+    assert b._pred == a._pred and b._star_now is None
+    if seen is not None:  # the replayed confidences decide: on while they stay high, cut where one falls
+        assert len(c.confs) == (4 if seen[3] < 0.5 else 6)
+        assert len(c.tokens) == (3 if seen[3] < 0.5 else 6)
+
+
+def test_a_draft_in_one_call_times_its_steps_and_its_graphs(pairs):
+    """t_steps (the steps after the first) and the head context's native time grow as in the Python loop; a draft's
+    settings chain.c cannot take are refused before the head's state is touched."""
+    pair = pairs["tiny_head"]
+    with Eagle3Session(pair.target, pair.head) as s, Batch(64) as b:
+        assert s.choose_in_graph(2)
+        prompt = tokenize(pair.target_model, PROMPT)
+        s.reset()
+        pair.target.clear()
+        b.set(prompt, 0, logits="last")
+        pair.target.decode(b)
+        s.process(prompt, 0)
+        native0, steps0 = s.draft_ctx.t_native, s.t_steps
+        d = s.draft(17, 4, native=NativeJudge)
+        assert len(d.tokens) == 4 and s.t_steps > steps0 and s.draft_ctx.t_native > native0
+        s.accept(0)
+        pos = s.pending_pos
+        with pytest.raises(Eagle3Error, match="2 runner-ups a step from a graph that chooses 2 tokens"):
+            s.draft(17, 4, n_alt=2, native=NativeJudge)
+        assert s.pending_pos == pos
