@@ -53,10 +53,7 @@ struct judge {
     double best_gain;          /* out (kind 1): the expected drafts kept of the prefix chosen */
 };
 
-struct chain_run {
-    int32_t row;        /* the seed's row in the batch Python filled */
-    int32_t pos;        /* the seed's head position */
-    int32_t n_max;
+struct chain_run { /* the buffers a draft writes, and what it says */
     int32_t k;          /* the tokens the graph chooses a step */
     int32_t n_alt;      /* runner-ups reported a step (< k) */
     int32_t * tokens;   /* [n_max] out */
@@ -163,13 +160,16 @@ static int chosen(const struct chain * api, struct llama_context * ctx, const st
     return 0;
 }
 
-/* Returns 0; a decode's nonzero rc; or -100000 - row where the graph chose nothing for that row. */
+/* A draft of up to n_max steps from the seed's decode on (the batch holds it at `row`, head position `pos`), the graph
+ * choosing k tokens a step. Returns 0; a decode's nonzero rc; -100000 - row where the graph chose nothing for that
+ * row; -200000 for settings it cannot take; -300000 - row where no pre-norm row came back. */
 int32_t eagle3_chain_draft(const struct chain * api, struct llama_context * ctx, llama_batch * batch,
-                           struct chain_run * run, struct judge * j) {
-    int row = run->row, pos = run->pos;
+                           struct chain_run * run, struct judge * j, int32_t row, int32_t pos, int32_t n_max,
+                           int32_t k, int32_t n_alt) {
     double t_later = 0.0;
+    run->k = k, run->n_alt = n_alt;
     run->steps = 0, run->keep = 0, run->t_native = 0.0, run->t_steps = 0.0;
-    if (run->k > 64 || run->n_alt >= run->k || (j->kind == 1 && run->n_max > j->k_max)) {
+    if (k > 64 || n_alt >= k || (j->kind == 1 && n_max > j->k_max)) {
         return -200000;
     }
     for (;;) {
@@ -185,7 +185,7 @@ int32_t eagle3_chain_draft(const struct chain * api, struct llama_context * ctx,
             return -100000 - row;
         }
         run->steps = step + 1;
-        int keep = judge(j, j->confs_seen != NULL ? j->confs_seen : run->confs, step + 1, run->n_max);
+        int keep = judge(j, j->confs_seen != NULL ? j->confs_seen : run->confs, step + 1, n_max);
         if (keep >= 0) {
             run->keep = keep;
             if (t_later != 0.0) {

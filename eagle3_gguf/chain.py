@@ -9,6 +9,7 @@ coming back to Python until the judge stops. Where it cannot be built (no C comp
 from __future__ import annotations
 
 import ctypes
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -46,8 +47,8 @@ class _Judge(ctypes.Structure):
 class _Run(ctypes.Structure):
     """chain.c's `struct chain_run`."""
 
-    _fields_ = [("row", ctypes.c_int32), ("pos", ctypes.c_int32), ("n_max", ctypes.c_int32), ("k", ctypes.c_int32),
-                ("n_alt", ctypes.c_int32), ("tokens", _p), ("confs", _p), ("alt_tokens", _p), ("alt_probs", _p),
+    _fields_ = [("k", ctypes.c_int32), ("n_alt", ctypes.c_int32), ("tokens", _p), ("confs", _p), ("alt_tokens", _p),
+                ("alt_probs", _p),
                 ("steps", ctypes.c_int32), ("keep", ctypes.c_int32), ("t_native", ctypes.c_double),
                 ("t_steps", ctypes.c_double)]
 
@@ -72,9 +73,10 @@ def available() -> bool:
 def _compiled() -> ctypes.CDLL:
     lib = library(_SOURCE, "drafting in one call", _Chain, (("judge", _Judge), ("run", _Run)))
     # int32_t eagle3_chain_draft(const struct chain *, struct llama_context *, llama_batch *, struct chain_run *,
-    #                            struct judge *)
+    #                            struct judge *, int32_t row, int32_t pos, int32_t n_max, int32_t k, int32_t n_alt)
+    i32 = ctypes.c_int32
     lib.eagle3_chain_draft.argtypes = [ctypes.POINTER(_Chain), _p, ctypes.POINTER(C.llama_batch), ctypes.POINTER(_Run),
-                                       ctypes.POINTER(_Judge)]
+                                       ctypes.POINTER(_Judge), i32, i32, i32, i32, i32]
     lib.eagle3_chain_draft.restype = ctypes.c_int32
     return lib
 
@@ -97,6 +99,7 @@ class Chain:
                       ctypes.byref(self._run), ctypes.byref(self._judge))
         self._size = (0, 0)
         self._grow(8, 0)
+        self._judged: tuple = ()  # what the judge struct holds now: (judge, n_max, confs seen)
 
     def _grow(self, n_max: int, n_alt: int) -> None:
         self._tokens = np.zeros(n_max, np.int32)  # [n_max]
@@ -108,53 +111,62 @@ class Chain:
         r.alt_tokens, r.alt_probs = self._alt_tokens.ctypes.data, self._alt_probs.ctypes.data
         self._size = (n_max, n_alt)
 
-    def draft(self, row: int, pos: int, n_max: int, k: int, n_alt: int, judge: NativeJudge) -> tuple[Draft, float]:
+    def draft(self, row: int, pos: int, n_max: int, k: int, n_alt: int, judge: NativeJudge,
+              seen: list[float] | None = None) -> tuple[Draft, float]:
         """Eagle3Session.draft's loop from the seed's decode on (the batch holds it at `row`, head position `pos`), the
-        graph choosing k tokens a step: the Draft and the seconds of its steps after the first. The judge's arrays
-        (the adaptive policy's) are updated in place; judge.done is told what it decided."""
+        graph choosing k tokens a step: the Draft and the seconds of its steps after the first. The judge sees `seen`
+        where given instead of the head's confidences (a stand-in head's: Eagle3Session.judge_sees). The judge's
+        arrays (the adaptive policy's) are updated in place; judge.done is told what it decided. A draft's Python runs
+        cache-cold after the graphs, ~1 us an attribute: the struct is set only where something changed."""
         if n_max > self._size[0] or n_alt > self._size[1]:
             self._grow(max(n_max, self._size[0]), max(n_alt, self._size[1]))
-        run, j = self._run, self._judge
-        run.row, run.pos, run.n_max, run.k, run.n_alt = row, pos, n_max, k, n_alt
-        seen = None
-        if judge.confs_seen is not None:
-            seen = np.asarray(judge.confs_seen[:n_max], np.float64)  # [n_max]
-            if len(seen) < n_max:
-                raise Eagle3Error(f"{len(seen)} confidences for the judge to see in a draft of up to {n_max}")
-        j.confs_seen = seen.ctypes.data if seen is not None else None
-        if judge.hits is None:
-            j.kind, j.p_min = 0, judge.p_min
-            prices = None
-        else:
-            prices = np.asarray(judge.prices, np.float64)  # [k_max + 1]
-            hits, seen, pool_hits, pool_seen = judge.hits, judge.seen, judge.pool_hits, judge.pool_seen
-            j.k_max, j.n_bins = len(judge.lookahead), len(pool_hits)
-            if len(hits) != j.k_max * j.n_bins or len(seen) != len(hits) or len(pool_seen) != j.n_bins:
-                raise Eagle3Error(f"an adaptive judge's tables of {len(hits)} and {len(pool_hits)} counts over "
-                                  f"{j.k_max} positions")
-            j.hits, j.seen = hits.buffer_info()[0], seen.buffer_info()[0]
-            j.pool_hits, j.pool_seen = pool_hits.buffer_info()[0], pool_seen.buffer_info()[0]
-            j.lookahead = judge.lookahead.buffer_info()[0]
-            if n_max > j.k_max or len(prices) <= n_max:
-                raise Eagle3Error(f"a draft of up to {n_max} judged over {j.k_max} positions and {len(prices)} prices")
-            j.kind, j.prior, j.ema, j.r, j.step_s = 1, judge.prior, judge.ema, judge.r, judge.step_s
-            j.prices = prices.ctypes.data
-        self._ctx._live()  # raises where the context was closed (the struct holds its raw pointer)
-        rc = self._fn(*self._args)
-        self._ctx.ran(run.t_native, run.steps > 0)
+        j = self._judge
+        last = self._judged
+        if not last or last[0] is not judge or last[1] < n_max or last[2] != seen:  # a policy's judge stays
+            self._set_judge(judge, n_max, seen)
+        if judge.hits is not None:  # the adaptive judge's prices move cycle by cycle
+            prices = self._prices = array("d", judge.prices)  # [k_max + 1]
+            if len(prices) <= n_max:
+                raise Eagle3Error(f"a draft of up to {n_max} judged at {len(prices)} prices")
+            j.r, j.step_s, j.prices = judge.r, judge.step_s, prices.buffer_info()[0]
+        ctx, run = self._ctx, self._run
+        ctx._live()  # raises where the context was closed (the struct holds its raw pointer)
+        rc = self._fn(*self._args, row, pos, n_max, k, n_alt)
+        steps, keep = run.steps, run.keep
+        ctx.ran(run.t_native, steps > 0)
         if rc != 0:
             raise Eagle3Error(_failure(rc))
-        steps, a = run.steps, n_alt
-        tokens = self._tokens[:run.keep].tolist()
-        confs = self._confs[:steps].tolist()
-        draft = Draft(tokens, confs)
-        if a:
+        draft = Draft(self._tokens[:keep].tolist(), self._confs[:steps].tolist())
+        if n_alt:
+            a = n_alt
             alt_t, alt_p = self._alt_tokens[:steps * a].tolist(), self._alt_probs[:steps * a].tolist()
             draft.alt_tokens = [alt_t[i * a:(i + 1) * a] for i in range(steps)]
             draft.alt_probs = [alt_p[i * a:(i + 1) * a] for i in range(steps)]
         if judge.done is not None:
-            judge.done(steps, run.keep, j.best_gain)
+            judge.done(steps, keep, j.best_gain)
         return draft, run.t_steps
+
+    def _set_judge(self, judge: NativeJudge, n_max: int, seen: list[float] | None) -> None:
+        j = self._judge
+        if seen is not None and len(seen) < n_max:
+            raise Eagle3Error(f"{len(seen)} confidences for the judge to see in a draft of up to {n_max}")
+        self._seen = array("d", seen) if seen is not None else None  # [n_max]: kept while the struct points at it
+        j.confs_seen = self._seen.buffer_info()[0] if seen is not None else None
+        if judge.hits is None:
+            j.kind, j.p_min = 0, judge.p_min
+        else:
+            hits, counts, pool_hits, pool_seen = judge.hits, judge.seen, judge.pool_hits, judge.pool_seen
+            j.k_max, j.n_bins = len(judge.lookahead), len(pool_hits)
+            if len(hits) != j.k_max * j.n_bins or len(counts) != len(hits) or len(pool_seen) != j.n_bins:
+                raise Eagle3Error(f"an adaptive judge's tables of {len(hits)} and {len(pool_hits)} counts over "
+                                  f"{j.k_max} positions")
+            if n_max > j.k_max:
+                raise Eagle3Error(f"a draft of up to {n_max} judged over {j.k_max} positions")
+            j.hits, j.seen = hits.buffer_info()[0], counts.buffer_info()[0]
+            j.pool_hits, j.pool_seen = pool_hits.buffer_info()[0], pool_seen.buffer_info()[0]
+            j.lookahead = judge.lookahead.buffer_info()[0]
+            j.kind, j.prior, j.ema = 1, judge.prior, judge.ema
+        self._judged = (judge, n_max, seen)
 
 
 def _failure(rc: int) -> str:

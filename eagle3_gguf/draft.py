@@ -3,7 +3,6 @@ and plan with it, draft trees are built from it: a module of its own, so that no
 
 from __future__ import annotations
 
-import copy
 from array import array
 from dataclasses import dataclass, field
 from typing import Callable
@@ -35,12 +34,13 @@ def judge_p_min(confs: list[float], n_max: int, p_min: float) -> int:
     return i if i >= n_max else -1
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class NativeJudge:
     """A drafting policy's judge as chain.c runs it between draft steps (Eagle3Session.draft where the head's graph
     chooses): judge_p_min's rule, or, given the adaptive policy's Acceptance arrays, AdaptivePolicy.judge's, which
     updates `lookahead` in place as the Python judge does. `done(steps, keep, best_gain)` then tells the policy what
-    the judge's last call decided (best_gain: the expected drafts kept of the prefix chosen)."""
+    the judge's last call decided (best_gain: the expected drafts kept of the prefix chosen). A policy keeps one, so
+    that chain.c's struct is set once, not at every draft."""
 
     p_min: float = 0.0
     hits: array | None = None  # [K_max * N_BINS] doubles: position i's bins at i * N_BINS
@@ -54,17 +54,3 @@ class NativeJudge:
     prices: list[float] = field(default_factory=list)  # [K_max + 1]: verifying 1.. rows this cycle
     step_s: float = 0.0
     done: Callable[[int, int, float], None] | None = None
-    confs_seen: list[float] | None = None  # what the judge sees instead of the head's confidences (a replay)
-
-
-def seeing(native: Callable[[], NativeJudge] | None, confs: list[float]) -> Callable[[], NativeJudge] | None:
-    """`native` (Eagle3Session.draft's) making judges that see `confs` instead of the head's confidences: for a head
-    standing in for another that reports calibrated ones (a benchmark's replay, a test's oracle)."""
-    if native is None:
-        return None
-
-    def make() -> NativeJudge:
-        judge = copy.copy(native())  # the policy's may be kept from draft to draft
-        judge.confs_seen = confs
-        return judge
-    return make

@@ -335,7 +335,7 @@ class Acceptance:
         return (self.hits[at] + PRIOR_COUNT * pooled) / (self.seen[at] + PRIOR_COUNT)
 
     def native_judge(self, **kw) -> NativeJudge:
-        """AdaptivePolicy.judge's rule over these arrays, for chain.c (kw: the cycle's rate, prices, step, done)."""
+        """AdaptivePolicy.judge's rule over these arrays, for chain.c (kw: the policy's `done`)."""
         return NativeJudge(hits=self.hits, seen=self.seen, pool_hits=self.pool_hits, pool_seen=self.pool_seen,
                            lookahead=self.lookahead, prior=PRIOR_COUNT, ema=LOOKAHEAD_EMA, **kw)
 
@@ -494,6 +494,7 @@ class AdaptivePolicy:
         # before they would fall out of its catch-up window anyway (copying them costs a plain cycle ~1%)
         self.keep_rows = True
         self.acc = Acceptance(k_max)
+        self._native = self.acc.native_judge(done=self._judged)  # chain.c's judge over acc's arrays
         self.lookup_acc = LookupAcceptance(max(lookup_max, 1))
         self.rate = 1.0 / costs.verify(1)  # realised tokens/s, a running mean
         self.probe_wait = PROBE_MIN  # plain cycles until the next probe
@@ -749,7 +750,9 @@ class AdaptivePolicy:
 
     def native_judge(self) -> NativeJudge:
         """judge() as chain.c runs it, at this cycle's prices; _judged() takes what its last call decided."""
-        return self.acc.native_judge(r=self._r(), prices=self._prices(), step_s=self.costs.step_s, done=self._judged)
+        j = self._native
+        j.r, j.prices, j.step_s = self._r(), self._prices(), self.costs.step_s
+        return j
 
     def _judged(self, steps: int, keep: int, best_gain: float) -> None:
         """What judge() leaves behind after its last call (steps drafted, keep verified), from chain.c's judge."""

@@ -133,6 +133,9 @@ class Eagle3Session:
     # a step's price as the loop pays it, which a calibration of warm repeated drafts reads low on a GPU (0.52 ms
     # against 0.43 at 8B's head on an H200: bench/NOTES.md, scale-gpu ninth session)
     t_steps = 0.0
+    # the confidences a stand-in head (a benchmark's replay, a test's oracle) reports for its steps instead of the real
+    # head's, which its own judge wrapper shows the policy: chain.c's judge sees these
+    judge_sees: list[float] | None = None
 
     def __init__(self, target: Context, draft: Context, target_layers: list[int] | None = None,
                  window: int = CATCH_UP_WINDOW):
@@ -514,7 +517,7 @@ class Eagle3Session:
         # in chain.c where it was built (an EAGLE-3 head: 3.1's norm_output is applied in numpy) and the head's calls
         # are not wrapped (Context.runner: an emulation)
         if native is not None and in_graph and self._chain is not None and ctx.runner is None:
-            out, t_steps = self._chain.draft(row, self.pending_pos, n_max, k, n_alt, native())
+            out, t_steps = self._chain.draft(row, self.pending_pos, n_max, k, n_alt, native(), self.judge_sees)
             self.t_steps += t_steps
             return out
         p = self.pending_pos

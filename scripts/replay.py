@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 
 from eagle3_gguf.errors import Eagle3Error
-from eagle3_gguf.draft import Draft, judge_p_min, seeing
+from eagle3_gguf.draft import Draft, judge_p_min
 from eagle3_gguf.session import Eagle3Session
 from eagle3_gguf.tree import DraftTree
 
@@ -163,7 +163,8 @@ class ReplaySession(Eagle3Session):
         inner = judge if judge is not None else lambda confs, n: judge_p_min(confs, n, p_min)  # noqa: E731
         ps = [prof.p(i) for i in range(n_max)]  # once a draft: the judge runs inside every step, in the run's Python
         calibrated = lambda confs, n: inner(ps[:len(confs)], n)  # noqa: E731
-        real = super().draft(id_last, n_max, calibrated, p_min, None, n_alt, seeing(native, ps))
+        self.judge_sees = ps
+        real = super().draft(id_last, n_max, calibrated, p_min, None, n_alt, native)
         t0 = time.perf_counter()
         start = self._follow(id_last)
         self.steps += len(real.confs)

@@ -8,7 +8,7 @@ import dataclasses
 import itertools
 
 from eagle3_gguf.policy import CostCurve
-from eagle3_gguf.draft import Draft, seeing
+from eagle3_gguf.draft import Draft
 from eagle3_gguf.session import Eagle3Session
 
 # What verifying 1..17 rows costs, in one-row units: SmolLM2 Q4_1 on 2 CPU cores (bench/NOTES.md: 2 rows
@@ -42,7 +42,7 @@ class OracleSession(Eagle3Session):
         if self.confident and judge is not None:
             policy_judge = judge
             judge = lambda confs, n: policy_judge([0.99] * len(confs), n)  # noqa: E731
-            native = seeing(native, [0.99] * n_max)
+            self.judge_sees = [0.99] * n_max
         real = super().draft(id_last, n_max, judge, p_min, sampler, n_alt, native)
         confs = [0.99] * len(real.confs) if self.confident else real.confs
         start = self.pending_pos + self.shift + 2  # id_last sits at target position pending_pos + shift + 1

@@ -8,7 +8,7 @@ import pytest
 
 from eagle3_gguf import chain
 from eagle3_gguf.batch import Batch
-from eagle3_gguf.draft import NativeJudge, seeing
+from eagle3_gguf.draft import NativeJudge
 from eagle3_gguf.errors import Eagle3Error
 from eagle3_gguf.pair import PairConfig, load_pair
 from eagle3_gguf.policy import N_BINS, AdaptivePolicy, CostCurve, FixedPolicy
@@ -54,10 +54,10 @@ def drafts_both_ways(pair, k: int, n_max: int, n_alt: int, policies: list, seen:
         s.draft(17, 1)  # the prompt's pairs go with this seed; each draft below seeds alone, from the same cache
         s.accept(0)
         out = []
+        s.judge_sees = seen  # a stand-in head's confidences, as a replay reports them
         for policy, native in zip(policies, (False, True)):
             judge = policy.judge if seen is None else (lambda confs, n, j=policy.judge: j(seen[:len(confs)], n))
-            factory = seeing(policy.native_judge, seen) if seen is not None else policy.native_judge
-            d = s.draft(17, n_max, judge, n_alt=n_alt, native=factory if native else None)
+            d = s.draft(17, n_max, judge, n_alt=n_alt, native=policy.native_judge if native else None)
             s.accept(0)  # back to the cache before the draft: the seed's pair, nothing after it
             nxt = s.draft(17, 2)
             s.accept(0)
