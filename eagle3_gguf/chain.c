@@ -1,8 +1,9 @@
 /* The head's greedy draft chain in one call: decode, read the graph's choice (choice.c), judge, feed the step's
- * pre-norm hidden state back, again, with no Python between steps (each step's Python cost 50-80 us where the step's
- * graph takes ~0.35 ms on a GPU: bench/NOTES.md "chain"). Eagle3Session.draft's loop, the same steps in the same
- * order; the judges are draft.py's judge_p_min and AdaptivePolicy.judge, written again here over the policy's own
- * arrays (Acceptance's), which this call updates in place as the Python judge does.
+ * pre-norm hidden state back, again, with no Python between steps (a step's Python, cache-cold, cost ~35 us on a
+ * 2-core EPYC with runner-ups, where the step's graph takes ~0.35 ms on a GPU: bench/NOTES.md "chain").
+ * Eagle3Session.draft's loop, the same steps in the same order; the judges are draft.py's judge_p_min and
+ * AdaptivePolicy.judge, written again here over the policy's own arrays (Acceptance's), which this call updates in
+ * place as the Python judge does.
  * Built once by eagle3_gguf/chain.py with the system C compiler (cbuild.py); it calls llama.cpp through the function
  * pointers `struct chain` holds, so it links against nothing. */
 #include <stdint.h>
@@ -10,6 +11,8 @@
 #include <time.h>
 
 struct llama_context;
+
+#define CHOICE_MAX 64 /* the most tokens the graph may choose a step (chain.py's CHOICE_MAX) */
 
 typedef struct llama_batch { /* llama.h's, at the pinned llama.cpp */
     int32_t n_tokens;
@@ -61,6 +64,7 @@ struct chain_run { /* the buffers a draft writes, and what it says */
     int32_t * alt_tokens; /* [n_max, n_alt] out, the likeliest first */
     double * alt_probs;   /* [n_max, n_alt] out */
     int32_t steps;      /* out: steps run */
+    int32_t decoded;    /* out: whether a decode succeeded (its outputs are there to read) */
     int32_t keep;       /* out: drafts to verify */
     double t_native;    /* out: seconds in decode + synchronize */
     double t_steps;     /* out: seconds from the second step's start to the end */
@@ -113,14 +117,11 @@ static int judge(struct judge * j, const double * confs, int n, int n_max) {
         }
     }
     saw_step(j, n - 1, prob(j, n - 1, last));
-    double ahead[64];
-    int n_ahead = j->k_max - n < 64 ? j->k_max - n : 64;
-    for (int t = 0; t < n_ahead; t++) {
-        ahead[t] = prob(j, n + t, last);
-        saw_step(j, n + t, ahead[t]);
+    for (int t = n; t < j->k_max; t++) {
+        saw_step(j, t, prob(j, t, last));
     }
-    for (int t = n + 1; t <= n_max && t - n - 1 < n_ahead; t++) { /* drafting on, at the last step's acceptance */
-        reach *= ahead[t - n - 1];
+    for (int t = n + 1; t <= n_max; t++) { /* drafting on, at the last step's acceptance (prob reads no lookahead) */
+        reach *= prob(j, t - 1, last);
         gain += reach;
         if (gain - j->r * (c[t] + (double) (t - n) * j->step_s) > best_v) {
             return -1;
@@ -142,7 +143,7 @@ static int chosen(const struct chain * api, struct llama_context * ctx, const st
     const float * p = api->sampled_probs(ctx, row);
     int32_t one;
     const int32_t * ids = k > 1 ? api->sampled_candidates(ctx, row) : (one = api->sampled_token(ctx, row), &one);
-    int order[64];
+    int order[CHOICE_MAX];
     for (int i = 0; i < k; i++) { /* insertion sort, likeliest first; ties keep the graph's order (Python's sorted) */
         int t = i;
         while (t > 0 && p[order[t - 1]] < p[i]) {
@@ -162,14 +163,15 @@ static int chosen(const struct chain * api, struct llama_context * ctx, const st
 
 /* A draft of up to n_max steps from the seed's decode on (the batch holds it at `row`, head position `pos`), the graph
  * choosing k tokens a step. Returns 0; a decode's nonzero rc; -100000 - row where the graph chose nothing for that
- * row; -200000 for settings it cannot take; -300000 - row where no pre-norm row came back. */
+ * row; -200000 for settings it cannot take (chain.py checks them first); -300000 - row where no pre-norm row came
+ * back; -400000 - step where a confidence the judge would see is not a probability (a bin's index out of range). */
 int32_t eagle3_chain_draft(const struct chain * api, struct llama_context * ctx, llama_batch * batch,
                            struct chain_run * run, struct judge * j, int32_t row, int32_t pos, int32_t n_max,
                            int32_t k, int32_t n_alt) {
     double t_later = 0.0;
     run->k = k, run->n_alt = n_alt;
-    run->steps = 0, run->keep = 0, run->t_native = 0.0, run->t_steps = 0.0;
-    if (k > 64 || n_alt >= k || (j->kind == 1 && n_max > j->k_max)) {
+    run->steps = 0, run->decoded = 0, run->keep = 0, run->t_native = 0.0, run->t_steps = 0.0;
+    if (k > CHOICE_MAX || n_alt >= k || (j->kind == 1 && n_max > j->k_max)) {
         return -200000;
     }
     for (;;) {
@@ -180,12 +182,17 @@ int32_t eagle3_chain_draft(const struct chain * api, struct llama_context * ctx,
         if (rc != 0) {
             return rc;
         }
+        run->decoded = 1;
         const int step = run->steps;
         if (chosen(api, ctx, run, row, step) != 0) {
             return -100000 - row;
         }
         run->steps = step + 1;
-        int keep = judge(j, j->confs_seen != NULL ? j->confs_seen : run->confs, step + 1, n_max);
+        const double * confs = j->confs_seen != NULL ? j->confs_seen : run->confs;
+        if (!(confs[step] >= 0.0 && confs[step] <= 1.0)) { /* NaN included */
+            return -400000 - step;
+        }
+        int keep = judge(j, confs, step + 1, n_max);
         if (keep >= 0) {
             run->keep = keep;
             if (t_later != 0.0) {

@@ -1,7 +1,8 @@
 """The head's greedy draft chain in one C call (chain.c), for Eagle3Session.draft where the head's graph chooses.
 
 Between two draft steps the Python loop reads the graph's choice, asks the policy's judge and feeds the step's hidden
-state back: 50-80 us a step on a GPU machine's host, where the step's graph takes ~0.35 ms at 8B's head. chain.c runs
+state back: ~35 us a step with runner-ups on a 2-core EPYC (cache-cold, right after the step's graph), where the
+step's graph takes ~0.35 ms at 8B's head on a GPU (bench/NOTES.md "chain"). chain.c runs
 the same steps and both judges (draft.py's judge_p_min and AdaptivePolicy.judge, over the policy's arrays) without
 coming back to Python until the judge stops. Where it cannot be built (no C compiler) the Python loop drafts.
 """
@@ -23,6 +24,7 @@ from .errors import Eagle3Error
 from .native import require_ext
 
 _SOURCE = Path(__file__).with_name("chain.c")
+CHOICE_MAX = 64  # the most tokens the graph may choose a step for chain.c (its CHOICE_MAX); more draft in Python
 _LLAMA = ("decode", "synchronize", "get_sampled_token_ith", "get_sampled_probs_ith", "get_sampled_probs_count_ith",
           "get_sampled_candidates_ith", "get_sampled_candidates_count_ith")
 _p = ctypes.c_void_p
@@ -48,9 +50,8 @@ class _Run(ctypes.Structure):
     """chain.c's `struct chain_run`."""
 
     _fields_ = [("k", ctypes.c_int32), ("n_alt", ctypes.c_int32), ("tokens", _p), ("confs", _p), ("alt_tokens", _p),
-                ("alt_probs", _p),
-                ("steps", ctypes.c_int32), ("keep", ctypes.c_int32), ("t_native", ctypes.c_double),
-                ("t_steps", ctypes.c_double)]
+                ("alt_probs", _p), ("steps", ctypes.c_int32), ("decoded", ctypes.c_int32), ("keep", ctypes.c_int32),
+                ("t_native", ctypes.c_double), ("t_steps", ctypes.c_double)]
 
 
 _unavailable: str | None = None  # why chain.c cannot be built or loaded in this process, once found
@@ -83,7 +84,8 @@ def _compiled() -> ctypes.CDLL:
 
 class Chain:
     """Drafts of one head context in chain.c, through its decoder batch: the entry points, the run's buffers (grown to
-    the longest draft) and the call's arguments, made once (a draft's Python around the call is what it saves)."""
+    the longest draft) and the call's arguments, made once. A draft's Python around the call runs cache-cold after the
+    graphs, ~1 us an attribute, so the judge's struct is set only where its judge, tables or settings changed."""
 
     def __init__(self, ctx: Context, batch: Batch):
         if not available():
@@ -99,7 +101,8 @@ class Chain:
                       ctypes.byref(self._run), ctypes.byref(self._judge))
         self._size = (0, 0)
         self._grow(8, 0)
-        self._judged: tuple = ()  # what the judge struct holds now: (judge, n_max, confs seen)
+        self._judged: tuple = ()  # what the judge struct was set from: (judge, n_max, seen, its tables)
+        self._pins: list[memoryview] = []  # the buffers the struct points at, held (an array cannot be resized then)
 
     def _grow(self, n_max: int, n_alt: int) -> None:
         self._tokens = np.zeros(n_max, np.int32)  # [n_max]
@@ -111,31 +114,72 @@ class Chain:
         r.alt_tokens, r.alt_probs = self._alt_tokens.ctypes.data, self._alt_probs.ctypes.data
         self._size = (n_max, n_alt)
 
-    def draft(self, row: int, pos: int, n_max: int, k: int, n_alt: int, judge: NativeJudge,
-              seen: list[float] | None = None) -> tuple[Draft, float]:
-        """Eagle3Session.draft's loop from the seed's decode on (the batch holds it at `row`, head position `pos`), the
-        graph choosing k tokens a step: the Draft and the seconds of its steps after the first. The judge sees `seen`
-        where given instead of the head's confidences (a stand-in head's: Eagle3Session.judge_sees). The judge's
-        arrays (the adaptive policy's) are updated in place; judge.done is told what it decided. A draft's Python runs
-        cache-cold after the graphs, ~1 us an attribute: the struct is set only where something changed."""
+    def prepare(self, n_max: int, k: int, n_alt: int, judge: NativeJudge, seen: list[float] | None = None) -> None:
+        """Check and set what a draft of up to n_max steps needs, the graph choosing k tokens a step, before the head's
+        state is touched (draft() follows): every refusal is here. The judge sees `seen` where given instead of the
+        head's confidences (a stand-in head's: Eagle3Session.judge_sees)."""
+        if not 0 <= n_alt < k <= CHOICE_MAX:
+            raise Eagle3Error(f"a draft in chain.c of {n_alt} runner-ups a step, the graph choosing {k} tokens: "
+                              f"at most {CHOICE_MAX}, more than the runner-ups")
         if n_max > self._size[0] or n_alt > self._size[1]:
             self._grow(max(n_max, self._size[0]), max(n_alt, self._size[1]))
-        j = self._judge
+        seen = tuple(seen) if seen is not None else None
+        tables = (judge.hits, judge.seen, judge.pool_hits, judge.pool_seen, judge.lookahead)
         last = self._judged
-        if not last or last[0] is not judge or last[1] < n_max or last[2] != seen:  # a policy's judge stays
-            self._set_judge(judge, n_max, seen)
+        if not last or last[0] is not judge or last[1] < n_max or last[2] != seen or \
+                any(a is not b for a, b in zip(last[3], tables)):  # a policy's judge and tables stay
+            self._set_judge(judge, n_max, seen, tables)
         if judge.hits is not None:  # the adaptive judge's prices move cycle by cycle
-            prices = self._prices = array("d", judge.prices)  # [k_max + 1]
-            if len(prices) <= n_max:
-                raise Eagle3Error(f"a draft of up to {n_max} judged at {len(prices)} prices")
+            if len(judge.prices) <= n_max:
+                raise Eagle3Error(f"a draft of up to {n_max} judged at {len(judge.prices)} prices")
+            j = self._judge
+            self._prices = prices = array("d", judge.prices)  # [k_max + 1]
             j.r, j.step_s, j.prices = judge.r, judge.step_s, prices.buffer_info()[0]
+
+    def _set_judge(self, judge: NativeJudge, n_max: int, seen: tuple[float, ...] | None, tables: tuple) -> None:
+        j = self._judge
+        if seen is not None and (len(seen) < n_max or not all(0.0 <= c <= 1.0 for c in seen)):
+            raise Eagle3Error(f"the judge is to see {len(seen)} confidences in a draft of up to {n_max}, each a "
+                              "probability")
+        pins = []
+        if judge.hits is None:
+            j.kind, j.p_min = 0, judge.p_min
+        else:
+            hits, counts, pool_hits, pool_seen, lookahead = tables
+            k_max, n_bins = len(lookahead), len(pool_hits)
+            if len(hits) != k_max * n_bins or len(counts) != len(hits) or len(pool_seen) != n_bins:
+                raise Eagle3Error(f"an adaptive judge's tables of {len(hits)} and {len(pool_hits)} counts over "
+                                  f"{k_max} positions")
+            if n_max > k_max:
+                raise Eagle3Error(f"a draft of up to {n_max} judged over {k_max} positions")
+            if any(not isinstance(a, array) or a.typecode != "d" for a in tables):
+                raise Eagle3Error("an adaptive judge's tables are arrays of doubles (array('d'))")
+            pins = [memoryview(a) for a in tables]
+            j.hits, j.seen = hits.buffer_info()[0], counts.buffer_info()[0]
+            j.pool_hits, j.pool_seen = pool_hits.buffer_info()[0], pool_seen.buffer_info()[0]
+            j.lookahead = lookahead.buffer_info()[0]
+            j.kind, j.k_max, j.n_bins, j.prior, j.ema = 1, k_max, n_bins, judge.prior, judge.ema
+        self._seen = array("d", seen) if seen is not None else None  # [n_max]: kept while the struct points at it
+        j.confs_seen = self._seen.buffer_info()[0] if seen is not None else None
+        for pin in self._pins:
+            pin.release()
+        self._pins = pins
+        self._judged = (judge, n_max, seen, tables)
+
+    def draft(self, row: int, pos: int, n_max: int, k: int, n_alt: int, judge: NativeJudge) -> tuple[Draft, float]:
+        """Eagle3Session.draft's loop from the seed's decode on (the batch holds it at `row`, head position `pos`), as
+        prepare() set it: the Draft and the seconds of its steps after the first. The judge's arrays (the adaptive
+        policy's) are updated in place; judge.done is told what it decided (judge.changed, where a draft failed after
+        some steps had moved them)."""
         ctx, run = self._ctx, self._run
         ctx._live()  # raises where the context was closed (the struct holds its raw pointer)
         rc = self._fn(*self._args, row, pos, n_max, k, n_alt)
         steps, keep = run.steps, run.keep
-        ctx.ran(run.t_native, steps > 0)
+        ctx.ran(run.t_native, bool(run.decoded))
         if rc != 0:
-            raise Eagle3Error(_failure(rc))
+            if steps and judge.changed is not None:
+                judge.changed()
+            raise Eagle3Error(_failure(rc, k, n_alt, n_max))
         draft = Draft(self._tokens[:keep].tolist(), self._confs[:steps].tolist())
         if n_alt:
             a = n_alt
@@ -143,37 +187,17 @@ class Chain:
             draft.alt_tokens = [alt_t[i * a:(i + 1) * a] for i in range(steps)]
             draft.alt_probs = [alt_p[i * a:(i + 1) * a] for i in range(steps)]
         if judge.done is not None:
-            judge.done(steps, keep, j.best_gain)
+            judge.done(steps, keep, self._judge.best_gain)
         return draft, run.t_steps
 
-    def _set_judge(self, judge: NativeJudge, n_max: int, seen: list[float] | None) -> None:
-        j = self._judge
-        if seen is not None and len(seen) < n_max:
-            raise Eagle3Error(f"{len(seen)} confidences for the judge to see in a draft of up to {n_max}")
-        self._seen = array("d", seen) if seen is not None else None  # [n_max]: kept while the struct points at it
-        j.confs_seen = self._seen.buffer_info()[0] if seen is not None else None
-        if judge.hits is None:
-            j.kind, j.p_min = 0, judge.p_min
-        else:
-            hits, counts, pool_hits, pool_seen = judge.hits, judge.seen, judge.pool_hits, judge.pool_seen
-            j.k_max, j.n_bins = len(judge.lookahead), len(pool_hits)
-            if len(hits) != j.k_max * j.n_bins or len(counts) != len(hits) or len(pool_seen) != j.n_bins:
-                raise Eagle3Error(f"an adaptive judge's tables of {len(hits)} and {len(pool_hits)} counts over "
-                                  f"{j.k_max} positions")
-            if n_max > j.k_max:
-                raise Eagle3Error(f"a draft of up to {n_max} judged over {j.k_max} positions")
-            j.hits, j.seen = hits.buffer_info()[0], counts.buffer_info()[0]
-            j.pool_hits, j.pool_seen = pool_hits.buffer_info()[0], pool_seen.buffer_info()[0]
-            j.lookahead = judge.lookahead.buffer_info()[0]
-            j.kind, j.prior, j.ema = 1, judge.prior, judge.ema
-        self._judged = (judge, n_max, seen)
 
-
-def _failure(rc: int) -> str:
+def _failure(rc: int, k: int, n_alt: int, n_max: int) -> str:
+    if rc <= -400000:
+        return f"draft step {-400000 - rc}'s confidence is not a probability (NaN or out of [0, 1])"
     if rc <= -300000:
         return f"no pre-norm hidden state for batch row {-300000 - rc}"
     if rc <= -200000:
-        return "chain.c refused the draft's settings"
+        return f"chain.c refused a draft of up to {n_max} steps, {k} tokens chosen a step, {n_alt} runner-ups"
     if rc <= -100000:
         return f"no tokens chosen in the graph for batch row {-100000 - rc}"
     return f"llama_decode failed (rc={rc}): the context may be full (raise -c)"

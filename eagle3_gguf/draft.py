@@ -54,3 +54,4 @@ class NativeJudge:
     prices: list[float] = field(default_factory=list)  # [K_max + 1]: verifying 1.. rows this cycle
     step_s: float = 0.0
     done: Callable[[int, int, float], None] | None = None
+    changed: Callable[[], None] | None = None  # where a draft failed after steps had moved `lookahead`

@@ -335,7 +335,7 @@ class Acceptance:
         return (self.hits[at] + PRIOR_COUNT * pooled) / (self.seen[at] + PRIOR_COUNT)
 
     def native_judge(self, **kw) -> NativeJudge:
-        """AdaptivePolicy.judge's rule over these arrays, for chain.c (kw: the policy's `done`)."""
+        """AdaptivePolicy.judge's rule over these arrays, for chain.c (kw: the policy's `done` and `changed`)."""
         return NativeJudge(hits=self.hits, seen=self.seen, pool_hits=self.pool_hits, pool_seen=self.pool_seen,
                            lookahead=self.lookahead, prior=PRIOR_COUNT, ema=LOOKAHEAD_EMA, **kw)
 
@@ -494,7 +494,7 @@ class AdaptivePolicy:
         # before they would fall out of its catch-up window anyway (copying them costs a plain cycle ~1%)
         self.keep_rows = True
         self.acc = Acceptance(k_max)
-        self._native = self.acc.native_judge(done=self._judged)  # chain.c's judge over acc's arrays
+        self._native = self.acc.native_judge(done=self._judged, changed=self._changed)  # chain.c's, over acc's
         self.lookup_acc = LookupAcceptance(max(lookup_max, 1))
         self.rate = 1.0 / costs.verify(1)  # realised tokens/s, a running mean
         self.probe_wait = PROBE_MIN  # plain cycles until the next probe

@@ -513,11 +513,16 @@ class Eagle3Session:
             raise Eagle3Error(f"{n_alt} runner-ups a step from a graph that chooses {k} tokens: "
                               f"choose_in_graph({n_alt + 1})")
         ctx = self.draft_ctx
-        row = self._seed(id_last)
         # in chain.c where it was built (an EAGLE-3 head: 3.1's norm_output is applied in numpy) and the head's calls
-        # are not wrapped (Context.runner: an emulation)
-        if native is not None and in_graph and self._chain is not None and ctx.runner is None:
-            out, t_steps = self._chain.draft(row, self.pending_pos, n_max, k, n_alt, native(), self.judge_sees)
+        # are not wrapped (Context.runner: an emulation); its refusals come before the seed touches the head's state
+        steps_in_c = native is not None and in_graph and self._chain is not None and ctx.runner is None and \
+            k <= chain.CHOICE_MAX
+        if steps_in_c:
+            native_judge = native()
+            self._chain.prepare(n_max, k, n_alt, native_judge, self.judge_sees)
+        row = self._seed(id_last)
+        if steps_in_c:
+            out, t_steps = self._chain.draft(row, self.pending_pos, n_max, k, n_alt, native_judge)
             self.t_steps += t_steps
             return out
         p = self.pending_pos

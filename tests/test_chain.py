@@ -23,7 +23,7 @@ PROMPT = "Once upon a time, in a small village, there lived an old clockmaker wh
 def adaptive(k_max: int) -> AdaptivePolicy:
     """The adaptive policy on cheap rows (a GPU's shape of curve), its tables saying a draft is kept about as often as
     its confidence says, a little less further on."""
-    rows = [1.0, 1.1, 1.25, 1.45, 1.7, 2.0, 2.35, 2.75, 3.2]
+    rows = [1.0 + 0.1 * n + 0.025 * n * (n - 1) for n in range(max(k_max, 8) + 1)]  # 1.0 1.1 1.25 1.45 1.7 ...
     policy = AdaptivePolicy(CostCurve([3e-3 * x for x in rows], 0.3e-3, 0.2e-3, "given", frozen=True), k_max)
     acc = policy.acc
     for i in range(k_max):
@@ -83,18 +83,19 @@ def test_a_fixed_policys_draft_in_one_call_is_the_python_loops(pairs, head, k, n
             assert len(c.tokens) == len(c.confs) - 1 and c.confs[-1] < p_min <= min(c.confs[:-1], default=1.0)
 
 
-@pytest.mark.parametrize("head", ["tiny_head", "tiny_head_d2t"])
+@pytest.mark.parametrize("head, k_max", [("tiny_head", 6), ("tiny_head_d2t", 6), ("tiny_head", 80)])
 @pytest.mark.parametrize("seen", [None, [0.97, 0.95, 0.93, 0.2, 0.9, 0.9], [0.97] * 6],
                          ids=["head's", "a stop at 4", "all high"])
-def test_the_adaptive_policys_draft_in_one_call_is_the_python_loops(pairs, head, seen):
+def test_the_adaptive_policys_draft_in_one_call_is_the_python_loops(pairs, head, k_max, seen):
     """AdaptivePolicy.judge's rule, on the head's confidences or on ones a replay makes it see: the same draft and
-    runner-ups, and the policy after it the same (its expected acceptances moved alike, its prediction alike)."""
-    a = adaptive(6)
+    runner-ups, and the policy after it the same (its expected acceptances moved alike at every position, however
+    many it has, its prediction alike)."""
+    a = adaptive(k_max)
     b = copy.deepcopy(a)
     (py, py_next), (c, c_next) = drafts_both_ways(pairs[head], 4, 6, 3, [a, b], seen)
     assert (c.tokens, c.confs, c.alt_tokens, c.alt_probs) == (py.tokens, py.confs, py.alt_tokens, py.alt_probs)
     assert (c_next.tokens, c_next.confs) == (py_next.tokens, py_next.confs)
-    assert list(b.acc.lookahead) == list(a.acc.lookahead) != [0.5] * 6
+    assert list(b.acc.lookahead) == list(a.acc.lookahead) and len(set(a.acc.lookahead)) > 1
     assert b._pred == a._pred and b._star_now is None
     if seen is not None:  # the replayed confidences decide: on while they stay high, cut where one falls
         assert len(c.confs) == (4 if seen[3] < 0.5 else 6)
@@ -121,3 +122,40 @@ def test_a_draft_in_one_call_times_its_steps_and_its_graphs(pairs):
         with pytest.raises(Eagle3Error, match="2 runner-ups a step from a graph that chooses 2 tokens"):
             s.draft(17, 4, n_alt=2, native=NativeJudge)
         assert s.pending_pos == pos
+
+
+def test_a_draft_chain_c_refuses_leaves_the_head_as_it_was(pairs):
+    """Settings chain.c cannot judge (a draft longer than the adaptive policy's positions, too few or improbable
+    confidences to see) are refused before the seed takes the rows set aside: the next draft is the one it would have
+    been. Confidences changed in place between drafts are seen."""
+    pair = pairs["tiny_head"]
+    with Eagle3Session(pair.target, pair.head) as s, Batch(64) as b:
+        assert s.choose_in_graph(4)
+        prompt = tokenize(pair.target_model, PROMPT)
+
+        def fresh():
+            s.reset()
+            pair.target.clear()
+            b.set(prompt, 0, logits="last")
+            pair.target.decode(b)
+            s.process(prompt, 0)
+
+        fresh()
+        want = s.draft(17, 3, native=NativeJudge)
+        fresh()
+        policy = adaptive(3)
+        with pytest.raises(Eagle3Error, match="a draft of up to 5 judged over 3 positions"):
+            s.draft(17, 5, policy.judge, native=policy.native_judge)
+        for seen in ([0.9, 0.9], [0.9, 0.9, float("nan")], [0.9, 1.5, 0.9]):
+            s.judge_sees = seen
+            with pytest.raises(Eagle3Error, match="the judge is to see"):
+                s.draft(17, 3, native=NativeJudge)
+        s.judge_sees = None
+        got = s.draft(17, 3, native=NativeJudge)
+        assert (got.tokens, got.confs) == (want.tokens, want.confs)
+        s.accept(0)
+        s.judge_sees = seen = [0.9, 0.9, 0.9]
+        assert len(s.draft(17, 3, native=lambda: NativeJudge(p_min=0.5)).tokens) == 3
+        s.accept(0)
+        seen[1] = 0.1  # in place: the judge sees it
+        assert len(s.draft(17, 3, native=lambda: NativeJudge(p_min=0.5)).tokens) == 1
