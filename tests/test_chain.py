@@ -40,17 +40,22 @@ def pairs(tiny_target, tiny_head, tiny_head_d2t):
         yield {"tiny_head": a, "tiny_head_d2t": b}
 
 
+def feed_prompt(pair, s: Eagle3Session, b: Batch) -> None:
+    """The head and target fresh, the prompt decoded and fed to the head."""
+    prompt = tokenize(pair.target_model, PROMPT)
+    s.reset()
+    pair.target.clear()
+    b.set(prompt, 0, logits="last")
+    pair.target.decode(b)
+    s.process(prompt, 0)
+
+
 def drafts_both_ways(pair, k: int, n_max: int, n_alt: int, policies: list, seen: list[float] | None = None):
     """The same draft (after the same prompt and a warm-up draft) by the Python loop, then by chain.c, each judged by
     its own policy: the two (draft, the next draft after it) pairs."""
     with Eagle3Session(pair.target, pair.head) as s, Batch(64) as b:
         assert s.choose_in_graph(k)
-        prompt = tokenize(pair.target_model, PROMPT)
-        s.reset()
-        pair.target.clear()
-        b.set(prompt, 0, logits="last")
-        pair.target.decode(b)
-        s.process(prompt, 0)
+        feed_prompt(pair, s, b)
         s.draft(17, 1)  # the prompt's pairs go with this seed; each draft below seeds alone, from the same cache
         s.accept(0)
         out = []
@@ -108,12 +113,7 @@ def test_a_draft_in_one_call_times_its_steps_and_its_graphs(pairs):
     pair = pairs["tiny_head"]
     with Eagle3Session(pair.target, pair.head) as s, Batch(64) as b:
         assert s.choose_in_graph(2)
-        prompt = tokenize(pair.target_model, PROMPT)
-        s.reset()
-        pair.target.clear()
-        b.set(prompt, 0, logits="last")
-        pair.target.decode(b)
-        s.process(prompt, 0)
+        feed_prompt(pair, s, b)
         native0, steps0 = s.draft_ctx.t_native, s.t_steps
         d = s.draft(17, 4, native=NativeJudge)
         assert len(d.tokens) == 4 and s.t_steps > steps0 and s.draft_ctx.t_native > native0
@@ -131,18 +131,9 @@ def test_a_draft_chain_c_refuses_leaves_the_head_as_it_was(pairs):
     pair = pairs["tiny_head"]
     with Eagle3Session(pair.target, pair.head) as s, Batch(64) as b:
         assert s.choose_in_graph(4)
-        prompt = tokenize(pair.target_model, PROMPT)
-
-        def fresh():
-            s.reset()
-            pair.target.clear()
-            b.set(prompt, 0, logits="last")
-            pair.target.decode(b)
-            s.process(prompt, 0)
-
-        fresh()
+        feed_prompt(pair, s, b)
         want = s.draft(17, 3, native=NativeJudge)
-        fresh()
+        feed_prompt(pair, s, b)
         policy = adaptive(3)
         with pytest.raises(Eagle3Error, match="a draft of up to 5 judged over 3 positions"):
             s.draft(17, 5, policy.judge, native=policy.native_judge)
