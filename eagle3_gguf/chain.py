@@ -96,7 +96,7 @@ class Chain:
         for name in _LLAMA:
             setattr(self._api, name, ctypes.cast(getattr(C._lib, f"llama_{name}"), _p))
         self._run = _Run()
-        self._judge = _Judge(n_bins=0)
+        self._judge = _Judge()
         self._args = (ctypes.byref(self._api), ctypes.c_void_p(ctx.ptr), ctypes.byref(batch.struct),
                       ctypes.byref(self._run), ctypes.byref(self._judge))
         self._size = (0, 0)

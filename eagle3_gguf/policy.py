@@ -420,7 +420,7 @@ class FixedPolicy:
         self.k = self.k_max = k
         self.lookup_max = 0  # verifies no lookup drafts
         self.p_min = p_min
-        self._native: NativeJudge | None = None
+        self._native = NativeJudge(p_min=p_min)  # judge() as chain.c runs it
         self.n_alt = 0  # runner-up tokens the head reports per chain step (the adaptive policy's branches)
         self.expand = topk if topk > 1 else 0  # a tree's tokens per depth (0: chains)
         self.nodes = nodes
@@ -451,8 +451,6 @@ class FixedPolicy:
 
     def native_judge(self) -> NativeJudge:
         """judge() as chain.c runs it (one for every draft: it does not change)."""
-        if self._native is None or self._native.p_min != self.p_min:
-            self._native = NativeJudge(p_min=self.p_min)
         return self._native
 
     def observe(self, confs: list[float], n_verified: int, n_accepted: int, n_drafted: int,
