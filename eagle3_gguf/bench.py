@@ -56,6 +56,7 @@ class Contender:
     # bench's session
     session: Callable[[Pair], Eagle3Session] | None = None
     head_choice: bool = False  # the head's graph chooses its drafts' tokens (Speculator.head_choice)
+    graph_picks: bool = True  # False: greedy runs read the target's logits where its graph would pick (Runner)
 
     @property
     def speculative(self) -> bool:
@@ -316,7 +317,7 @@ class Bench:
                 session = self.session
                 if c.session is not None:
                     session = self.sessions[c.name] = self._open.enter_context(c.session(self.pair))
-                self.runners[c.name] = self._open.enter_context(Runner(self.pair.target, session))
+                self.runners[c.name] = self._open.enter_context(Runner(self.pair.target, session, c.graph_picks))
                 self.runners[c.name].spec.head_choice = c.head_choice
             if c.name != TARGET.name:
                 self.contenders.append(c)

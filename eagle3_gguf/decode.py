@@ -75,7 +75,8 @@ def spec_sampling_label(temperature: float, spec_sampling: str, draft_temp_scale
 
 def greedy_in_graph(target: Context) -> bool:
     """Whether greedy runs take the argmax in the target's graph (llama.cpp's backend sampling) rather than from
-    the logits: where the output layer runs on a local GPU, which then copies no verify row's logits to the host.
+    the logits: where the output layer runs on a local GPU, which then copies no verify row's logits to the host
+    (but a draft tree's rows off its chain: they are on sequences the choice, sequence 0's, does not serve).
     Not on a CPU, where ggml's argmax is a scalar loop: a row cost 0.6 ms more at a 128k vocab and 0.2 ms at
     SmolLM2's 49k than reading the logits (bench/NOTES.md, "Python at real vocab sizes"); nor over RPC, where
     each sampled row is read back with a round trip of its own, the logits with one for all rows."""
@@ -89,12 +90,18 @@ class _RunnerHooks(RunHooks):
     def __init__(self, target: Context, sampler: Sampler, n_predict: int):
         self.n_predict = n_predict
         self.n_ctx = target.n_ctx
+        pick, logits_ith = sampler.pick, target.logits_ith
         if target.greedy_sampling:  # the graph's choices: no logits copied out, no numpy pass over them
-            sampled = target.sampled_token
+            sampled, chosen = target.sampled_token, target.chosen_token
+
+            def pick_tree(_rows, _pos, i: int) -> int:
+                tok = chosen(i)
+                return tok if tok is not None else pick(logits_ith(i))
+
             self.pick = lambda _rows, _pos, i: sampled(i)  # noqa: E731
+            self.pick_tree = pick_tree
         else:
-            pick, logits_ith = sampler.pick, target.logits_ith
-            self.pick = lambda _rows, _pos, i: pick(logits_ith(i))  # noqa: E731
+            self.pick = self.pick_tree = lambda _rows, _pos, i: pick(logits_ith(i))  # noqa: E731
 
     def first_token(self, row: int) -> int:
         return self.pick(None, 0, row)
@@ -113,9 +120,11 @@ class _RunnerHooks(RunHooks):
 class Runner:
     """Runs generations on a target context, with an Eagle3Session (speculative) or without (baseline)."""
 
-    def __init__(self, target: Context, session: Eagle3Session | None = None):
-        """The session stays the caller's: closing the Runner leaves it open."""
+    def __init__(self, target: Context, session: Eagle3Session | None = None, graph_picks: bool = True):
+        """The session stays the caller's: closing the Runner leaves it open. graph_picks False: greedy runs read
+        the logits even where the target's graph would pick (a benchmark's twin)."""
         self.target = target
+        self.graph_picks = graph_picks
         self.model = target.model
         self.spec = Speculator(target, session, owns_session=False)
         self.stats = SpecStats()
@@ -141,8 +150,7 @@ class Runner:
             raise Eagle3Error(f"the prompt has {len(prompt)} tokens, the context only {self.target.n_ctx}: raise -c")
         speculative = speculative and self.session is not None and config.draft_max > 0
         target = self.target
-        # (a draft tree's rows belong to several sequences, which llama.cpp's per-sequence sampler does not take)
-        target.set_greedy_sampling(sampler.temperature <= 0.0 and target.owned and config.draft_topk == 1
+        target.set_greedy_sampling(sampler.temperature <= 0.0 and target.owned and self.graph_picks
                                    and greedy_in_graph(target))
         sampler.reset()
         rejection = None

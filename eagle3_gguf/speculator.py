@@ -62,6 +62,11 @@ class RunHooks:
         """The target's choice at verify row i of `rows` (decoded at pos..)."""
         raise NotImplementedError
 
+    def pick_tree(self, rows: list[int], pos: int, i: int) -> int:
+        """pick, at a draft tree's row (where the target's graph chooses sequence 0's tokens, a row carrying other
+        sequences may have none chosen: llama.cpp then hands its logits back)."""
+        return self.pick(rows, pos, i)
+
     def budget(self, pos: int, st: SpecStats) -> int | None:
         """Tokens a cycle at `pos` may draft (a cap; the policy chooses), or None to end the run (setting
         st.stop_reason)."""
@@ -378,12 +383,13 @@ class Speculator:
 
     def cycle(self, policy: "DraftPolicy | None", id_last: int, pos: int, k_cap: int,
               pick: Callable[[list[int], int, int], int], st: SpecStats,
-              rejection: RejectionSampler | None = None, index: LookupIndex | None = None) -> Cycle:
+              rejection: RejectionSampler | None = None, index: LookupIndex | None = None,
+              pick_tree: Callable[[list[int], int, int], int] | None = None) -> Cycle:
         """One cycle at `pos`. The drafts come from the lookup `index` where the policy prefers its proposal,
         else from the head as the policy plans. With `rejection`, head drafts are drawn from q (a lookup
         draft's q is one-hot) and the rows are verified by rejection sampling (`pick` is not called);
-        otherwise drafts are kept while `pick(rows, pos, i)` equals them. An end-of-generation token ends
-        the cycle as its own token."""
+        otherwise drafts are kept while `pick(rows, pos, i)` equals them (`pick_tree` at a tree's rows; default:
+        pick). An end-of-generation token ends the cycle as its own token."""
         session = self.session if policy is not None else None
         found, k, seedless = None, 0, False
         redo = self._redo
@@ -466,7 +472,7 @@ class Speculator:
             feat_rows = range(o, o + n_acc + 1) if o else None  # None: rows 0..n_acc, the session's default
             self._redo = []
         else:
-            node_pick = pick if rejection is None else \
+            node_pick = (pick_tree or pick) if rejection is None else \
                 (lambda _rows, _pos0, i: rejection.pick(self.logits_ith(i)))  # from this generation's stream
             w = self._verify_tree(tree, redo, pos, node_pick)
             out, n_acc, on_chain = w.out, w.n_acc, w.on_chain
@@ -566,7 +572,7 @@ class Run:
             clock.prefilled()  # the head's work on the prompt included
             yield Cycle(pos - 1, prompt[-1:], [id_last], 0)  # chosen at the prompt's last row
             while (k := hooks.budget(pos, st)) is not None:
-                cyc = spec.cycle(policy, id_last, pos, k, hooks.pick, st, rejection, index)
+                cyc = spec.cycle(policy, id_last, pos, k, hooks.pick, st, rejection, index, hooks.pick_tree)
                 if index is not None:
                     index.extend(cyc.out)
                 hooks.on_cycle(cyc)

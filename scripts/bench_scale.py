@@ -13,10 +13,10 @@ Per shape (scripts/synthetic.py makes the pair into --work unless it is there al
 - the speed of target-only and each contender (the default adaptive policy as `generate` runs it, fixed K = 2 and
   4, a 4x4x8 tree) at each replayed acceptance profile (scripts/replay.py: the head's real draft steps run, its
   tokens are the profile's; verification is the target's), interleaved per prompt through eagle3_gguf.bench:
-  target-only first and last in every round (as a chain run picks: the argmax in llama.cpp's graph on a GPU, from
-  the logits on a CPU, decode.greedy_in_graph) and, as a contender, reading the
-  logits; a prompt's ratio is, per round, each contender's fastest run against the faster target-only mode's, the
-  median over rounds (bench.per_prompt_ratio), the replay's own time left out;
+  target-only first and last in every round (as greedy runs pick: the argmax in llama.cpp's graph on a GPU, from
+  the logits on a CPU, decode.greedy_in_graph) and, as a contender, reading the logits; a prompt's ratio is, per
+  round, each contender's fastest run against the faster target-only mode's, the median over rounds
+  (bench.per_prompt_ratio), the replay's own time left out;
 - the ceiling from the curve: what the contender's own cycles would give if each cost exactly the curve's price
   (its verify rows, draft steps and catch-ups) and nothing else, against target-only at one row's price a token:
   tokens x t(1 row) / sum over cycles of (t(verify rows) + steps x draft step + catch-up); achieved/ceiling is the
@@ -85,17 +85,20 @@ IN_GRAPH = ", head's choice in its graph"  # Speculator.head_choice: to time it 
 LLAMA_LINES = ("graph: nodes", "layers to GPU", "model buffer size", "compute buffer size", "sched copies",
                "cannot be used with preferred buffer type")
 LOGITS_READ = "target-only, logits read"
+LOGITS_TWIN = ", target's logits read"  # a contender's twin reading the target's logits where its graph would pick
 DEFAULT_SHAPES = ("llama-8b:q4_k_m", "llama-8b:q4_0", "qwen-1.5b:q4_k_m")
 HEAD_TYPES = ("q8_0", "f16", "q4_0")  # --head-types' default: convert's --outtype default first
 
 
 def contenders(n_predict: int, exact: str) -> list[Contender]:
     """The default adaptive policy as `generate` runs it (trees capped at 4 / 8), the same on the physics' curve frozen
-    (FROZEN), and with the head's tokens chosen in its graph (IN_GRAPH: no logits read back, no numpy over them), fixed
-    chains of 2 (also IN_GRAPH) and 4 (p_min 0), and EAGLE-2's dynamic tree 4 deep, top-4, 8 tokens."""
+    (FROZEN), with the head's tokens chosen in its graph (IN_GRAPH: no logits read back, no numpy over them), and
+    reading the target's logits where its graph would pick (LOGITS_TWIN: decode.greedy_in_graph), fixed chains of 2
+    (also IN_GRAPH) and 4 (p_min 0), and EAGLE-2's dynamic tree 4 deep, top-4, 8 tokens."""
     g = lambda **kw: GenerateConfig(n_predict=n_predict, exact=exact, **kw)  # noqa: E731
     return [Contender(GOAL_CONTENDER, g(draft_topk=4, draft_nodes=8)),
             Contender(FROZEN, g(draft_topk=4, draft_nodes=8)),
+            Contender(f"{GOAL_CONTENDER}{LOGITS_TWIN}", g(draft_topk=4, draft_nodes=8), graph_picks=False),
             Contender(f"{GOAL_CONTENDER}{IN_GRAPH}", g(draft_topk=4, draft_nodes=8), head_choice=True),
             Contender("fixed K=2", g(draft_policy="fixed", draft_max=2)),
             Contender(f"fixed K=2{IN_GRAPH}", g(draft_policy="fixed", draft_max=2), head_choice=True),
@@ -104,9 +107,9 @@ def contenders(n_predict: int, exact: str) -> list[Contender]:
 
 
 def logits_read(n_predict: int) -> Contender:
-    """Target-only reading the logits (what a tree-capable run does; TARGET picks as a chain run does, in llama.cpp's
-    graph where the output layer is on a GPU: decode.greedy_in_graph)."""
-    return Contender(LOGITS_READ, GenerateConfig(n_predict=n_predict, draft_max=0, draft_topk=4, draft_nodes=8))
+    """Target-only reading the logits (TARGET picks as greedy runs do: in the graph where the output layer is on a
+    GPU, decode.greedy_in_graph)."""
+    return Contender(LOGITS_READ, GenerateConfig(n_predict=n_predict, draft_max=0), graph_picks=False)
 
 
 # ------------------------------------------------------------------------------------------------

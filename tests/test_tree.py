@@ -142,6 +142,47 @@ def test_a_tree_row_is_its_path_decoded_as_a_chain(pair):
         assert np.array_equal(rows[node], target.logits(len(path))[-1]), node
 
 
+def test_a_tree_batch_hands_its_logits_back_where_the_targets_graph_picks(pair):
+    """With the target's graph choosing sequence 0's tokens, a tree batch (rows of branch sequences too) still gets
+    every row's logits back, bit for bit those without the choice; a row of sequence 0 alone has its argmax chosen,
+    one of branch sequences alone none; a batch of sequence 0 alone gets no logits."""
+    target = pair.target
+    prompt = tokenize(pair.target_model, "The quick brown fox jumps over the lazy dog. The quick")
+    n = len(prompt)
+    tree = tree_of([prompt[-1], 1000, 1001, 1002, 2000, 2001, 2002], [-1, 0, 1, 2, 0, 2, 4], chain=3)
+    seqs, n_branch = tree.sequences()
+    batch = Batch(64, n_seq_max=8)
+
+    def decode_tree() -> None:
+        target.clear()
+        batch.set(prompt[:-1], 0, logits="none")
+        target.decode(batch)
+        for s in range(1, n_branch + 1):
+            target.seq_cp(0, s)
+        batch.set_tree(tree.tokens, [n - 1 + d for d in tree.depths], seqs)
+        target.decode(batch)
+
+    decode_tree()
+    want = target.logits(len(tree.tokens)).copy()  # [N + 1, n_vocab]
+    assert target.set_greedy_sampling(True)
+    try:
+        decode_tree()
+        assert np.array_equal(target.logits(len(tree.tokens)), want)
+        argmax = np.argmax(want, 1).tolist()
+        chosen = [target.chosen_token(i) for i in range(len(tree.tokens))]
+        assert chosen[3] == argmax[3] and chosen[4:] == [None] * 3, seqs  # rows of [0] and of branches alone
+        assert all(c in (None, a) for c, a in zip(chosen, argmax))  # several: as llama.cpp lists them
+        batch.set(prompt[-1:] + [1000], n - 1, logits="all")
+        target.seq_rm(0, n - 1, -1)
+        target.decode(batch)
+        with pytest.raises(Eagle3Error, match="no logits: this context chooses tokens in the graph"):
+            target.logits_ith(1)
+        assert target.sampled_token(1) == int(np.argmax(want[1]))
+    finally:
+        target.set_greedy_sampling(False)
+        target.clear()
+
+
 class SecondChoice(Eagle3Session):
     """A head whose first draft is always wrong and whose runner-up there is the target's token (what a tree
     exists for): a chain drafts the target's future shifted by one token id; a tree's first depth holds that
@@ -221,6 +262,28 @@ def test_a_runner_up_is_kept_through_a_tree_and_never_through_a_chain(pair):
     assert sum(n * c for n, c in enumerate(rows)) >= st.tree_nodes + st.tree_cycles + st.tree_branch_kept - 1
     assert 4 * st.tree_cycles < st.tree_nodes <= 5 * st.tree_cycles  # (the last cycles draft what n_predict leaves)
     assert st.n_accepted + st.n_target_forwards == st.n_generated
+
+
+def test_a_tree_where_the_targets_graph_picks_reads_the_rows_it_chose_nothing_for_from_the_logits(pair, monkeypatch):
+    """Where the target's graph picks greedy tokens (forced here: the GPU's path), a tree cycle reads the graph's
+    choice where it made one (rows of sequence 0) and the logits llama.cpp hands back elsewhere (the branches'):
+    every tree cycle keeps its branch, and the text is target-only's."""
+    from eagle3_gguf import decode
+
+    monkeypatch.setattr(decode, "greedy_in_graph", lambda target: True)
+    prompt = chat_tokens(pair.target_model, PROMPT)
+    tree = GenerateConfig(n_predict=60, draft_max=3, draft_policy="fixed", draft_topk=2, draft_nodes=5)
+    try:
+        with Runner(pair.target) as plain:
+            base = plain.generate(prompt, tree, speculative=False)
+        with SecondChoice(pair.target, pair.head) as s, Runner(pair.target, s) as d:
+            s.truth = prompt + base.tokens
+            got = d.generate(prompt, tree)
+            assert pair.target.greedy_sampling
+    finally:
+        pair.target.set_greedy_sampling(False)
+    assert got.tokens == base.tokens
+    assert got.stats.tree_branch_kept == got.stats.tree_cycles > 10
 
 
 @pytest.mark.parametrize("cfg, rows", [
