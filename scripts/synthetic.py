@@ -19,6 +19,8 @@ tests/test_synthetic.py dequantizes them with gguf-py.
   (llama-quant.cpp: output Q6_K, or token_embd where the embeddings are tied; attn_v and ffn_down Q6_K in the
   layers use_more_bits picks; the rest Q4_K; norms F32) or its Q4_0 mix (the same with Q4_0, output Q6_K); an
   untied target's output is Q8_0 instead (its rows are quantized from values, which gguf-py does for no K-quant).
+  Q8_0 and F16 targets (every matrix in the type, an F16 target's output too) show what a type whose batched
+  kernels differ makes of the verify curve.
   The vocab is SmolLM2's tokenizer padded to the shape's size with unused tokens. The output rows of the
   control tokens are zero, so an end-of-generation token is never the argmax and every run goes its length.
 - Heads: the layout convert/ writes (fc Q4_0, the other matrices in the head type asked: f16, q8_0 or q4_0;
@@ -65,7 +67,9 @@ LOGIT_STD = 3.0  # the logits' standard deviation over the vocab where the outpu
 # each difference: the H200's replays resynced a third of the cycles). The text walks consecutive token ids.
 NEXT_LOGIT = 20.0
 UPDATE_SCALE = 0.05
-FILE_TYPES = {"q4_k_m": 15, "q4_0": 2}  # general.file_type: LLAMA_FTYPE_MOSTLY_Q4_K_M, _Q4_0
+# general.file_type (LLAMA_FTYPE_MOSTLY_*) and the matrices' type of each target type
+FILE_TYPES = {"q4_k_m": 15, "q4_0": 2, "q8_0": 7, "f16": 1}
+MATRIX_TYPES = {"q4_k_m": GT.Q4_K, "q4_0": GT.Q4_0, "q8_0": GT.Q8_0, "f16": GT.F16}
 TYPES = tuple(FILE_TYPES)
 # the head's matrices (fc aside: Q4_0) as convert/'s --outtype writes them, and its general.file_type
 HEAD_TYPES = {"f16": (GT.F16, 1), "q8_0": (GT.Q8_0, 7), "q4_0": (GT.Q4_0, 2)}  # LLAMA_FTYPE_MOSTLY_F16, _Q8_0, _Q4_0
@@ -236,7 +240,7 @@ def _more_bits(i: int, n: int) -> bool:
 
 def target_tensors(s: Shape, qtype: str, control: tuple[int, ...]) -> list[Planned]:
     """The target's tensors in llama-quantize's mix for qtype; `control`: token ids whose output rows are zero."""
-    base = GT.Q4_K if qtype == "q4_k_m" else GT.Q4_0
+    base = MATRIX_TYPES[qtype]
     e, hd, kv = s.n_embd, s.head_dim, s.n_head_kv * s.head_dim
     out_std = LOGIT_STD / np.sqrt(e)  # after output_norm the hidden state's RMS is 1
     # untied: a successor model (NEXT_LOGIT); tied: each layer's update ~1 RMS, sqrt(2 n_layer) at the end, finite in
@@ -262,8 +266,8 @@ def target_tensors(s: Shape, qtype: str, control: tuple[int, ...]) -> list[Plann
     plans.append(Planned(keys.T_OUTPUT_NORM, (e,), GT.F32, 0.02))
     if not s.tied:
         # Q8_0, not the mix's Q6_K: gguf-py quantizes no K-quant (8B: 557 against 430 MiB, ~0.03 ms a decode on an H200)
-        plans.append(Planned(keys.T_OUTPUT, (s.n_vocab, e), GT.Q8_0, NEXT_LOGIT / e, control,
-                             successor_of=keys.T_TOKEN_EMBD))  # [n_vocab, n_embd]
+        plans.append(Planned(keys.T_OUTPUT, (s.n_vocab, e), GT.F16 if base == GT.F16 else GT.Q8_0, NEXT_LOGIT / e,
+                             control, successor_of=keys.T_TOKEN_EMBD))  # [n_vocab, n_embd]
     return plans
 
 
