@@ -86,7 +86,7 @@ LLAMA_LINES = ("graph: nodes", "layers to GPU", "model buffer size", "compute bu
                "cannot be used with preferred buffer type")
 LOGITS_READ = "target-only, logits read"
 LOGITS_TWIN = ", target's logits read"  # a contender's twin reading the target's logits where its graph would pick
-DEFAULT_SHAPES = ("llama-8b:q4_k_m", "llama-8b:q4_0", "qwen-1.5b:q4_k_m")
+DEFAULT_SHAPES = ("llama-8b:q4_k_m", "llama-8b:f16", "llama-8b:q4_0")
 HEAD_TYPES = ("q8_0", "f16", "q4_0")  # --head-types' default: convert's --outtype default first
 
 

@@ -3,7 +3,7 @@
 # scripts/pack_scale.py), in one command of at most 10 minutes: check the pack, install its wheels, unpack the
 # CUDA llama-cpp-python that scripts/cuda_wheel.py built off the device where the pack holds it and it loads there,
 # else build one for the card (in the background, time-boxed) while the synthetic models are made, then run
-# scripts/bench_scale.py on Llama-3.1-8B's shape in Q4_K_M, then Qwen2.5-1.5B's, then the 8B in Q4_0, at the
+# scripts/bench_scale.py on Llama-3.1-8B's shape in Q4_K_M, then in F16, then in Q4_0, at the
 # vllm-8b profile (the goals'), within the budget (its --budget: no prompt starts that would end past it), and last
 # the first shape again with CUDA graphs off; results.md / results.json are rewritten after every prompt, so a cut
 # run keeps what finished; the first shape's profile (bench_scale --profile) follows its prompts. Everything lands
@@ -61,7 +61,7 @@ if [ "$dry" = 1 ]; then
     jobs=2
     say "dry run: the CPU, the installed llama-cpp-python ($("$py" -c 'import llama_cpp; print(llama_cpp.__version__)'))"
 else
-    shapes=${shapes:-llama-8b:q4_k_m,qwen-1.5b:q4_k_m,llama-8b:q4_0}
+    shapes=${shapes:-llama-8b:q4_k_m,llama-8b:f16,llama-8b:q4_0}
     bench=(-ngl all --shapes "$shapes" --profiles vllm-8b --prompts 5 -n 128 --head-types "$head_types")
     jobs=6  # beside a 16-way build: the models are mostly memory traffic
     say "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1)"
