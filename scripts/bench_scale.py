@@ -86,6 +86,7 @@ LLAMA_LINES = ("graph: nodes", "layers to GPU", "model buffer size", "compute bu
                "cannot be used with preferred buffer type")
 LOGITS_READ = "target-only, logits read"
 LOGITS_TWIN = ", target's logits read"  # a contender's twin reading the target's logits where its graph would pick
+DEEPER = ", --draft-max 8"
 DEFAULT_SHAPES = ("llama-8b:q4_k_m", "llama-8b:f16", "llama-8b:q4_0")
 HEAD_TYPES = ("q8_0", "f16", "q4_0")  # --head-types' default: convert's --outtype default first
 
@@ -93,12 +94,14 @@ HEAD_TYPES = ("q8_0", "f16", "q4_0")  # --head-types' default: convert's --outty
 def contenders(n_predict: int, exact: str) -> list[Contender]:
     """The default adaptive policy as `generate` runs it (trees capped at 4 / 8), the same on the physics' curve frozen
     (FROZEN), with the head's tokens chosen in its graph (IN_GRAPH: no logits read back, no numpy over them), and
-    reading the target's logits where its graph would pick (LOGITS_TWIN: decode.greedy_in_graph), fixed chains of 2
-    (also IN_GRAPH) and 4 (p_min 0), and EAGLE-2's dynamic tree 4 deep, top-4, 8 tokens."""
+    reading the target's logits where its graph would pick (LOGITS_TWIN: decode.greedy_in_graph), and free to draft 8
+    (DEEPER: where verify rows cost little, generate's cap of 4 may bind), fixed chains of 2 (also IN_GRAPH) and 4
+    (p_min 0), and EAGLE-2's dynamic tree 4 deep, top-4, 8 tokens."""
     g = lambda **kw: GenerateConfig(n_predict=n_predict, exact=exact, **kw)  # noqa: E731
     return [Contender(GOAL_CONTENDER, g(draft_topk=4, draft_nodes=8)),
             Contender(FROZEN, g(draft_topk=4, draft_nodes=8)),
             Contender(f"{GOAL_CONTENDER}{LOGITS_TWIN}", g(draft_topk=4, draft_nodes=8), graph_picks=False),
+            Contender(f"{GOAL_CONTENDER}{DEEPER}", g(draft_max=8, draft_topk=4, draft_nodes=8)),
             Contender(f"{GOAL_CONTENDER}{IN_GRAPH}", g(draft_topk=4, draft_nodes=8), head_choice=True),
             Contender("fixed K=2", g(draft_policy="fixed", draft_max=2)),
             Contender(f"fixed K=2{IN_GRAPH}", g(draft_policy="fixed", draft_max=2), head_choice=True),
