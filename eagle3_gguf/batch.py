@@ -47,10 +47,6 @@ class Batch(_Owner):
         self._ramp = np.arange(capacity, dtype=np.int32)  # [capacity]: 0, 1, 2, ... for positions
         self._carries = "token"  # what the struct's pointers carry now: "token", "embd" or "both"
         self._seq_dirty = 0  # rows whose sequence id set_rows may have left other than 0
-        # an output row carries a sequence besides 0: where the graph chooses sequence 0's tokens (Context's
-        # set_graph_choice), llama.cpp then hands the logits back
-        self.other_seqs = False
-        self._seq_cols = np.arange(n_seq_max)  # [n_seq_max]
         self.ptr = True  # the arrays live as long as this object
 
     def _free(self, _ptr) -> None:
@@ -100,13 +96,10 @@ class Batch(_Owner):
             self._carries = carries
         if seq_ids:
             self._seq_dirty = max(self._seq_dirty, n)
-            carried = self._seq_cols < self._n_seq[:n, None]  # [n, n_seq_max]
-            self.other_seqs = bool(((self._seqs[:n] != 0) & carried)[self._logits[:n] != 0].any())
         elif self._seq_dirty:
             self._seq[:self._seq_dirty] = 0
             self._n_seq[:self._seq_dirty] = 1
             self._seq_dirty = 0
-            self.other_seqs = False
         self.struct.n_tokens = n
 
     def set_rows(self, tokens, pos, seq_ids, outputs) -> int:

@@ -348,7 +348,8 @@ class Bench:
     def prepare(self, n_predict: int) -> Setup:
         """The exactness probe and the cost calibration for every contender (cached per set-up), before any
         timing (they also warm the target's graphs up): what the report's header says."""
-        exact = {c.name: self.runners[c.name].spec.prepare(c.config) for c in self.contenders if c.speculative}
+        exact = {c.name: self.runners[c.name].prepare(c.config, Sampler(c.temperature)) for c in self.contenders
+                 if c.speculative}
         costs = self.runners[TARGET.name].spec.calibrate(LIBRARY.draft_lookup_max)  # the widest default draft
         self.setup = Setup.of(self.pair, costs, exact, self.chat, n_predict)
         return self.setup

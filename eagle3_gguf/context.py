@@ -126,8 +126,6 @@ class Context(_Owner):
         self._nextn = False
         self._decoded = False
         self._choice: GraphChoice | None = None  # the graph chooses tokens (set_graph_choice)
-        # the last decode's rows carried sequences besides 0, whose rows' logits llama.cpp hands back under a choice
-        self._logits_back = False
 
     def _free(self, ptr) -> None:
         if self._owned:
@@ -201,7 +199,6 @@ class Context(_Owner):
         rc = self._run(C.llama_decode, batch.struct)
         if rc != 0:
             raise Eagle3Error(f"llama_decode failed (rc={rc}): the context may be full (raise -c)")
-        self._logits_back = batch.other_seqs
 
     def process(self, kind: int, batch: "BatchExt") -> None:
         rc = self._run(C.llama_process, kind, batch._live())
@@ -241,8 +238,7 @@ class Context(_Owner):
         """Let the graph choose each output row's tokens of sequence 0 (choice.py, llama.cpp's backend sampling):
         k = 1 its argmax (sampled_token), k > 1 its k likeliest (sampled_top), and with `probs` their probabilities
         under a softmax over the row; 0: hand the logits back again. While the graph chooses, no logits are copied
-        out (logits() raises), but for a batch with rows of other sequences (a draft tree's), whose logits llama.cpp
-        hands back, every row's. Only on a context made here: a borrowed one's owner reads the logits itself. Returns
+        out (logits() raises), but for rows it chose nothing for (chosen_token). Only on a context made here: a borrowed one's owner reads the logits itself. Returns
         whether the graph chooses: False where the backend cannot, or choice.c cannot be built here (choice.available:
         no C compiler); the logits are then handed back."""
         probs = probs and k > 0
@@ -271,11 +267,18 @@ class Context(_Owner):
         return tok
 
     def chosen_token(self, i: int) -> int | None:
-        """sampled_token, or None where the graph chose nothing at row i: llama.cpp runs sequence 0's choice on a row
-        whose sequences it lists with 0 first (a set: the order is its own), and hands back the logits of a batch
-        with rows of other sequences (a draft tree's)."""
+        """sampled_token, or None where the graph chose nothing at row i, whose logits are then handed back
+        (logits_ith). llama.cpp runs sequence 0's choice on the rows whose sequences it lists with 0 first (a set: the
+        order is its own) and copies out the logits of every ubatch with a row of a sequence that has no choice, as a
+        draft tree's rows off its chain are."""
         tok = C.llama_get_sampled_token_ith(self._live(), i)
         return tok if tok >= 0 else None
+
+    def _chose(self, i: int) -> bool:
+        """Whether the graph chose at row i of the last decode (a token, or k candidates)."""
+        if self._choice.k == 1:
+            return C.llama_get_sampled_token_ith(self._live(), i) >= 0
+        return C.llama_get_sampled_candidates_count_ith(self._live(), i) > 0
 
     def sampled_top(self, i: int) -> tuple[list[int], list[float]]:
         """The graph's k likeliest tokens at batch row i of the last decode, in no order, and their probabilities
@@ -293,7 +296,7 @@ class Context(_Owner):
 
     def logits(self, n_rows: int) -> np.ndarray:
         """The output rows of the last decode, in batch order.  # [n_rows, n_vocab] (view)"""
-        if self._choice is not None and not self._logits_back:
+        if self._choice is not None:
             raise Eagle3Error(NO_LOGITS)
         addr = llama_get_logits_addr(self._live())
         if not addr:
@@ -301,8 +304,9 @@ class Context(_Owner):
         return self._view(addr, (n_rows, self.model.n_vocab))
 
     def logits_ith(self, i: int) -> np.ndarray:
-        if self._choice is not None and not self._logits_back:
-            raise Eagle3Error(NO_LOGITS)
+        """Output row i of the last decode.  # [n_vocab] (view)"""
+        if self._choice is not None and self._chose(i):
+            raise Eagle3Error(NO_LOGITS)  # where the graph chose, llama.cpp may have copied no logits
         addr = llama_get_logits_ith_addr(self._live(), i)
         if not addr:
             raise Eagle3Error(f"no logits for batch row {i}")

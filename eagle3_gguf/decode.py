@@ -20,7 +20,7 @@ from .errors import Eagle3Error
 from .session import Eagle3Session
 from .spec_sampling import RejectionSampler, Transform
 from .speculator import RunHooks, Speculator
-from .stats import RunResult, SpecStats
+from .stats import ExactReport, RunResult, SpecStats
 from .tokens import detokenize
 
 
@@ -143,6 +143,18 @@ class Runner:
         self.close()
 
     # -- generation ------------------------------------------------------------------------------------
+    def _choose(self, sampler: Sampler) -> None:
+        """Let the target's graph pick greedy runs' tokens where it pays (greedy_in_graph), else read the logits."""
+        target = self.target
+        target.set_greedy_sampling(sampler.temperature <= 0.0 and target.owned and self.graph_picks
+                                   and greedy_in_graph(target))
+
+    def prepare(self, config: GenerateConfig, sampler: Sampler | None = None) -> ExactReport:
+        """Speculator.prepare for runs with `sampler` (default: greedy): the exactness probe and the cost curve now,
+        the verify rows read as those runs will read them."""
+        self._choose(sampler or Sampler())
+        return self.spec.prepare(config)
+
     def stream(self, prompt: list[int], config: GenerateConfig, sampler: Sampler,
                speculative: bool = True) -> Iterator[list[int]]:
         """Yield the new tokens of each cycle; `self.stats` is up to date after every yield."""
@@ -150,8 +162,7 @@ class Runner:
             raise Eagle3Error(f"the prompt has {len(prompt)} tokens, the context only {self.target.n_ctx}: raise -c")
         speculative = speculative and self.session is not None and config.draft_max > 0
         target = self.target
-        target.set_greedy_sampling(sampler.temperature <= 0.0 and target.owned and self.graph_picks
-                                   and greedy_in_graph(target))
+        self._choose(sampler)
         sampler.reset()
         rejection = None
         if speculative and sampler.temperature > 0.0 and config.spec_sampling == "rejection":

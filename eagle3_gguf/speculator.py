@@ -108,6 +108,7 @@ class Speculator:
         self.head_choice = False
         self._head_k = 0  # what the head's graph chooses a step in this speculator's runs (_choose_head)
         self._costs_head_k = 0  # ... and in the runs `costs` was calibrated for (its draft steps timed so)
+        self._costs_graph_picks = False  # whether the target's graph chose the verify rows' tokens as `costs` was timed
         # a draft tree's kept branch nodes, decoded again at the head of the next cycle's batch (tree.py), and
         # the position of the first: the target's cache holds the positions before it
         self._redo: list[int] = []
@@ -179,9 +180,9 @@ class Speculator:
             return True
         k = self._drafts_max(config, self._exact_limit(config))
         costs = self.costs
+        timed_otherwise = self._costs_head_k != self._head_k or self._costs_graph_picks != self.target.greedy_sampling
         return config.draft_policy == "adaptive" and k > 0 and (
-            costs is None or costs.k_max < k
-            or (self._costs_head_k != self._head_k and costs.source != "given"))  # a given curve stays
+            costs is None or costs.k_max < k or (timed_otherwise and costs.source != "given"))  # a given curve stays
 
     def _exact_limit(self, config: DraftConfig) -> int:
         """The drafts a cycle may verify under config's exactness mode (the probe has run where it must): widths
@@ -269,7 +270,7 @@ class Speculator:
         target, session = self.target, self.session
         session.extract.enable(True)  # verify rows as a cycle decodes them
         session.choose_in_graph(self._head_k)  # draft steps as this speculator's runs take them
-        self._costs_head_k = self._head_k
+        self._costs_head_k, self._costs_graph_picks = self._head_k, target.greedy_sampling
         key = CostKey.for_contexts(target, session.draft_ctx, self.batch.capacity,
                                    reads=("graph" if target.greedy_sampling else "logits")
                                    + (f", head graph {session.chooses_in_graph}" if session.chooses_in_graph else ""))

@@ -250,14 +250,15 @@ class ShapeResult:
 # Measuring
 # ------------------------------------------------------------------------------------------------
 
-def measure_physics(spec: Speculator, exact: str, heads: list[HeadBeside]) -> Physics:
-    """The curve for 1..ROWS rows, every size timed (calibrate interpolates past 8 by default), and the probe, on
-    target-only's speculator (the bench's session)."""
+def measure_physics(runner: Runner, exact: str, heads: list[HeadBeside]) -> Physics:
+    """The probe, and the curve for 1..ROWS rows, every size timed (calibrate interpolates past 8 by default), read
+    as greedy runs read them (the target's graph picks on a GPU), on target-only's runner (the bench's session)."""
+    spec = runner.spec
+    found = runner.prepare(GenerateConfig(draft_policy="fixed", draft_max=ROWS - 1, draft_lookup=False,
+                                          exact="auto" if exact == "off" else exact))
     t = time.perf_counter()
     curve = spec.calibrate(ROWS - 1, dense_rows=ROWS)
     calibrate_s = time.perf_counter() - t
-    found = spec.prepare(GenerateConfig(draft_policy="fixed", draft_max=ROWS - 1, draft_lookup=False,
-                                        exact="auto" if exact == "off" else exact))
     return Physics([1e3 * s for s in curve.verify_s], 1e3 * curve.draft_step_s, 1e3 * curve.draft_fixed_s,
                    1e3 * curve.switch_s, found.exact, found.probed, found.seconds, calibrate_s, time_parts(spec, heads),
                    1e3 * curve.capture_s)
@@ -530,7 +531,7 @@ def measure_speeds(bench: Bench, hooks: ReplayHooks, prompts: list[list[int]], r
                    on_prompt: Callable[[], None]) -> None:
     """Target-only and every contender at every profile through eagle3_gguf's benchmark runner (bench.Bench):
     interleaved per prompt, target-only first and last, the contenders between in an order that rotates with the
-    prompt. Target-only runs as a chain run picks (decode.greedy_in_graph) and, as a contender, reading the
+    prompt. Target-only runs as greedy runs pick (decode.greedy_in_graph) and, as a contender, reading the
     logits; a prompt's ratio is a contender's fastest run against the faster of them (bench.per_prompt_ratio).
     res.outcomes holds the prompts measured so far, on_prompt() is called after each; no prompt starts that would
     end past `deadline` (time.monotonic()), and an interrupt (Ctrl-C, SIGINT) drops the prompt it cut."""
@@ -679,7 +680,7 @@ def bench_shape(made: synthetic.Made, args, results: list[ShapeResult], deadline
                 res.emulated = emulation.source
             heads = heads_beside(pair, made, config)
             try:
-                res.physics = measure_physics(bench.runners[TARGET.name].spec, args.exact, heads)
+                res.physics = measure_physics(bench.runners[TARGET.name], args.exact, heads)
             finally:
                 for h in heads:
                     h.close()

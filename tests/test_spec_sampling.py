@@ -604,6 +604,37 @@ def test_a_cost_curve_is_measured_and_cached_for_what_the_cycles_read(smollm2_pa
     assert sorted(k.rsplit(" reads ", 1)[1] for k in saved if " reads " in k) == ["graph", "logits"]
 
 
+def test_a_run_prepared_beforehand_keeps_a_curve_timed_as_its_cycles_read(smollm2_path, monkeypatch, tmp_path):
+    """Runner.prepare (the CLI's and the bench's, before any text) attaches the target's graph picks as the run will
+    (forced here: the GPU's path), so the curve it times reads the graph; a curve timed otherwise (the Speculator's
+    own prepare, which attaches nothing) is timed again for a run that reads the other way."""
+    import json
+
+    from eagle3_gguf import decode
+    from eagle3_gguf.assets import default_head_path
+
+    def reads() -> list[str]:
+        keys = [json.loads(p.read_text())["key"]["setup"] for p in (tmp_path / "costs").glob("*.json")]
+        return sorted(k.rsplit(" reads ", 1)[1] for k in keys)
+
+    monkeypatch.setenv("EAGLE3_GGUF_CACHE", str(tmp_path))
+    monkeypatch.setattr(decode, "greedy_in_graph", lambda target: True)
+    cfg = GenerateConfig(n_predict=24, draft_max=4, draft_topk=4, draft_nodes=8)  # generate's default
+    with load_pair(smollm2_path, default_head_path(), PairConfig(n_ctx=512, n_threads=2,
+                                                                 n_seq_max=cfg.tree_sequences)) as pair:
+        prompt = tokenize(pair.target_model, "Count from 1 to 50: 1, 2, 3, 4, 5,")
+        with Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
+            d.prepare(cfg)
+            assert pair.target.greedy_sampling and reads() == ["graph"]
+            assert d.generate(prompt, cfg).stats.policy.cost_source == "measured" and reads() == ["graph"]
+        pair.target.set_greedy_sampling(False)
+        with Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
+            d.spec.prepare(cfg)  # timed reading the logits
+            assert reads() == ["graph", "logits"]
+            run = d.generate(prompt, cfg)
+            assert pair.target.greedy_sampling and run.stats.policy.cost_source == "cache"  # the graph's again
+
+
 def test_generate_config_checks():
     with pytest.raises(Eagle3Error, match="spec_sampling must be rejection or match \\(got typical\\)"):
         GenerateConfig(spec_sampling="typical")

@@ -114,7 +114,7 @@ def _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, base
         with Eagle3Session(pair.target, pair.head) as session, Runner(pair.target, session) as decoder:
             detok = Detokenizer(pair.target_model)
             if config.draft_max > 0:  # the exactness probe and the cost curve, before the text streams
-                report = decoder.spec.prepare(config)
+                report = decoder.prepare(config, Sampler(temp, seed))
                 if report.mode == "auto" and not report.kept:
                     typer.echo(INEXACT_NOTE.format(found=report.rows()[0][1]), err=True)
 
