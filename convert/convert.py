@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -25,7 +26,7 @@ from ..hf_archs import HF_ARCHITECTURES
 from .layouts import MAX_INT, KIND_D2T, KIND_K, KIND_NORM, KIND_Q, T2D_TENSOR, HeadSpec, LayerIds, TensorSource, \
     detect_layout, resolve_layer_ids
 from .quantize import Encoded, can_quantize, encode, ggml_type, n_bytes
-from .readers import Checkpoint, open_checkpoint, read_json
+from .readers import FLOAT_DTYPES, Checkpoint, open_checkpoint, read_json
 from .writer import PlannedTensor, WrittenTensor, write_gguf
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
@@ -350,6 +351,9 @@ def _plan(ckpt: Checkpoint, spec: HeadSpec, d2t: np.ndarray | None, out_t: GT, f
             assert d2t is not None
             plans.append(PlannedTensor(gguf_name, shape, GT.I64, lambda ids=d2t: Encoded(ids, GT.I64, 0.0)))
             continue
+        if ckpt.tensors[src.src_name].dtype not in FLOAT_DTYPES:
+            raise Eagle3Error(f"{ckpt.path}: tensor '{src.src_name}' holds {ckpt.tensors[src.src_name].dtype} values, "
+                              "not floats: not a weight of an EAGLE-3 head")
         if src.kind == KIND_NORM:
             t = GT.F32
         else:
@@ -370,6 +374,9 @@ def _producer(ckpt: Checkpoint, src: TensorSource, t: GT, n_head: int, n_head_kv
               shape: tuple[int, ...]) -> Callable[[], Encoded]:
     def produce() -> Encoded:
         w = ckpt.load(src.src_name)  # float32, PyTorch order
+        if not np.isfinite(w).all():  # a diverged or damaged checkpoint: the head would draft nothing but NaN
+            raise Eagle3Error(f"{ckpt.path}: tensor '{src.src_name}' holds NaN or infinite values: the checkpoint is "
+                              "damaged (nothing was written)")
         if src.kind == KIND_Q:
             w = permute_rope_rows(w, n_head)
         elif src.kind == KIND_K:
@@ -445,6 +452,17 @@ def _metadata(spec: HeadSpec, target: TargetInfo, ids: LayerIds, out_t: GT, name
 # ------------------------------------------------------------------------------------------------
 
 
+def _check_out(out: Path, inputs: list[Path]) -> None:
+    """The output path is no input of the conversion, and no file other than a regular one (a device, a pipe): the
+    head replaces whatever is there."""
+    if out.exists() and not out.is_dir():
+        if not out.is_file():
+            raise Eagle3Error(f"{out}: not a regular file; name a .gguf file to write (-o head.gguf)")
+        for path in inputs:
+            if path.exists() and os.path.samefile(out, path):
+                raise Eagle3Error(f"{out}: is an input of this conversion ({path}); name another output (-o)")
+
+
 def convert_head(src: str | Path, out: str | Path | None, target: str | Path | TargetInfo,
                  layer_ids: list[int] | None = None, outtype: str | None = None, fc_type: str | None = None,
                  name: str | None = None,
@@ -470,6 +488,7 @@ def convert_head(src: str | Path, out: str | Path | None, target: str | Path | T
     d2t = _check_vocab(ckpt, spec, tgt)
 
     out = Path(out) if out is not None else default_out_path(src)
+    _check_out(out, [*ckpt.files, *([ckpt.config_path] if ckpt.config_path else []), Path(tgt.path)])
     notes: list[str] = []
     embd = spec.source(keys.T_TOKEN_EMBD)
     if embd is not None and spec.hparams.n_embd == tgt.n_embd:  # a copy of the target's table goes (borrowed)

@@ -299,6 +299,6 @@ def open_checkpoint(src: str | Path) -> Checkpoint:
 
     config_path = directory / CONFIG_NAME
     config = read_json(config_path) if config_path.is_file() else None
-    if config is not None and not isinstance(config, dict):
+    if config_path.is_file() and not isinstance(config, dict):  # null too: not "no config.json"
         raise Eagle3Error(f"{config_path}: expected a JSON object")
     return Checkpoint(src, files, config, config_path if config is not None else None, tensors, loaders)

@@ -19,6 +19,7 @@ Where the command line's default differs from the library's, `COMMAND_LINE` hold
 
 from __future__ import annotations
 
+import math
 from dataclasses import InitVar, dataclass
 from typing import Callable
 
@@ -112,8 +113,8 @@ class DraftConfig:
         if self.spec_sampling not in SPEC_SAMPLING:
             raise Eagle3Error(f"{name('spec_sampling')} must be {' or '.join(SPEC_SAMPLING)} "
                               f"(got {self.spec_sampling})")
-        if not self.draft_temp_scale >= 0.0:
-            raise Eagle3Error(f"{name('draft_temp_scale')} cannot be negative (got {self.draft_temp_scale})")
+        if not 0.0 <= self.draft_temp_scale < math.inf:
+            raise Eagle3Error(f"{name('draft_temp_scale')} must be a number, 0 or more (got {self.draft_temp_scale})")
         for attr in ("draft_lookup", "draft_head"):
             if not isinstance(getattr(self, attr), bool):
                 raise Eagle3Error(f"{name(attr)} must be on or off (got {getattr(self, attr)})")

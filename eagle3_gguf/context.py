@@ -64,6 +64,7 @@ llama_get_logits_ith_addr = _address_twin("llama_get_logits_ith", [ctx_p, ctypes
 
 
 NO_LOGITS = "no logits: this context chooses tokens in the graph (set_graph_choice)"
+MAX_THREADS = 512  # ggml.h's GGML_MAX_N_THREADS: more crash ggml's thread pool
 
 
 class Context(_Owner):
@@ -83,6 +84,8 @@ class Context(_Owner):
         self.model = model
         self.ctx_other = ctx_other  # keeps the target alive while the head borrows from it
         threads = n_threads or default_threads()
+        if not 1 <= threads <= MAX_THREADS:
+            raise Eagle3Error(f"n_threads must be between 1 and {MAX_THREADS} (got {threads})")
         params = C.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = n_batch

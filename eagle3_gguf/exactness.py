@@ -26,14 +26,16 @@ a verify batch's rows (`Speculator.policy_for`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 from llama_cpp import llama_cpp as C
@@ -210,6 +212,25 @@ class ProbeCallback:
     def reset(self) -> None:
         self.products, self._kinds, self._error = [], [], None
 
+    @contextlib.contextmanager
+    def keeping_escapes(self) -> Iterator[None]:
+        """While in it, an exception raised as the callback is entered, before its first line (Python runs a pending
+        signal's handler there: Ctrl-C, SIGTERM during a decode), is kept for check(), where ctypes would print and drop
+        it and the graph would stop short unseen (a probe cut so once cached widths it had not measured)."""
+        previous = sys.unraisablehook
+
+        def hook(unraisable) -> None:
+            if unraisable.object == self._eval and unraisable.exc_value is not None:
+                self._error = self._error or unraisable.exc_value
+            else:
+                previous(unraisable)
+
+        sys.unraisablehook = hook
+        try:
+            yield
+        finally:
+            sys.unraisablehook = previous
+
     def check(self) -> None:
         if self._error is not None:
             raise self._error
@@ -262,9 +283,10 @@ def _products_exact(target: Context, tokens: np.ndarray, depths: list[int], rows
     and says where the others stop; the layers past a stop hold no KV for the rows decoded so, which changes their
     values but not their kernels, and nothing past the stop is compared."""
     rec = ProbeCallback()
-    with Context(target.model, n_ctx=depths[-1] + rows, n_batch=target.n_batch, n_ubatch=target.n_ubatch,
-                 n_threads=target.n_threads, type_k=target.kv_types[0], type_v=target.kv_types[1],
-                 flash_attn=target.flash_attn, n_seq_max=target.n_seq_max, capture=rec) as ctx, \
+    with rec.keeping_escapes(), \
+            Context(target.model, n_ctx=depths[-1] + rows, n_batch=target.n_batch, n_ubatch=target.n_ubatch,
+                    n_threads=target.n_threads, type_k=target.kv_types[0], type_v=target.kv_types[1],
+                    flash_attn=target.flash_attn, n_seq_max=target.n_seq_max, capture=rec) as ctx, \
             Batch(target.n_batch) as batch:
         pos = 0
         for depth in depths:

@@ -48,6 +48,8 @@ from .spec_sampling import Dist, RejectionSampler
 from .tree import DraftTree, Expansion, head_sequences
 
 
+# what a head with NaN or infinite weights gives (convert refuses such checkpoints; other tools may not)
+NO_PROBABILITY = "the head's draft step gave no probability (NaN): its weights hold NaN or infinite values"
 # rows a head decode or encode carries with outputs at most: more queued pairs (a prompt's) go first in decodes without
 # outputs, since their logits are never read (bench/NOTES.md "graph-choice"); and while the graph chooses, an output
 # row also takes llama.cpp's host output buffer 4 x n_vocab values (2 MiB at Llama 3's vocab; it never shrinks)
@@ -402,6 +404,8 @@ class Eagle3Session:
         # copy nobody reads after; the whole-vocab row is llama.cpp's buffer, and the sampler still needs z
         e = np.subtract(z, z[j], out=z if ids is not None and sampler is None else None)
         conf = float(1.0 / np.exp(e, out=e).sum())
+        if not 0.0 < conf <= 1.0:
+            raise Eagle3Error(NO_PROBABILITY)
         if n_alt:  # e holds exp(z - z_max), ours to overwrite: the runner-ups are its next largest entries
             # argmax after argmax, each found one struck out: ~2 us a runner-up at a 32k draft vocab, where
             # np.argpartition and a sort took ~50 us a step (bench/NOTES.md, "Python at real vocab sizes")
@@ -423,6 +427,8 @@ class Eagle3Session:
     def _chosen(self, row: int, alts: Draft | None, n_alt: int) -> tuple[int, float]:
         """_choose's token and top probability (and runner-ups) as the head's graph chose them at batch `row`."""
         ids, probs = self.draft_ctx.sampled_top(row)  # the k likeliest, in no order (draft() checked n_alt < k)
+        if not 0.0 <= probs[0] <= 1.0:  # (a NaN head's are all NaN)
+            raise Eagle3Error(NO_PROBABILITY)
         if len(ids) == 1:
             return ids[0], probs[0]
         order = sorted(range(len(ids)), key=probs.__getitem__, reverse=True)

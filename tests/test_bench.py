@@ -108,6 +108,11 @@ def test_bad_flags_and_files_are_one_line_exit_2(tmp_path, tiny_target):
                    f"{bad}:1: no prompt text (a line is {{\"text\": \"...\"}} or a JSON string)")
     one_line_error(invoke("--plot", str(tmp_path / "out.jpg")),
                    f"--plot writes a PNG: give a path ending in .png (got {tmp_path / 'out.jpg'})")
+    (tmp_path / "a.png").mkdir()
+    one_line_error(invoke("--plot", str(tmp_path / "a.png")), f"--plot: {tmp_path / 'a.png'} is a folder: give a file's path")
+    r = invoke("--plot", "/proc/out.png")  # (why, in the OS's words, varies: as root no folder's mode says no)
+    assert r.exit_code == 2 and r.stderr.startswith("error: --plot: cannot write into /proc (") and \
+        len(r.stderr.strip().splitlines()) == 1, r.stderr
     one_line_error(invoke("--workloads", ""),
                    "no prompts to measure: name workloads (chat, code, edit, extract) or give -f")
     one_line_error(invoke("-n", "0"), "-n must be at least 1 (got 0)")

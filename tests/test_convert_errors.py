@@ -72,6 +72,8 @@ def test_bad_json_config(tmp_path, tiny_target):
     _fails(tmp_path, [str(src), "-t", str(tiny_target)],
            f"{src / 'config.json'}: invalid JSON (Expecting property name enclosed in double quotes at line 1, "
            f"column 20)")
+    (src / "config.json").write_text("null")
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)], f"{src / 'config.json'}: expected a JSON object")
 
 
 def test_missing_config(tmp_path, tiny_target):
@@ -385,3 +387,36 @@ def test_bad_types(tmp_path, tiny_target):
            "--outtype q4_0: choose from f32, f16, bf16, q8_0 (fc has its own --fc-type)")
     _fails(tmp_path, [str(src), "-t", str(tiny_target), "--fc-type", "q5_k"],
            "--fc-type q5_k: choose from q4_0, q8_0, f16, bf16, f32")
+
+
+@pytest.mark.parametrize("value, dtype, expected", [
+    (np.nan, np.float32, "holds NaN or infinite values: the checkpoint is damaged (nothing was written)"),
+    (np.inf, np.float32, "holds NaN or infinite values: the checkpoint is damaged (nothing was written)"),
+    (0, np.int64, "holds I64 values, not floats: not a weight of an EAGLE-3 head"),
+])
+def test_weights_that_are_no_numbers_are_refused(tmp_path, tiny_target, value, dtype, expected):
+    """A diverged checkpoint's NaN fc converted before, and `generate` then failed deep in the policy; an integer fc
+    converted silently."""
+    w = random_weights(CkptDims())
+    w["fc.weight"] = w["fc.weight"].astype(dtype)
+    w["fc.weight"][0, 0] = value
+    src = _ckpt(tmp_path, weights=w)
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)], f"{src}: tensor 'fc.weight' {expected}")
+
+
+def test_an_output_that_is_an_input_or_no_regular_file_is_refused(tmp_path, tiny_target):
+    """-o naming the checkpoint's file, its config or the target replaced it with the head; -o /dev/null replaced
+    the device with a file (as root)."""
+    src = _ckpt(tmp_path)
+    target = tmp_path / "target.gguf"
+    target.write_bytes(tiny_target.read_bytes())
+    for out, expected in ((src / "model.safetensors", f"is an input of this conversion ({src / 'model.safetensors'}); "
+                                                     "name another output (-o)"),
+                          (src / "config.json", f"is an input of this conversion ({src / 'config.json'}); name "
+                                                "another output (-o)"),
+                          (target, f"is an input of this conversion ({target}); name another output (-o)"),
+                          (Path("/dev/null"), "not a regular file; name a .gguf file to write (-o head.gguf)")):
+        before = out.read_bytes() if out.is_file() else None
+        res = runner.invoke(app, ["convert", str(src), "-t", str(target), "-o", str(out)])
+        assert res.exit_code == 2 and res.stderr.splitlines() == [f"error: {out}: {expected}"], res.output
+        assert out.read_bytes() == before if before is not None else Path("/dev/null").is_char_device()

@@ -98,6 +98,32 @@ def test_the_statistics_say_it(tiny_target, tiny_head):
     assert "not probed (--exact off)" in r.stderr and "note:" not in r.stderr
 
 
+def test_an_interrupt_as_the_probes_callback_is_entered_ends_the_probe_with_nothing_cached(tiny_target, tiny_head,
+                                                                                            monkeypatch, tmp_path):
+    """Python runs a pending signal's handler (Ctrl-C, SIGTERM) as the next Python function is entered, here the
+    probe's eval callback mid-decode, before its own try: ctypes printed and dropped that KeyboardInterrupt, the run
+    went on, and a probe cut short cached widths it had not measured. Now the interrupt ends the probe."""
+    from eagle3_gguf import exactness
+
+    class Interrupted(exactness.ProbeCallback):
+        calls = 0
+
+        def _eval(self, t, ask, user_data):  # raises where a signal's handler would: before any line of the callback
+            Interrupted.calls += 1
+            if Interrupted.calls == 40:
+                raise KeyboardInterrupt
+            return super()._eval(t, ask, user_data)
+
+    monkeypatch.setattr(exactness, "ProbeCallback", Interrupted)
+    with load_pair(tiny_target, tiny_head, PairConfig(n_ctx=1024, n_threads=2)) as pair, pair.speculator() as spec:
+        with pytest.raises(KeyboardInterrupt):
+            spec.probe_exact(9)
+        assert Interrupted.calls >= 40 and not list((tmp_path / "cache").rglob("*.json"))
+        monkeypatch.setattr(exactness, "ProbeCallback", exactness.ProbeCallback)
+        assert spec.probe_exact(9).source == "probed"  # and the hook is ctypes' own again
+    assert list((tmp_path / "cache").rglob("*.json"))
+
+
 def test_bad_mode():
     r = invoke("generate", "-p", "x", "--exact", "sometimes")
     assert r.exit_code == 2 and r.stderr == "error: --exact must be auto, strict, off (got sometimes)\n"

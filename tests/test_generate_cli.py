@@ -7,6 +7,7 @@ import dataclasses
 import json
 import re
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -82,15 +83,44 @@ def test_vocab_and_lm_head_mismatches(tiny_target, tiny_head):
 @pytest.mark.parametrize("flags, expected", [
     (["-n", "0"], "-n must be at least 1 (got 0)"),
     (["--draft-max", "40"], "--draft-max must be between 0 and 32 (got 40)"),
-    (["--temp", "-1"], "--temp cannot be negative (got -1.0)"),
+    (["--temp", "-1"], "--temp must be 0 (greedy) or more (got -1.0)"),
+    (["--temp", "nan"], "--temp must be 0 (greedy) or more (got nan)"),
+    (["--seed", "-2"], "--seed must be between 0 and 2^64 - 1, or -1 for a random one (got -2)"),
     (["--draft-p-min", "1.5"], "--draft-p-min must be in [0, 1) (got 1.5)"),
-    (["-t", "0"], "-t must be at least 1 (got 0)"),
+    (["-t", "0"], "-t must be between 1 and 512 (got 0)"),
+    (["-t", "100000"], "-t must be between 1 and 512 (got 100000)"),  # more crash ggml's thread pool
     (["-f", "/nonexistent/prompt.txt", "-p", "x"], "give the prompt with -p or -f, not both"),
     (["-f", "/nonexistent/prompt.txt"], "/nonexistent/prompt.txt: no such prompt file"),
     (["-ctv", "f17"], "unknown KV cache type 'f17' (one of: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1)"),
 ])
 def test_bad_flags_one_line_exit_2(tiny_target, tiny_head, flags, expected):
     one_line_error(invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), *flags), expected)
+
+
+def test_a_prompt_file_that_is_no_text_is_one_line(tiny_target, tiny_head, tmp_path):
+    binary = tmp_path / "prompt.txt"
+    binary.write_bytes(b"\xff\xfeh\x00i\x00")  # UTF-16
+    for path, expected in ((binary, f"{binary}: not UTF-8 text"),
+                           (tmp_path, f"{tmp_path} is a directory: -f takes a text file")):
+        one_line_error(invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-f", str(path)), expected)
+
+
+def test_a_head_with_nan_weights_is_one_line(tiny_target, tiny_head, tmp_path):
+    """A head whose weights hold NaN (convert refuses such checkpoints; a file from elsewhere may not): its draft
+    steps give no probability, and generate says so in one line where the policy failed on a NaN deep inside."""
+    import gguf
+
+    from eagle3_gguf.session import NO_PROBABILITY
+
+    bad = tmp_path / "nan-head.gguf"
+    bad.write_bytes(tiny_head.read_bytes())
+    norm = next(t for t in gguf.GGUFReader(bad).tensors if t.name == "output_norm.weight")
+    with open(bad, "r+b") as f:  # the head's final norm: every logit NaN
+        f.seek(norm.data_offset)
+        f.write(np.full(norm.n_elements, np.nan, np.float32).tobytes())
+    for policy in ("fixed", "adaptive"):
+        one_line_error(invoke("generate", "-m", str(tiny_target), "--draft", str(bad), "-p", "hello", "-n", "8",
+                              "--draft-policy", policy), NO_PROBABILITY)
 
 
 def test_missing_model_file(tiny_head, tmp_path):

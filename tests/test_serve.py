@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import subprocess
 import sys
 from contextlib import closing, contextmanager
@@ -304,13 +305,29 @@ def test_bad_pair_is_one_line(tiny_head, smollm2_path):
     assert len(lines) == 1 and lines[0].startswith("error: ") and "hidden size" in lines[0]
 
 
+def test_an_address_it_cannot_listen_on_is_one_line_before_loading(tiny_target, tiny_head):
+    """A --host that is no address here, or a --port another process listens on: one line, before the models load
+    (llama.cpp's lines would come first with -v; uvicorn's own error came after loading, exit 3)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for flags, expected in ((["--host", "999.999.1.1"], "--host 999.999.1.1: not an address of this machine"),
+                                (["--port", str(port)], f"cannot listen on 127.0.0.1:{port} (Address already in use): "
+                                                        "choose another --port or --host")):
+            r = subprocess.run([sys.executable, "-m", "eagle3_gguf.cli.main", "serve", "-m", str(tiny_target),
+                                "--draft", str(tiny_head), "-v", *flags], capture_output=True, text=True, timeout=120)
+            assert r.returncode == 2 and r.stderr.startswith(f"error: {expected}"), r.stderr
+            assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 @pytest.mark.parametrize("flags, expected", [
     (["--draft-p-min", "1.5"], "--draft-p-min must be in [0, 1) (got 1.5)"),
     (["--draft-max", "33"], "--draft-max must be between 0 and 32 (got 33)"),
     (["--port", "0"], "--port must be in 1..65535 (got 0)"),
     (["--draft-policy", "greedy"], "--draft-policy must be adaptive or fixed (got greedy)"),
     (["--spec-sampling", "bogus"], "--spec-sampling must be rejection or match (got bogus)"),
-    (["--draft-temp-scale", "-1"], "--draft-temp-scale cannot be negative (got -1.0)"),
+    (["--draft-temp-scale", "-1"], "--draft-temp-scale must be a number, 0 or more (got -1.0)"),
     (["--spec-sampling", "match", "--draft-temp-scale", "0.5"],
      "--draft-temp-scale shapes the rejection rule's draft distribution: it has no effect with --spec-sampling match"),
     (["--parallel", "0"], "--parallel must be in 1..64 (got 0)"),

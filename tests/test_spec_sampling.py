@@ -638,8 +638,9 @@ def test_a_run_prepared_beforehand_keeps_a_curve_timed_as_its_cycles_read(smollm
 def test_generate_config_checks():
     with pytest.raises(Eagle3Error, match="spec_sampling must be rejection or match \\(got typical\\)"):
         GenerateConfig(spec_sampling="typical")
-    with pytest.raises(Eagle3Error, match="cannot be negative"):
-        GenerateConfig(draft_temp_scale=-0.5)
+    for bad in (-0.5, float("nan")):
+        with pytest.raises(Eagle3Error, match=r"must be a number, 0 or more \(got"):
+            GenerateConfig(draft_temp_scale=bad)
 
 
 # -- the CLI --------------------------------------------------------------------------------------------------
@@ -656,7 +657,7 @@ def invoke(*args: str):
     (["--temp", "0.8", "--spec-sampling", "match", "--draft-temp-scale", "0.5"],
      "--draft-temp-scale shapes the rejection rule's draft distribution: it has no effect with --spec-sampling match"),
     (["--draft-temp-scale", "0.5"], "--draft-temp-scale needs --temp > 0 (at --temp 0 drafts and tokens are greedy)"),
-    (["--temp", "0.8", "--draft-temp-scale", "-1"], "--draft-temp-scale cannot be negative (got -1.0)"),
+    (["--temp", "0.8", "--draft-temp-scale", "-1"], "--draft-temp-scale must be a number, 0 or more (got -1.0)"),
 ])
 def test_cli_bad_spec_sampling_flags(tiny_target, tiny_head, flags, expected):
     r = invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-p", "hi", *flags)

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from model_factory import TinyDims, write_tiny_target
@@ -114,3 +115,36 @@ def test_train_online_refuses_what_the_torch_target_does_not_run(tmp_path, tiny_
         r = run("train", "-m", str(model), "-o", str(out), "--online", *args)
         assert (r.returncode, r.stderr.strip().splitlines()) == (2, [line])
         assert not out.exists()
+
+
+def test_train_bad_numbers_paths_and_devices_are_one_line_before_any_data(tmp_path, tiny_target):
+    """Each checked before the data is made (minutes with the default --prompts), and none leaves a folder."""
+    pytest.importorskip("torch")
+    import torch
+
+    out, a_file = tmp_path / "o", tmp_path / "file.txt"
+    a_file.write_text("x")
+    no_cuda = [] if torch.cuda.is_available() else [
+        (["--device", "cuda"], "--device cuda: this torch sees no cuda device (--device auto picks what it has)")]
+    for args, line in (
+            (["--steps", "-1"], "--steps must be at least 1 (got -1)"),
+            (["--unroll", "0"], "--unroll must be at least 1 (got 0)"),
+            (["--epochs", "nan"], "--epochs must be a positive number (got nan)"),
+            (["--lr", "-1"], "--lr must be a number, 0 or more (got -1.0)"),
+            (["--lr", "inf"], "--lr must be a number, 0 or more (got inf)"),
+            (["--max-data-gb", "nan"], "--max-data-gb must be a positive number (got nan)"),
+            (["--prompts", "-5"], "--prompts must be at least 1 (got -5)"),
+            (["--parallel", "0"], "--parallel must be at least 1 (got 0)"),
+            (["--ffn", "-3"], "--ffn must be at least 1 (got -3)"),
+            (["--draft-vocab", "0"], "--draft-vocab must be at least 1 (got 0)"),
+            (["-t", "100000"], "-t must be between 1 and 512 (got 100000)"),
+            (["--device", "tpu"], "--device tpu: one of auto, cpu, cuda (cuda:N), mps"),
+            *no_cuda):
+        r = run("train", "-m", str(tiny_target), "-o", str(out), *args)
+        assert (r.returncode, r.stderr.strip().splitlines()) == (2, [f"error: {line}"]), args
+        assert not out.exists()
+    for path, line in ((a_file, f"{a_file}: not a folder; -o names the run's folder (made if missing)"),
+                       (Path("/proc/run"), "/proc/run: cannot make the run's folder (")):
+        r = run("train", "-m", str(tiny_target), "-o", str(path))
+        assert r.returncode == 2 and r.stderr.startswith(f"error: {line}"), r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr

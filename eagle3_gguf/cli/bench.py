@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -106,6 +107,12 @@ def _check_flags(n_predict: int, limit: int, repeat: int, time_limit: float, n_c
             raise Eagle3Error(f"--plot writes a PNG: give a path ending in .png (got {plot})")
         if not plot.parent.is_dir():
             raise Eagle3Error(f"--plot: {plot.parent} is no folder")
+        if plot.is_dir():
+            raise Eagle3Error(f"--plot: {plot} is a folder: give a file's path")
+        try:  # said before minutes of measuring, not after
+            tempfile.TemporaryFile(dir=plot.parent).close()
+        except OSError as e:
+            raise Eagle3Error(f"--plot: cannot write into {plot.parent} ({e.strerror or e})") from None
         if importlib.util.find_spec("matplotlib") is None:  # said before minutes of measuring, not after
             raise Eagle3Error("--plot needs matplotlib: pip install matplotlib")
 

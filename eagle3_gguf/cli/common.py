@@ -80,10 +80,12 @@ TERMINATION = Termination()  # installed by main(); commands read it
 
 def check_context_flags(n_ctx: int, threads: int | None) -> None:
     """-c and -t, which `generate` and `serve` share."""
+    from ..context import MAX_THREADS
+
     if n_ctx < 16:
         raise Eagle3Error(f"-c must be at least 16 (got {n_ctx})")
-    if threads is not None and threads < 1:
-        raise Eagle3Error(f"-t must be at least 1 (got {threads})")
+    if threads is not None and not 1 <= threads <= MAX_THREADS:
+        raise Eagle3Error(f"-t must be between 1 and {MAX_THREADS} (got {threads})")
 
 
 def draft_option(attr: str, default=...):

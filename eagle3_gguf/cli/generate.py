@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import secrets
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -36,7 +37,8 @@ def register(app: typer.Typer) -> None:
         cache_type_k: str = cache_type_k_option(),
         cache_type_v: str = cache_type_v_option(),
         temp: float = typer.Option(0.0, "--temp", help="Temperature; 0 = greedy."),
-        seed: int = typer.Option(0, "--seed", help="Sampling seed (with --temp > 0)."),
+        seed: int = typer.Option(0, "--seed", help="Sampling seed (with --temp > 0); -1: a random one, as "
+                                 "llama.cpp's."),
         draft_max: int = draft_option("draft_max"),
         draft_p_min: float = draft_option("draft_p_min"),
         draft_policy: str = draft_option("draft_policy"),
@@ -58,7 +60,7 @@ def register(app: typer.Typer) -> None:
         probe finds exact here (--exact)."""
         setup_logging(verbose)
         try:
-            _check_flags(prompt, file, n_predict, n_ctx, threads, temp)
+            _check_flags(prompt, file, n_predict, n_ctx, threads, temp, seed)
             drafting = drafting_from_flags(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale,
                                            draft_lookup, draft_lookup_max, temp, draft_topk, draft_nodes, exact,
                                            draft_head)
@@ -68,19 +70,36 @@ def register(app: typer.Typer) -> None:
 
             config = GenerateConfig(n_predict=n_predict, **asdict(drafting))
             check_rpc_timeout(rpc_timeout)
+            seed = secrets.randbits(32) if seed == -1 else seed
             _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, baseline, as_json, rpc_timeout)
         except Eagle3Error as e:
             fail(str(e))
 
 
-def _check_flags(prompt, file, n_predict, n_ctx, threads, temp) -> None:
+def read_prompt(path: Path) -> str:
+    """-f's prompt: the file's UTF-8 text."""
+    if path.is_dir():
+        raise Eagle3Error(f"{path} is a directory: -f takes a text file")
+    if not path.is_file():
+        raise Eagle3Error(f"{path}: no such prompt file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise Eagle3Error(f"{path}: not UTF-8 text") from None
+    except OSError as e:
+        raise Eagle3Error(f"{path}: cannot read it ({e.strerror})") from None
+
+
+def _check_flags(prompt, file, n_predict, n_ctx, threads, temp, seed) -> None:
     if prompt is not None and file is not None:
         raise Eagle3Error("give the prompt with -p or -f, not both")
     if n_predict < 1:
         raise Eagle3Error(f"-n must be at least 1 (got {n_predict})")
     check_context_flags(n_ctx, threads)
-    if temp < 0:
-        raise Eagle3Error(f"--temp cannot be negative (got {temp})")
+    if not temp >= 0:
+        raise Eagle3Error(f"--temp must be 0 (greedy) or more (got {temp})")
+    if not -1 <= seed < 2**64:
+        raise Eagle3Error(f"--seed must be between 0 and 2^64 - 1, or -1 for a random one (got {seed})")
 
 
 INEXACT_NOTE = ("note: on this set-up no verify batch of 2 or more rows is computed bit for bit as a lone row "
@@ -98,9 +117,7 @@ def _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, base
     from ..tokens import Detokenizer, chat_tokens, tokenize
 
     if file is not None:
-        if not file.is_file():
-            raise Eagle3Error(f"{file}: no such prompt file")
-        prompt = file.read_text(encoding="utf-8")
+        prompt = read_prompt(file)
     demo = prompt is None
     if demo:
         prompt, chat = DEMO_PROMPT, True

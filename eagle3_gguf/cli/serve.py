@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 from pathlib import Path
 from typing import Optional
 
@@ -31,6 +32,24 @@ def check_parallel(parallel: int, n_ctx: int, draft_max: int, interrupt_requests
     if n_ctx // parallel < MIN_SLOT_CTX:
         raise Eagle3Error(f"-c {n_ctx} split over {parallel} slots leaves {n_ctx // parallel} tokens each: raise -c to "
                           f"at least {MIN_SLOT_CTX * parallel} or lower --parallel")
+
+
+def check_listen(host: str, port: int) -> None:
+    """--host and --port can be listened on (checked by binding them once), before the models load."""
+    if not 0 < port < 65536:
+        raise Eagle3Error(f"--port must be in 1..65535 (got {port})")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise Eagle3Error(f"--host {host}: not an address of this machine ({getattr(e, 'strerror', e)})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise Eagle3Error(f"cannot listen on {host}:{port} ({e.strerror}): choose another --port or --host") \
+                from None
 
 
 def read_api_key(key: str | None, path: Path | None) -> str | None:
@@ -98,8 +117,7 @@ def register(app: typer.Typer) -> None:
                                  rpc_backend=str(rpc_backend) if rpc_backend else None, rpc_timeout=rpc_timeout,
                                  on_stall=rpc_stalled)
             check_rpc_timeout(rpc_timeout)
-            if not 0 < port < 65536:
-                raise Eagle3Error(f"--port must be in 1..65535 (got {port})")
+            check_listen(host, port)
             check_parallel(parallel, n_ctx, draft_max, interrupt_requests)
             server = build_app(config)
         except Eagle3Error as e:

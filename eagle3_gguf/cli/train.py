@@ -109,8 +109,6 @@ def register(app: typer.Typer) -> None:
             tcfg = TrainConfig(n_unroll=unroll, epochs=epochs, max_steps=steps, batch_tokens=batch_tokens, lr=lr,
                                device=device, n_threads=threads, max_minutes=max_minutes, bf16=bf16,
                                soft_labels=not hard_labels)
-            if max_data_gb is not None and max_data_gb <= 0:
-                raise Eagle3Error(f"--max-data-gb {max_data_gb}: must be positive")
             cfg = PipelineConfig(n_prompts=prompts, prompt_mix=prompt_mix, seed=seed, layer_ids=ids, draft_vocab=draft_vocab, n_ff=n_ff, n_seq=n_seq,
                                  max_new=max_new, n_threads=threads, resume=resume, train=tcfg,
                                  data_target=data_model, data_source=data_source, max_data_gb=max_data_gb,

@@ -20,6 +20,7 @@ Stages, each in its own place under the run folder OUT/ and each resumable:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -59,6 +60,17 @@ class PipelineConfig:
     resume: bool = False
     train: Any = None  # a loop.TrainConfig; default TrainConfig()
 
+    def __post_init__(self) -> None:
+        """Each bad value one error line, naming `train`'s flag, before any data is made."""
+        for flag, value in (("--prompts", self.n_prompts), ("--parallel", self.n_seq), ("--max-new", self.max_new),
+                            ("--draft-vocab", self.draft_vocab), ("--ffn", self.n_ff), ("--topk", self.topk),
+                            ("--max-tokens", self.max_tokens)):
+            if value is not None and value < 1:
+                raise Eagle3Error(f"{flag} must be at least 1 (got {value})")
+        for flag, value in (("--max-data-gb", self.max_data_gb), ("data_minutes", self.data_minutes)):
+            if value is not None and not 0 < value < math.inf:
+                raise Eagle3Error(f"{flag} must be a positive number (got {value})")
+
 
 @dataclass
 class PipelineResult:
@@ -90,7 +102,7 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
     from ..convert.layouts import default_layer_ids
     from .data import DataConfig, generate_data, load_dataset, teacher_forced_data
     from .export import convert_to_gguf, export_checkpoint, read_target, read_token_embeddings
-    from .loop import TrainConfig, pick_device, train_head
+    from .loop import TrainConfig, check_threads, pick_device, train_head
     from .model import HeadConfig
     from .prompts import MIXES, build_prompts, source
     from .torch_target import OnlineData, TorchTarget
@@ -113,6 +125,8 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
                               f"{tgt.n_layer}): pass another quantization of the target")
 
     data_dir, vocab_path = out / "data", out / "vocab.npz"
+    if out.exists() and not out.is_dir():
+        raise Eagle3Error(f"{out}: not a folder; -o names the run's folder (made if missing)")
     if ((data_dir / "manifest.json").is_file() or vocab_path.is_file()) and not cfg.resume:
         raise Eagle3Error(f"{out} already holds a run: pass --resume to continue it, or choose another -o")
     if cfg.prompt_mix not in MIXES:
@@ -121,6 +135,8 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
         raise Eagle3Error(f"--data-source {cfg.data_source}: one of {', '.join(DATA_SOURCES)}")
     chat = prompt_chat(cfg, tgt)
     tcfg = cfg.train or TrainConfig()
+    check_threads(cfg.n_threads)
+    pick_device(tcfg.device)  # one that can run here, said before the data is made
     teacher = None
     if cfg.online:
         if cfg.data_source != "sharegpt":
@@ -128,7 +144,10 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
         if cfg.max_data_gb is not None:
             raise Eagle3Error("--max-data-gb: --online keeps no data on disk; leave one of them out")
         teacher = TorchTarget.from_gguf(data_target, layers, pick_device(tcfg.device))  # refused before a weight loads
-    out.mkdir(parents=True, exist_ok=True)  # every check above passed
+    try:
+        out.mkdir(parents=True, exist_ok=True)  # every check above passed
+    except OSError as e:
+        raise Eagle3Error(f"{out}: cannot make the run's folder ({e.strerror}): choose another -o") from None
     dcfg = DataConfig(layers=layers, n_seq=cfg.n_seq, max_new=cfg.max_new, n_threads=cfg.n_threads,
                       max_bytes=None if cfg.max_data_gb is None else int(cfg.max_data_gb * 1e9),
                       max_seconds=None if cfg.data_minutes is None else cfg.data_minutes * 60,

@@ -63,6 +63,19 @@ class TrainConfig:
     pause_after_s: float | None = None  # this call stops (checkpointed) after this long; resuming continues the
     #                                     same schedule: training in steps shorter than a machine's call limit
 
+    def __post_init__(self) -> None:
+        """Each bad value one error line, naming `train`'s flag, before any data is made."""
+        for flag, value in (("--unroll", self.n_unroll), ("--batch-tokens", self.batch_tokens),
+                            ("--steps", self.max_steps)):
+            if value is not None and value < 1:
+                raise Eagle3Error(f"{flag} must be at least 1 (got {value})")
+        for flag, value in (("--epochs", self.epochs), ("--max-minutes", self.max_minutes)):
+            if value is not None and not 0 < value < math.inf:
+                raise Eagle3Error(f"{flag} must be a positive number (got {value})")
+        if not 0 <= self.lr < math.inf:  # (0: the weights stay as loaded, init_from's check)
+            raise Eagle3Error(f"--lr must be a number, 0 or more (got {self.lr})")
+        check_threads(self.n_threads)
+
 
 @dataclass
 class EvalResult:
@@ -109,9 +122,30 @@ def _bf16_is_native(device: torch.device) -> bool:
     return any(p is not None and p() for p in probes)
 
 
+def check_threads(n: int | None) -> None:
+    from ..context import MAX_THREADS
+
+    if n is not None and not 1 <= n <= MAX_THREADS:
+        raise Eagle3Error(f"-t must be between 1 and {MAX_THREADS} (got {n})")
+
+
 def pick_device(name: str = "auto") -> torch.device:
+    """The torch device `name` names (auto: CUDA, else MPS, else the CPU), one that this torch can use."""
     if name != "auto":
-        return torch.device(name)
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise Eagle3Error(f"--device {name}: one of auto, cpu, cuda (cuda:N), mps") from None
+        usable = {"cpu": lambda: True, "cuda": torch.cuda.is_available,
+                  "mps": lambda: getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()}
+        if device.type not in usable:
+            raise Eagle3Error(f"--device {name}: one of auto, cpu, cuda (cuda:N), mps")
+        if not usable[device.type]():
+            raise Eagle3Error(f"--device {name}: this torch sees no {device.type} device (--device auto picks what it "
+                              "has)")
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise Eagle3Error(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        return device
     if torch.cuda.is_available():
         return torch.device("cuda")
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
