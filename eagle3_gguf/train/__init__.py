@@ -62,14 +62,22 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         """Each bad value one error line, naming `train`'s flag, before any data is made."""
-        for flag, value in (("--prompts", self.n_prompts), ("--parallel", self.n_seq), ("--max-new", self.max_new),
-                            ("--draft-vocab", self.draft_vocab), ("--ffn", self.n_ff), ("--topk", self.topk),
-                            ("--max-tokens", self.max_tokens)):
-            if value is not None and value < 1:
-                raise Eagle3Error(f"{flag} must be at least 1 (got {value})")
-        for flag, value in (("--max-data-gb", self.max_data_gb), ("data_minutes", self.data_minutes)):
-            if value is not None and not 0 < value < math.inf:
-                raise Eagle3Error(f"{flag} must be a positive number (got {value})")
+        check_values(at_least_1=(("--prompts", self.n_prompts), ("--parallel", self.n_seq), ("--max-new", self.max_new),
+                                 ("--draft-vocab", self.draft_vocab), ("--ffn", self.n_ff), ("--topk", self.topk),
+                                 ("--max-tokens", self.max_tokens)),
+                     positive=(("--max-data-gb", self.max_data_gb), ("data_minutes", self.data_minutes)))
+
+
+def check_values(at_least_1: tuple[tuple[str, int | None], ...] = (),
+                 positive: tuple[tuple[str, float | None], ...] = ()) -> None:
+    """Counts of at least 1 and positive finite numbers, each (flag, value; None: not given): the first bad one
+    raised as one line naming its flag."""
+    for flag, value in at_least_1:
+        if value is not None and value < 1:
+            raise Eagle3Error(f"{flag} must be at least 1 (got {value})")
+    for flag, value in positive:
+        if value is not None and not 0 < value < math.inf:
+            raise Eagle3Error(f"{flag} must be a positive number (got {value})")
 
 
 @dataclass

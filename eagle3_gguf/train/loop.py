@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import Eagle3Error
+from . import check_values
 from .data import Dataset
 from .model import Eagle3Head, HeadConfig
 from .vocab import DraftVocab
@@ -65,13 +66,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         """Each bad value one error line, naming `train`'s flag, before any data is made."""
-        for flag, value in (("--unroll", self.n_unroll), ("--batch-tokens", self.batch_tokens),
-                            ("--steps", self.max_steps)):
-            if value is not None and value < 1:
-                raise Eagle3Error(f"{flag} must be at least 1 (got {value})")
-        for flag, value in (("--epochs", self.epochs), ("--max-minutes", self.max_minutes)):
-            if value is not None and not 0 < value < math.inf:
-                raise Eagle3Error(f"{flag} must be a positive number (got {value})")
+        check_values(at_least_1=(("--unroll", self.n_unroll), ("--batch-tokens", self.batch_tokens),
+                                 ("--steps", self.max_steps)),
+                     positive=(("--epochs", self.epochs), ("--max-minutes", self.max_minutes)))
         if not 0 <= self.lr < math.inf:  # (0: the weights stay as loaded, init_from's check)
             raise Eagle3Error(f"--lr must be a number, 0 or more (got {self.lr})")
         check_threads(self.n_threads)
