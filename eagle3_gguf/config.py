@@ -32,6 +32,7 @@ from .tree import head_sequences
 # is; strict keeps to them always (plain decoding where none is); off probes nothing
 EXACT_MODES = ("auto", "strict", "off")
 MAX_DRAFT_MAX = 32  # the most drafts one cycle may verify (head or lookup)
+MAX_THREADS = 512  # ggml.h's GGML_MAX_N_THREADS: more crash ggml's thread pool
 MAX_TOPK = 8  # a draft tree's tokens per depth at most
 
 

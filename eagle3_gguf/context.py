@@ -18,6 +18,7 @@ from llama_cpp import llama_cpp as C
 
 from .choice import GraphChoice
 from .choice import available as choice_available
+from .config import MAX_THREADS
 from .errors import Eagle3Error
 from .native import Model, _address_twin, _bind, _Owner, _type_name, default_threads, require_ext
 
@@ -64,7 +65,6 @@ llama_get_logits_ith_addr = _address_twin("llama_get_logits_ith", [ctx_p, ctypes
 
 
 NO_LOGITS = "no logits: this context chooses tokens in the graph (set_graph_choice)"
-MAX_THREADS = 512  # ggml.h's GGML_MAX_N_THREADS: more crash ggml's thread pool
 
 
 class Context(_Owner):

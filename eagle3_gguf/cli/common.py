@@ -80,7 +80,7 @@ TERMINATION = Termination()  # installed by main(); commands read it
 
 def check_context_flags(n_ctx: int, threads: int | None) -> None:
     """-c and -t, which `generate` and `serve` share."""
-    from ..context import MAX_THREADS
+    from ..config import MAX_THREADS
 
     if n_ctx < 16:
         raise Eagle3Error(f"-c must be at least 16 (got {n_ctx})")

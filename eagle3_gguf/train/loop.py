@@ -120,7 +120,7 @@ def _bf16_is_native(device: torch.device) -> bool:
 
 
 def check_threads(n: int | None) -> None:
-    from ..context import MAX_THREADS
+    from ..config import MAX_THREADS
 
     if n is not None and not 1 <= n <= MAX_THREADS:
         raise Eagle3Error(f"-t must be between 1 and {MAX_THREADS} (got {n})")
