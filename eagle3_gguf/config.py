@@ -36,6 +36,12 @@ MAX_THREADS = 512  # ggml.h's GGML_MAX_N_THREADS: more crash ggml's thread pool
 MAX_TOPK = 8  # a draft tree's tokens per depth at most
 
 
+def check_threads(n: int | None, flag: str = "-t") -> None:
+    """A thread count llama.cpp can run (None: its default), else one line naming `flag`."""
+    if n is not None and not 1 <= n <= MAX_THREADS:
+        raise Eagle3Error(f"{flag} must be between 1 and {MAX_THREADS} (got {n})")
+
+
 @dataclass(frozen=True)
 class Knob:
     """One drafting knob as the command line shows it."""

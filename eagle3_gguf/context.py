@@ -18,7 +18,7 @@ from llama_cpp import llama_cpp as C
 
 from .choice import GraphChoice
 from .choice import available as choice_available
-from .config import MAX_THREADS
+from .config import check_threads
 from .errors import Eagle3Error
 from .native import Model, _address_twin, _bind, _Owner, _type_name, default_threads, require_ext
 
@@ -84,8 +84,7 @@ class Context(_Owner):
         self.model = model
         self.ctx_other = ctx_other  # keeps the target alive while the head borrows from it
         threads = n_threads or default_threads()
-        if not 1 <= threads <= MAX_THREADS:
-            raise Eagle3Error(f"n_threads must be between 1 and {MAX_THREADS} (got {threads})")
+        check_threads(threads, "n_threads")
         params = C.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = n_batch
@@ -241,9 +240,10 @@ class Context(_Owner):
         """Let the graph choose each output row's tokens of sequence 0 (choice.py, llama.cpp's backend sampling):
         k = 1 its argmax (sampled_token), k > 1 its k likeliest (sampled_top), and with `probs` their probabilities
         under a softmax over the row; 0: hand the logits back again. While the graph chooses, no logits are copied
-        out (logits() raises), but for rows it chose nothing for (chosen_token). Only on a context made here: a borrowed one's owner reads the logits itself. Returns
-        whether the graph chooses: False where the backend cannot, or choice.c cannot be built here (choice.available:
-        no C compiler); the logits are then handed back."""
+        out (logits() raises), but those of rows it chose nothing for (chosen_token None; logits_ith reads them). Only
+        on a context made here: a borrowed one's owner reads the logits itself. Returns whether the graph chooses:
+        False where the backend cannot, or choice.c cannot be built here (choice.available: no C compiler); the logits
+        are then handed back."""
         probs = probs and k > 0
         if (k, probs) == ((self._choice.k, self._choice.probs) if self._choice is not None else (0, False)):
             return k > 0
@@ -280,7 +280,7 @@ class Context(_Owner):
     def _chose(self, i: int) -> bool:
         """Whether the graph chose at row i of the last decode (a token, or k candidates)."""
         if self._choice.k == 1:
-            return C.llama_get_sampled_token_ith(self._live(), i) >= 0
+            return self.chosen_token(i) is not None
         return C.llama_get_sampled_candidates_count_ith(self._live(), i) > 0
 
     def sampled_top(self, i: int) -> tuple[list[int], list[float]]:

@@ -76,7 +76,7 @@ def spec_sampling_label(temperature: float, spec_sampling: str, draft_temp_scale
 def greedy_in_graph(target: Context) -> bool:
     """Whether greedy runs take the argmax in the target's graph (llama.cpp's backend sampling) rather than from
     the logits: where the output layer runs on a local GPU, which then copies no verify row's logits to the host
-    (but a draft tree's rows off its chain: they are on sequences the choice, sequence 0's, does not serve).
+    (but those of a draft tree's rows the choice, sequence 0's, passes over: RunHooks.pick_tree).
     Not on a CPU, where ggml's argmax is a scalar loop: a row cost 0.6 ms more at a 128k vocab and 0.2 ms at
     SmolLM2's 49k than reading the logits (bench/NOTES.md, "Python at real vocab sizes"); nor over RPC, where
     each sampled row is read back with a round trip of its own, the logits with one for all rows."""

@@ -80,12 +80,11 @@ TERMINATION = Termination()  # installed by main(); commands read it
 
 def check_context_flags(n_ctx: int, threads: int | None) -> None:
     """-c and -t, which `generate` and `serve` share."""
-    from ..config import MAX_THREADS
+    from ..config import check_threads
 
     if n_ctx < 16:
         raise Eagle3Error(f"-c must be at least 16 (got {n_ctx})")
-    if threads is not None and not 1 <= threads <= MAX_THREADS:
-        raise Eagle3Error(f"-t must be between 1 and {MAX_THREADS} (got {threads})")
+    check_threads(threads)
 
 
 def draft_option(attr: str, default=...):

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ..config import check_threads
 from ..errors import Eagle3Error
 
 
@@ -66,6 +67,7 @@ class PipelineConfig:
                                  ("--draft-vocab", self.draft_vocab), ("--ffn", self.n_ff), ("--topk", self.topk),
                                  ("--max-tokens", self.max_tokens)),
                      positive=(("--max-data-gb", self.max_data_gb), ("data_minutes", self.data_minutes)))
+        check_threads(self.n_threads)
 
 
 def check_values(at_least_1: tuple[tuple[str, int | None], ...] = (),
@@ -110,7 +112,7 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
     from ..convert.layouts import default_layer_ids
     from .data import DataConfig, generate_data, load_dataset, teacher_forced_data
     from .export import convert_to_gguf, export_checkpoint, read_target, read_token_embeddings
-    from .loop import TrainConfig, check_threads, pick_device, train_head
+    from .loop import TrainConfig, pick_device, train_head
     from .model import HeadConfig
     from .prompts import MIXES, build_prompts, source
     from .torch_target import OnlineData, TorchTarget
@@ -143,7 +145,6 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
         raise Eagle3Error(f"--data-source {cfg.data_source}: one of {', '.join(DATA_SOURCES)}")
     chat = prompt_chat(cfg, tgt)
     tcfg = cfg.train or TrainConfig()
-    check_threads(cfg.n_threads)
     pick_device(tcfg.device)  # one that can run here, said before the data is made
     teacher = None
     if cfg.online:

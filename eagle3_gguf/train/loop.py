@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..config import check_threads
 from ..errors import Eagle3Error
 from . import check_values
 from .data import Dataset
@@ -119,11 +120,8 @@ def _bf16_is_native(device: torch.device) -> bool:
     return any(p is not None and p() for p in probes)
 
 
-def check_threads(n: int | None) -> None:
-    from ..config import MAX_THREADS
-
-    if n is not None and not 1 <= n <= MAX_THREADS:
-        raise Eagle3Error(f"-t must be between 1 and {MAX_THREADS} (got {n})")
+def _mps_available() -> bool:
+    return getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -133,8 +131,7 @@ def pick_device(name: str = "auto") -> torch.device:
             device = torch.device(name)
         except RuntimeError:
             raise Eagle3Error(f"--device {name}: one of auto, cpu, cuda (cuda:N), mps") from None
-        usable = {"cpu": lambda: True, "cuda": torch.cuda.is_available,
-                  "mps": lambda: getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()}
+        usable = {"cpu": lambda: True, "cuda": torch.cuda.is_available, "mps": _mps_available}
         if device.type not in usable:
             raise Eagle3Error(f"--device {name}: one of auto, cpu, cuda (cuda:N), mps")
         if not usable[device.type]():
@@ -145,7 +142,7 @@ def pick_device(name: str = "auto") -> torch.device:
         return device
     if torch.cuda.is_available():
         return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+    if _mps_available():
         return torch.device("mps")
     return torch.device("cpu")
 
