@@ -252,8 +252,8 @@ def _exact_lines(s: Setup) -> list[tuple[str, str]]:
     if not s.exact:
         return []
     found = next(iter(s.exact.values())).rows()
-    lines = [found[0]]
-    if len(found) > 1:
+    lines = [row for row in found if row[0] != "kept to them"]
+    if len(lines) < len(found):
         kept = [c for c, e in s.exact.items() if e.kept]
         loose = [c for c, e in s.exact.items() if not e.kept]
         lines.append(("kept to them", f"{', '.join(kept) or 'none'}" + (

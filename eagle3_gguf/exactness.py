@@ -33,11 +33,12 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
+from gguf import GGMLQuantizationType
 from llama_cpp import llama_cpp as C
 
 from . import keys
@@ -46,7 +47,7 @@ from .context import Context
 from .native import node_bytes, node_head, node_name, op_name
 from .policy import CostKey
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: where a width parts
 SEED = 52  # the probe's token sequence
 SHALLOW = 8  # tokens before the shallow probe
 SPLIT_KV = 256  # past this many tokens a lone row's KV view reaches 512 cells (ggml-cpu's split-KV threshold)
@@ -63,6 +64,7 @@ class ExactWidths:
     depths: tuple[int, ...]  # the KV depths probed
     seconds: float  # what the probe cost when it ran
     source: str = "probed"  # "probed", or "cache"
+    parts_at: str = ""  # where width exact + 1 first parted, node by node (where_parts); "" where none did
 
     def covers(self, rows: int) -> bool:
         """Whether it answers for verify batches of up to `rows` rows (a parting width answers for all above)."""
@@ -87,10 +89,14 @@ def probe(target: Context, extract: Callable[[bool], None], rows: int, batch: Ba
     if not depths:  # a context too small to hold a probe holds no verify batch worth speculating on either
         return ExactWidths(rows, 1, (), 0.0)
     tokens = np.random.default_rng(SEED).integers(0, target.model.n_vocab, depths[-1] + rows)  # [depth + rows]
-    exact = _logits_exact(target, extract, batch, tokens, rows)
+    logits_exact = exact = _logits_exact(target, extract, batch, tokens, rows)
+    parts_at = "a lone row, once the head's features are extracted" if exact == 0 else ""
     if exact >= 2:
-        exact = _products_exact(target, tokens, depths, exact)
-    return ExactWidths(rows, exact, tuple(depths), time.perf_counter() - t0)
+        exact, parts_at = _products_exact(target, tokens, depths, exact)
+    if exact == logits_exact < rows and exact >= 1:  # the logits parted first, at the shallow depth
+        parts_at = where_parts(target, tokens, SHALLOW, exact + 1) if exact < target.n_ubatch else \
+            f"a batch of {exact + 1} rows, computed as ubatches of {target.n_ubatch}"
+    return ExactWidths(rows, exact, tuple(depths), time.perf_counter() - t0, parts_at=parts_at)
 
 
 def _logits_exact(target: Context, extract: Callable[[bool], None], batch: Batch, tokens: np.ndarray,
@@ -144,7 +150,7 @@ def load_exact(key: CostKey, rows: int) -> ExactWidths | None:
         if data.get("version") != CACHE_VERSION or data.get("key") != asdict(key):
             return None
         found = ExactWidths(int(data["probed"]), int(data["exact"]), tuple(int(d) for d in data["depths"]),
-                            float(data["seconds"]), "cache")
+                            float(data["seconds"]), "cache", str(data["parts_at"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if not 0 <= found.exact <= found.probed or not found.covers(rows):
@@ -159,7 +165,8 @@ def save_exact(key: CostKey, found: ExactWidths) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"version": CACHE_VERSION, "key": asdict(key), "probed": found.probed,
-                                   "exact": found.exact, "depths": list(found.depths), "seconds": found.seconds}))
+                                   "exact": found.exact, "depths": list(found.depths), "seconds": found.seconds,
+                                   "parts_at": found.parts_at}))
         os.replace(tmp, path)
     except OSError:
         pass
@@ -206,11 +213,14 @@ class ProbeCallback:
         self.stop: int | None = None
         self.products: list[_Product] = []
         self._kinds: list[tuple[bool, tuple]] = []  # (is a product, its kind), in computing order
+        self.nodes: NodeRecorder | None = None  # set: every node is seen, by it, instead of the products
 
         self._error: BaseException | None = None  # raised in the callback, where ctypes would only print it
 
     def reset(self) -> None:
         self.products, self._kinds, self._error = [], [], None
+        if self.nodes is not None:
+            self.nodes.reset()
 
     @contextlib.contextmanager
     def keeping_escapes(self) -> Iterator[None]:
@@ -243,6 +253,8 @@ class ProbeCallback:
             return False
 
     def _see(self, t: int, ask: bool) -> bool:
+        if self.nodes is not None:
+            return self.nodes.see(t, ask)
         head = node_head(t)
         op = op_name(head.op)
         dim = PRODUCTS.get(op)
@@ -277,22 +289,33 @@ class ProbeCallback:
                 for p in self.products if p.n_tokens == n_tokens]
 
 
-def _products_exact(target: Context, tokens: np.ndarray, depths: list[int], rows: int) -> int:
+def _probe_context(target: Context, rec: ProbeCallback, n_ctx: int) -> Context:
+    """A context of the target's set-up, n_ctx cells, with rec as its eval callback."""
+    return Context(target.model, n_ctx=n_ctx, n_batch=target.n_batch, n_ubatch=target.n_ubatch,
+                   n_threads=target.n_threads, type_k=target.kv_types[0], type_v=target.kv_types[1],
+                   flash_attn=target.flash_attn, n_seq_max=target.n_seq_max, capture=rec)
+
+
+def _prefix(ctx: Context, batch: Batch, tokens: np.ndarray, pos: int, depth: int) -> None:
+    """Decode tokens[pos:depth] at their positions, in batches as a prompt is decoded."""
+    while pos < depth:
+        pos += batch.set(tokens[pos:min(depth, pos + batch.capacity)].tolist(), pos, logits="none")
+        ctx.decode(batch)
+
+
+def _products_exact(target: Context, tokens: np.ndarray, depths: list[int], rows: int) -> tuple[int, str]:
     """How many widths from 1 up (at most rows) compute every row of every matrix product as lone decodes do, at
-    every depth, on a context of the target's set-up with a ProbeCallback. Each depth's first lone decode is whole
-    and says where the others stop; the layers past a stop hold no KV for the rows decoded so, which changes their
-    values but not their kernels, and nothing past the stop is compared."""
+    every depth, on a context of the target's set-up with a ProbeCallback, and where the next width parted
+    (_parting_node; "" where none did). Each depth's first lone decode is whole and says where the others stop; the
+    layers past a stop hold no KV for the rows decoded so, which changes their values but not their kernels, and
+    nothing past the stop is compared. A batch wider than n_ubatch is computed as ubatches of widths compared
+    before it, so the products are compared up to n_ubatch rows (the logits part compares every width whole)."""
     rec = ProbeCallback()
-    with rec.keeping_escapes(), \
-            Context(target.model, n_ctx=depths[-1] + rows, n_batch=target.n_batch, n_ubatch=target.n_ubatch,
-                    n_threads=target.n_threads, type_k=target.kv_types[0], type_v=target.kv_types[1],
-                    flash_attn=target.flash_attn, n_seq_max=target.n_seq_max, capture=rec) as ctx, \
-            Batch(target.n_batch) as batch:
+    with rec.keeping_escapes(), _probe_context(target, rec, depths[-1] + rows) as ctx, Batch(target.n_batch) as batch:
         pos = 0
         for depth in depths:
-            while pos < depth:  # the prefix, in batches as a prompt is decoded
-                pos += batch.set(tokens[pos:min(depth, pos + batch.capacity)].tolist(), pos, logits="none")
-                ctx.decode(batch)
+            _prefix(ctx, batch, tokens, pos, depth)
+            pos = depth
             rec.stop = None
             ref = []  # [rows]: each lone row's product digests
             for i in range(rows):
@@ -301,11 +324,142 @@ def _products_exact(target: Context, tokens: np.ndarray, depths: list[int], rows
                 if i == 0:
                     rec.stop = rec.stop_point()
                 ref.append(rec.row(0, 1)[:rec.stop])
-            for w in range(2, rows + 1):
+            for w in range(2, min(rows, ctx.n_ubatch) + 1):
                 ctx.seq_rm(0, depth)
                 batch.set(tokens[depth:depth + w].tolist(), depth, logits="all")
                 ctx.decode(batch)
                 if any(rec.row(i, w) != ref[i] for i in range(w)):
-                    return w - 1
+                    ctx.seq_rm(0, depth)
+                    return w - 1, _parting_node(ctx, rec, batch, tokens, depth, w)
             ctx.seq_rm(0, depth)
-    return rows
+    return rows, ""
+
+
+# ------------------------------------------------------------------------------------------------
+# where a width parts: every node, in computing order
+# ------------------------------------------------------------------------------------------------
+
+# where a width parts when no node computed apart does (ggml's graph whole takes a path its nodes alone do not)
+WHOLE_ONLY = "no node computed apart: the whole graph only"
+# ops whose result is a view of another node's data, or of the KV cache they write into: nothing of their own
+VIEWS = {"NONE", "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE", "CPY", "SET_ROWS"}
+
+
+@dataclass(frozen=True)
+class _Node:
+    name: str  # llama.cpp's ("ffn_gate-0"), or "layer 0, node_21" where it gave none
+    what: str  # its op, and for a product or attention the types that pick its kernel
+    ne: tuple[int, int, int, int]
+    digest: bytes  # of its data: a lone decode's, one token's
+
+
+class NodeRecorder:
+    """A ProbeCallback's other mode (its `nodes`): it asks for every computed F32 node, so that each is computed apart
+    from the next (nothing fused across it) and its data seen. A lone decode's nodes are kept as digests (`nodes`);
+    once `ref` holds lone decodes' nodes, a batch's are compared with them as they are computed, token by token, and
+    the graph stops at the first that differs (`parted`)."""
+
+    def __init__(self):
+        self.nodes: list[_Node] = []
+        self.ref: list[list[_Node]] | None = None  # [width]: lone decodes' nodes, the batch's token i against ref[i]
+        self.parted: _Node | None = None
+        self._layer = ""  # the layer of the last node named for one ("-0"): an unnamed node's
+
+    def reset(self) -> None:
+        self.nodes, self.parted, self._layer = [], None, ""
+
+    def see(self, t: int, ask: bool) -> bool:
+        head = node_head(t)
+        op = op_name(head.op)
+        if op in VIEWS or head.type != 0 or not _contiguous(head):
+            return not ask
+        if ask:
+            return True
+        ne = tuple(head.ne)
+        data = np.frombuffer(node_bytes(t), np.float32).reshape(ne[::-1])  # [ne3, ne2, ne1, ne0]
+        node = _Node(self._name(t), _what(head, op), ne, b"")
+        if self.ref is None:
+            self.nodes.append(replace(node, digest=_digest(data)))
+            return True
+        j, width = len(self.nodes), len(self.ref)
+        self.nodes.append(node)
+        lone = [r[j] if j < len(r) else None for r in self.ref]
+        if any(n is None or n.name != node.name for n in lone):  # the graphs differ from here: nothing to pair
+            return False
+        dims = [d for d in range(4) if ne[d] != lone[0].ne[d]]
+        if len(dims) != 1 or ne[dims[0]] != width or any(n.ne != lone[0].ne for n in lone):
+            return True  # no single dimension over the batch's tokens (a mask, a KV view): not compared
+        if any(_digest(np.take(data, i, axis=3 - dims[0])) != n.digest for i, n in enumerate(lone)):
+            self.parted = node
+            return False  # found: stop the graph
+        return True
+
+    def _name(self, t: int) -> str:
+        name = node_name(t)
+        stem, _, il = name.rpartition("-")
+        if stem and il.isdigit():
+            self._layer = il
+        return f"layer {self._layer}, {name}" if name.startswith("node_") and self._layer else name
+
+
+def _contiguous(head) -> bool:
+    stride = 4  # F32
+    for d in range(4):
+        if head.ne[d] > 1 and head.nb[d] != stride:
+            return False
+        stride *= head.ne[d]
+    return True
+
+
+def _digest(a: np.ndarray) -> bytes:
+    return hashlib.blake2b(np.ascontiguousarray(a).tobytes(), digest_size=16).digest()
+
+
+def _type_name(t: int) -> str:
+    try:
+        return GGMLQuantizationType(t).name
+    except ValueError:
+        return f"type {t}"
+
+
+def _what(head, op: str) -> str:
+    """A node's op, and what picks its kernel: a product's matrix (weights, or a KV cache's view) by type and shape,
+    attention's cache types and length."""
+    if op in PRODUCTS and head.src[0]:
+        w = node_head(head.src[0])
+        return f"{op} of {_type_name(w.type)} {w.ne[0]} x {w.ne[1]}"
+    if op == "FLASH_ATTN_EXT" and head.src[1] and head.src[2]:
+        k, v = node_head(head.src[1]), node_head(head.src[2])
+        return f"{op} over a {_type_name(k.type)} K / {_type_name(v.type)} V cache of {k.ne[1]} cells"
+    return op
+
+
+def _parting_node(ctx: Context, rec: ProbeCallback, batch: Batch, tokens: np.ndarray, depth: int, width: int) -> str:
+    """Where a batch of `width` rows at `depth` first parts from lone decodes, on ctx (rec its eval callback, its cache
+    holding the tokens before depth): the first node, in computing order, whose part for some row differs
+    ("ffn_gate-0: MUL_MAT of Q4_K 896 x 4864, at depth 8"). A node parts where its inputs were equal: its
+    own kernel took another path for the batch. Every node is computed apart there, so a parting that only the whole
+    graph shows is not found there (WHOLE_ONLY). The cache is left as it was found."""
+    nodes = rec.nodes = NodeRecorder()
+    try:
+        ref = []
+        for i in range(width):
+            batch.set([int(tokens[depth + i])], depth + i, logits="all")
+            ctx.decode(batch)
+            ref.append(nodes.nodes)
+        ctx.seq_rm(0, depth)
+        nodes.ref = ref
+        batch.set(tokens[depth:depth + width].tolist(), depth, logits="all")
+        ctx.decode(batch)
+        return f"{nodes.parted.name}: {nodes.parted.what}, at depth {depth}" if nodes.parted else WHOLE_ONLY
+    finally:
+        rec.nodes = None
+        ctx.seq_rm(0, depth)
+
+
+def where_parts(target: Context, tokens: np.ndarray, depth: int, width: int) -> str:
+    """_parting_node on a context of the target's set-up made for it."""
+    rec = ProbeCallback()
+    with rec.keeping_escapes(), _probe_context(target, rec, depth + width) as ctx, Batch(target.n_batch) as batch:
+        _prefix(ctx, batch, tokens, 0, depth)
+        return _parting_node(ctx, rec, batch, tokens, depth, width)

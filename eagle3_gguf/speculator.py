@@ -201,7 +201,7 @@ class Speculator:
             return ExactReport(config.exact, rows_max=rows_max)
         kept = rows_max <= max(found.exact, 1)  # one row: plain decoding, extraction off (target-only itself)
         return ExactReport(config.exact, found.probed, found.exact, found.depths, found.source, found.seconds, kept,
-                           rows_max)
+                           rows_max, found.parts_at)
 
     def prepare(self, config: DraftConfig) -> ExactReport:
         """Probe and calibrate for config now, as the next (greedy) run would first: what it found about exactness."""

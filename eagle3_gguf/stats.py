@@ -22,6 +22,7 @@ class ExactReport:
     seconds: float = 0.0
     kept: bool = False  # every verify batch this run may decode is of an exact width (so is its output)
     rows_max: int = 0  # the widest verify batch the run may decode (1: plain decoding)
+    parts_at: str = ""  # where the first inexact width parted, node by node (exactness.where_parts)
 
     def rows(self) -> list[tuple[str, str]]:
         """The statistics table's lines."""
@@ -37,7 +38,8 @@ class ExactReport:
             kept = "yes: plain decoding (--exact strict, none above 1 is exact)"
         else:
             kept = f"yes: verify batches of at most {self.rows_max} rows, so the output is target-only's"
-        return [("exact verify widths", f"{found} of 1..{self.probed}{parts} ({how}; depths {depths})"),
+        where = [("where it parts", self.parts_at)] if self.parts_at else []
+        return [("exact verify widths", f"{found} of 1..{self.probed}{parts} ({how}; depths {depths})"), *where,
                 ("kept to them", kept)]
 
 

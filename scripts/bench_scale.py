@@ -131,6 +131,7 @@ class Physics:
     calibrate_s: float
     parts: Parts | None = None
     capture_ms: float = 0.0  # the switch's share that the second verify of the new width pays (ggml-cuda captures)
+    parts_at: str = ""  # where the first inexact width parted (exactness.where_parts)
 
 
 @dataclass
@@ -261,7 +262,7 @@ def measure_physics(runner: Runner, exact: str, heads: list[HeadBeside]) -> Phys
     calibrate_s = time.perf_counter() - t
     return Physics([1e3 * s for s in curve.verify_s], 1e3 * curve.draft_step_s, 1e3 * curve.draft_fixed_s,
                    1e3 * curve.switch_s, found.exact, found.probed, found.seconds, calibrate_s, time_parts(spec, heads),
-                   1e3 * curve.capture_s)
+                   1e3 * curve.capture_s, found.parts_at)
 
 
 def time_parts(spec: Speculator, heads: list[HeadBeside]) -> Parts:
@@ -745,7 +746,8 @@ def physics_lines(ph: Physics) -> str:
                       f"{ph.calibrate_s:.1f} s to measure)",
                       f"- head: draft step {ph.draft_step_ms:.3f} ms ({ph.draft_step_ms / ph.verify_ms[0]:.2f} x one "
                       f"row), catch-up {ph.catch_up_ms:.3f} ms",
-                      f"- exact verify widths: 1..{ph.exact_widths} of 1..{ph.probed} (probed in {ph.probe_s:.1f} s)"]
+                      f"- exact verify widths: 1..{ph.exact_widths} of 1..{ph.probed} (probed in {ph.probe_s:.1f} s)"
+                      + (f"; width {ph.exact_widths + 1} parts first at {ph.parts_at}" if ph.parts_at else "")]
                      + ([f"- each graph alone: the head's 1-row decoder {ph.parts.head_decode_ms:.3f} ms, its encoder "
                          f"on 2 rows {ph.parts.head_encode_ms:.3f} ms; a 1-row target decode "
                          f"{ph.parts.target_row_ms:.3f} ms with the features extracted, "

@@ -5,11 +5,11 @@
 # else build one for the card (in the background, time-boxed) while the synthetic models are made, then run
 # scripts/bench_scale.py on Llama-3.1-8B's shape in Q4_K_M, then in F16, then in Q4_0, at the
 # vllm-8b profile (the goals'), within the budget (its --budget: no prompt starts that would end past it), and last
-# the first shape again with CUDA graphs off; results.md / results.json are rewritten after every prompt, so a cut
-# run keeps what finished; the first shape's profile (bench_scale --profile) follows its prompts. Everything lands
-# in $OUT, at most 7 files (a call brings 8 back): results.md, results.json, profile-SHAPE-TYPE.txt, graphs-off/
-# (results.md, results.json), scale.log (this script's log, the models' lines in it) and build.log (its tail, where
-# it built).
+# the first shape's target under exactness-probe variants (scripts/exact_variants.py); results.md / results.json are
+# rewritten after every prompt, so a cut run keeps what finished; the first shape's profile (bench_scale --profile)
+# follows its prompts. Everything lands in $OUT, at most 6 files (a call brings 8 back): results.md, results.json,
+# profile-SHAPE-TYPE.txt, exact-variants.md, scale.log (this script's log, the models' lines in it) and build.log
+# (its tail, where it built).
 #   usage: bash scripts/gpu_scale.sh [--dry-run] [--budget SECONDS] [--shapes SHAPE:TYPE,...]
 # --dry-run: the same steps on this machine's CPU without the pack or a build (the installed llama-cpp-python and
 # gguf), the tiny shape (tests/test_scale.py runs it); $PYTHON names the interpreter (default python3), $SCALE_PACK
@@ -139,24 +139,25 @@ fi
 
 # shapes in order; results written after every prompt, the run ended by the budget
 first=${shapes%%,*}
-reserve=120  # seconds kept for the first shape again with CUDA graphs off, below
+reserve=75  # seconds kept for the exactness probe's variants on the first shape, below
 if [ "$(left)" -lt $(( 60 + reserve )) ]; then reserve=0; fi
 if [ "$(left)" -lt 60 ]; then say "error: $(left) s left, too little for a shape"; exit 1; fi
-say "bench_scale with $(left) s left, $reserve s of them kept for $first with CUDA graphs off"
+say "bench_scale with $(left) s left, $reserve s of them kept for the exactness variants on $first"
 # its own --budget ends it; the timeout (SIGINT: it writes what finished) is for a prompt far slower than the others
 PYTHONUNBUFFERED=1 timeout --signal=INT --kill-after=10 "$(( $(left) - reserve - 15 ))" "$py" scripts/bench_scale.py \
     "${bench[@]}" --profile --work "$work/models" --out "$out" --jobs "$jobs" \
     --budget "$(( $(left) - reserve - 30 ))" 2>&1 | tee -a "$log"
 rc=${PIPESTATUS[0]}
 say "bench_scale exited $rc; $(ls "$out" | tr '\n' ' ')"
-# The first shape again, 2 prompts, with ggml-cuda's CUDA graphs off (GGML_CUDA_DISABLE_GRAPHS, read once a
-# process): ggml-cuda replays a captured graph only while a context's shapes repeat, as target-only's do and a
-# cycle's do not, so beside the run above this says what the replays are worth to each (no-op on a CPU).
-if [ "$reserve" -gt 0 ] && [ "$(left)" -ge 75 ]; then
-    say "bench_scale, $first with CUDA graphs off, $(left) s left"
-    GGML_CUDA_DISABLE_GRAPHS=1 PYTHONUNBUFFERED=1 timeout --signal=INT --kill-after=10 "$(( $(left) - 10 ))" \
-        "$py" scripts/bench_scale.py "${bench[@]}" --shapes "$first" --prompts 2 --work "$work/models" \
-        --out "$out/graphs-off" --jobs "$jobs" --budget "$(( $(left) - 20 ))" 2>&1 | tee -a "$log"
-    say "bench_scale (CUDA graphs off) exited ${PIPESTATUS[0]}"
+# The first shape's target under set-up variants (cache types, n_ubatch, fusion off, flash attention off), each one
+# exactness probe naming where its first inexact width parts: which set-up, if any, makes CUDA's verify rows exact
+# (bench/scale-gpu/graphs-off answered what the ninth session's call asked of a rerun with CUDA graphs off).
+if [ "$reserve" -gt 0 ] && [ "$(left)" -ge 30 ]; then
+    say "exactness variants of $first, $(left) s left"
+    ngl=all threads=8; [ "$dry" = 1 ] && ngl=0 threads=2
+    PYTHONUNBUFFERED=1 timeout --signal=INT --kill-after=10 "$(( $(left) - 10 ))" "$py" scripts/exact_variants.py \
+        --target "$work/models/synthetic-${first%%:*}-${first##*:}.gguf" -ngl "$ngl" -t "$threads" \
+        --out "$out/exact-variants.md" 2>&1 | tee -a "$log"
+    say "exact_variants exited ${PIPESTATUS[0]}"
 fi
 exit "$rc"

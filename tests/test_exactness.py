@@ -4,14 +4,20 @@ does, measured at load and cached per set-up; the run keeps to them unless told 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 from arch_targets import ArchDims, write_arch_target
+from eagle3_gguf import exactness
+from eagle3_gguf.batch import Batch
 from eagle3_gguf.cli.main import app
 from eagle3_gguf.config import DraftConfig
+from eagle3_gguf.context import Context
 from eagle3_gguf.errors import Eagle3Error
+from eagle3_gguf.native import Model, cache_type, flash_attn_type
 from eagle3_gguf.pair import PairConfig, load_pair
 from model_factory import HeadSpec, write_random_head
 
@@ -44,13 +50,48 @@ def generate_json(*args: str) -> dict:
     return json.loads(r.stdout) | {"stderr": r.stderr}
 
 
+ROUTER = "ffn_moe_logits-0: MUL_MAT of F32 64 x 4, at depth 8"  # where the F32 router parts
+
+
 def test_probe_finds_the_f32_router_inexact(moe):
-    for router, exact in (("f32", 1), ("q8", 9)):
+    for router, exact, parts_at in (("f32", 1, ROUTER), ("q8", 9, "")):
         with load_pair(moe[router], moe["head"], PairConfig(n_ctx=1024, n_threads=2)) as pair, \
                 pair.speculator() as spec:
             found = spec.probe_exact(9)
+            assert spec.probe_exact(9) == replace(found, source="cache"), router
         assert (found.probed, found.exact, found.source) == (9, exact, "probed"), router
         assert found.depths == (8, 257)
+        assert found.parts_at == parts_at, router
+
+
+def test_where_a_width_parts_on_a_context_of_its_own(moe):
+    with load_pair(moe["f32"], moe["head"], PairConfig(n_ctx=1024, n_threads=2)) as pair:
+        tokens = np.random.default_rng(exactness.SEED).integers(0, pair.target.model.n_vocab, 16)
+        assert exactness.where_parts(pair.target, tokens, exactness.SHALLOW, 2) == ROUTER
+    with load_pair(moe["q8"], moe["head"], PairConfig(n_ctx=1024, n_threads=2)) as pair:
+        assert exactness.where_parts(pair.target, tokens, exactness.SHALLOW, 8) == exactness.WHOLE_ONLY  # none
+
+
+def test_a_batch_split_into_ubatches_is_probed_as_computed(tiny_target):
+    """Below the widest batch, n_ubatch splits it into ubatches of widths probed before it: every width is exact
+    (were each compared as one graph's products, every width past n_ubatch would part)."""
+    with Model(tiny_target) as model, \
+            Context(model, n_ctx=1024, n_ubatch=4, n_threads=2, type_k=cache_type("f16"), type_v=cache_type("bf16"),
+                    flash_attn=flash_attn_type(True)) as ctx, Batch(512) as batch:
+        found = exactness.probe(ctx, lambda _on: None, 17, batch)
+    assert (found.probed, found.exact, found.parts_at) == (17, 17, "")
+
+
+def test_the_probe_names_the_attention_that_parts(tiny_target, tiny_head):
+    """With K and V both f16, ggml-cpu's flash attention splits a lone row's 512 KV cells across 2 threads: the first
+    node to part is layer 0's attention, past 256 tokens; with the default bf16 V none parts."""
+    for v, exact, parts_at in (("f16", 1, "FLASH_ATTN_EXT over a F16 K / F16 V cache of 512 cells, at depth 257"),
+                               ("bf16", 17, "")):
+        with load_pair(tiny_target, tiny_head, PairConfig(n_ctx=1024, n_threads=2, cache_type_v=v)) as pair, \
+                pair.speculator() as spec:
+            found = spec.probe_exact(17)
+        assert (found.exact, found.parts_at.startswith("layer 0, " if parts_at else "")) == (exact, True), v
+        assert found.parts_at.endswith(parts_at), v
 
 
 def test_strict_keeps_target_only_text_where_off_does_not(moe):
@@ -58,11 +99,12 @@ def test_strict_keeps_target_only_text_where_off_does_not(moe):
     off = generate_json(*m, "--exact", "off")
     assert off["identical"] is False and off["stats"]["n_drafted"] > 100
     assert off["stats"]["exact"] == {"mode": "off", "probed": 0, "exact": 0, "depths": [], "source": "",
-                                     "seconds": 0.0, "kept": False, "rows_max": 512}
+                                     "seconds": 0.0, "kept": False, "rows_max": 512, "parts_at": ""}
     strict = generate_json(*m, "--exact", "strict")
     assert strict["identical"] is True and strict["stats"]["n_drafted"] == 0
     ex = strict["stats"]["exact"]
     assert (ex["mode"], ex["probed"], ex["exact"], ex["kept"], ex["rows_max"]) == ("strict", 2, 1, True, 1)
+    assert ex["parts_at"] == ROUTER
     auto = generate_json(*m)  # the default: says so, and speculates as upstream does
     assert auto["stats"]["exact"]["kept"] is False and auto["stats"]["exact"]["source"] == "cache"
     assert auto["stderr"].startswith("note: on this set-up no verify batch of 2 or more rows is computed bit for bit "
@@ -94,6 +136,11 @@ def test_the_statistics_say_it(tiny_target, tiny_head):
     lines = {line.split("  ")[0]: line for line in r.stderr.splitlines()}
     assert lines["exact verify widths"].split("  ", 1)[1].strip().startswith("1..17 of 1..17 (probed in ")
     assert lines["kept to them"].endswith("yes: verify batches of at most 17 rows, so the output is target-only's")
+    assert "where it parts" not in lines
+    r = invoke(*m, "-ctv", "f16", "-t", "2")  # a lone row's split-KV attention (test_the_probe_names_the_attention...)
+    assert r.exit_code == 0, r.output
+    lines = {line.split("  ")[0]: line for line in r.stderr.splitlines()}
+    assert lines["where it parts"].endswith("FLASH_ATTN_EXT over a F16 K / F16 V cache of 512 cells, at depth 257")
     r = invoke(*m, "--exact", "off")
     assert "not probed (--exact off)" in r.stderr and "note:" not in r.stderr
 

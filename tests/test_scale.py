@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import bench_scale
+import exact_variants
 import replay
 import synthetic
 from eagle3_gguf.decode import GenerateConfig, Runner
@@ -313,14 +314,17 @@ def test_the_lent_calls_dry_run(tmp_path, smollm2_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     back = sorted(str(f.relative_to(out)) for f in out.rglob("*") if f.is_file())  # a lent call brings 8 files back
-    assert back == ["graphs-off/results.json", "graphs-off/results.md", "profile-tiny-q4_k_m.txt", "results.json",
-                    "results.md", "scale.log"]
+    assert back == ["exact-variants.md", "profile-tiny-q4_k_m.txt", "results.json", "results.md", "scale.log"]
     profiled = (out / "profile-tiny-q4_k_m.txt").read_text().split("\n## ")  # the first shape's one more prompt
     assert [part.splitlines()[0] for part in profiled[1:]] == ["target-only", "vllm-8b | adaptive (default)",
                                                                "vllm-8b | fixed K=4"]
     assert all("context.py" in part and "(_call)" in part for part in profiled[1:]) and "session.py" in profiled[3]
-    off = json.loads((out / "graphs-off" / "results.json").read_text())  # the first shape again (CUDA graphs off)
-    assert [(s["shape"], s["qtype"]) for s in off["shapes"]] == [("tiny", "q4_k_m")] and off["shapes"][0]["outcomes"]
+    variants = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in
+                (out / "exact-variants.md").read_text().splitlines() if line.startswith("| ") and "---" not in line}
+    assert list(variants) == ["variant", *(v.name for v in exact_variants.VARIANTS)]  # the first shape's target
+    assert variants[exact_variants.VARIANTS[-1].name][0] == "1..17 of 1..17"  # n_ubatch 1: every row alone
+    off = variants["flash attention off"]  # the attention products through sgemm from 2 rows
+    assert off[0] == "1 of 1..17" and off[1].startswith("kq-0: MUL_MAT of F16 ") and off[1].endswith(" at depth 8")
     table = (out / "results.md").read_text()
     assert "## tiny q4_k_m on CPU" in table and "## tiny q4_0 on CPU" in table and "| vllm-8b | fixed K=4 |" in table
     data = json.loads((out / "results.json").read_text())
@@ -329,6 +333,7 @@ def test_the_lent_calls_dry_run(tmp_path, smollm2_path):
         ph = s["physics"]
         assert len(ph["verify_ms"]) == 17 and all(t > 0 for t in ph["verify_ms"])
         assert ph["probed"] == 17 and 1 <= ph["exact_widths"] <= 17 and ph["draft_step_ms"] > 0 and ph["switch_ms"] >= 0
+        assert (ph["parts_at"] != "") == (ph["exact_widths"] < 17)  # where the first inexact width parts, named
         types = ph["parts"].pop("head_types")  # the head's decoder in each type, the run's own first
         assert len(ph["parts"]) == 11 and all(ms > 0 for ms in ph["parts"].values())  # each graph timed, both orders
         assert s["head_type"] == "q8_0" and [t["head_type"] for t in types] == list(bench_scale.HEAD_TYPES)
