@@ -16,7 +16,7 @@ from .capture import capture_for
 from .context import Context
 from .errors import Eagle3Error
 from .gguf_file import HeadInfo, TargetInfo, read_gguf
-from .native import Model, cache_type, default_threads, flash_attn_type
+from .native import Model, cache_type, default_threads, default_type_v, flash_attn_type
 from .session import Eagle3Session
 from .speculator import Speculator
 
@@ -29,13 +29,14 @@ class PairConfig:
     n_gpu_layers: int = 0  # the target's layers offloaded to a GPU (< 0: all), as llama.cpp's -ngl
     n_gpu_layers_draft: int | None = None  # the head's (-ngld); None: as the target's
     draft_n_ctx: int | None = None  # defaults to n_ctx
-    # The target's KV cache (llama.cpp's -ctk/-ctv). V in bf16 keeps ggml-cpu's flash attention
+    # The target's KV cache (llama.cpp's -ctk/-ctv). On a CPU, V in bf16 keeps ggml-cpu's flash attention
     # batch-invariant (native.batch_invariant_cache), so speculative output equals target-only output
     # bit for bit at any context length and thread count; with f16/f16 (llama.cpp's default) a lone
     # row past 256 tokens takes a split-KV path and near-ties can part. bf16 V is read into an f32
     # accumulator (f16 V accumulates in f16), and costs ~4% of target-only speed here (96 vs 100 tok/s).
+    # "auto": bf16 there, f16 where the target's layers are on a GPU (native.default_type_v)
     cache_type_k: str = "f16"
-    cache_type_v: str = "bf16"
+    cache_type_v: str = "auto"
     flash_attn: bool = True  # batch-invariant rows need it on CPU (docs/exactness.md)
     # llama.cpp repacks some weight types for its CPU kernels; Q4_K's (q4_K_8x8 here) then compute a verify
     # row differently from a lone row (Gemma 3 270M Q4_K_M: logits off by 0.5-1.2), while Q4_0's stay exact and
@@ -150,7 +151,10 @@ def load_pair(target_path: str | Path, head_path: str | Path, config: PairConfig
     (e.g. from llama_cpp.Llama) may be passed in to be shared instead of loaded again, and the pair's
     headers where the caller has read them already (`read_pair`)."""
     target_info, head_info = infos or read_pair(target_path, head_path)
-    type_k, type_v = cache_type(config.cache_type_k), cache_type(config.cache_type_v)
+    type_v = config.cache_type_v
+    if type_v == "auto":
+        type_v = default_type_v(config.n_gpu_layers, bool(config.rpc_servers))
+    type_k, type_v = cache_type(config.cache_type_k), cache_type(type_v)
     threads = config.n_threads or default_threads()
     opened: list = []
     try:

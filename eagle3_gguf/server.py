@@ -113,7 +113,7 @@ def build_app(config: ServeConfig):
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
     from .llama import attach_eagle3
-    from .native import CACHE_TYPES
+    from .native import CACHE_TYPES, default_type_v
     from .pair import read_pair
 
     read_pair(config.model, config.draft)  # a mismatched pair fails here with one line, before loading
@@ -164,8 +164,10 @@ def build_app(config: ServeConfig):
     n_ctx = config.n_ctx // config.parallel
     if config.parallel > 1:
         extra["logits_all"] = False
+    type_v = CACHE_TYPES[default_type_v(config.n_gpu_layers, bool(config.rpc_servers))]  # EXACTNESS (llama.py)
     model_settings = ModelSettings(model=str(config.model), model_alias=config.model_alias, n_ctx=n_ctx,
-                                   n_gpu_layers=config.n_gpu_layers, flash_attn=True, type_v=CACHE_TYPES["bf16"], verbose=False, **extra)  # EXACTNESS
+                                   n_gpu_layers=config.n_gpu_layers, flash_attn=True, type_v=type_v, verbose=False,
+                                   **extra)
     server_settings = ServerSettings(host=config.host, port=config.port, interrupt_requests=config.interrupt_requests,
                                      api_key=config.api_key)
     app = create_app_with(server_app, Eagle3LlamaProxy, server_settings, model_settings)

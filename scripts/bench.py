@@ -42,11 +42,10 @@ from eagle3_gguf.bench import Bench, BenchPrompt, Contender, PromptRun, fastest,
 from eagle3_gguf.bench import per_prompt_ratio  # noqa: E402
 from eagle3_gguf.decode import GenerateConfig  # noqa: E402
 from eagle3_gguf.errors import Eagle3Error  # noqa: E402
-from eagle3_gguf.native import install_log_callback  # noqa: E402
+from eagle3_gguf.native import default_type_v, install_log_callback  # noqa: E402
 from eagle3_gguf.pair import PairConfig  # noqa: E402
 from eagle3_gguf.stats import SpecStats  # noqa: E402
 
-CACHE_V = PairConfig.cache_type_v  # the target's V cache type: ours (PairConfig's default) and upstream's alike
 
 
 @dataclass(frozen=True)
@@ -93,7 +92,7 @@ class Row:
 def llama_bench(tools: Path, target: Path, threads: int, ngl: int) -> tuple[dict[int, float], float]:
     ps = ",".join(str(n) for n in range(1, 9))
     r = subprocess.run([str(tools / "llama-bench"), "-m", str(target), "-p", ps, "-n", "64", "-r", "3",
-                        "-t", str(threads), "-ngl", str(ngl), "-ctv", CACHE_V, "-o", "json"],
+                        "-t", str(threads), "-ngl", str(ngl), "-ctv", default_type_v(ngl), "-o", "json"],
                        capture_output=True, text=True, check=True)
     pp, tg = {}, 0.0
     for row in json.loads(r.stdout):
@@ -122,7 +121,7 @@ def upstream_run(tools: Path, target: Path, head: Path | None, spec_type: str, k
                  n: int, threads: int, p_min: float = 0.0, ngl: int = 0) -> tuple[int, float, int, int, str]:
     cmd = [str(tools / "llama-speculative-simple"), "-m", str(target), "--spec-type", spec_type,
            "--spec-draft-n-max", str(k), "-f", str(prompt_file), "-n", str(n), "--temp", "0", "-t", str(threads),
-           "-c", "4096", "--seed", "1", "--spec-draft-p-min", str(p_min), "-ctv", CACHE_V, "-ngl", str(ngl)]
+           "-c", "4096", "--seed", "1", "--spec-draft-p-min", str(p_min), "-ctv", default_type_v(ngl), "-ngl", str(ngl)]
     if head is not None:
         cmd[3:3] = ["-md", str(head), "-ngld", str(ngl)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)

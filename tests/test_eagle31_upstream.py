@@ -17,7 +17,7 @@ from build_upstream import bin_dir  # noqa: E402
 from checkpoints import dims_with, write_checkpoint  # noqa: E402
 from eagle3_gguf.convert import convert_head  # noqa: E402
 from eagle3_gguf.head_norms import HeadNorms  # noqa: E402
-from eagle3_gguf.pair import PairConfig  # noqa: E402
+from eagle3_gguf.native import default_type_v  # noqa: E402
 from generate_flags import fixed_policy  # noqa: E402
 
 SPEC = bin_dir() / "llama-speculative-simple"
@@ -42,7 +42,7 @@ def test_upstream_loads_and_drafts_with_a_31_head(head31, smollm2_path):
     prompt = "The capital of France is"
     up = subprocess.run([str(SPEC), "-m", str(smollm2_path), "-md", str(head31), "--spec-type", "draft-eagle3",
                          "--spec-draft-n-max", "4", "-p", prompt, "-n", "24", "--temp", "0", "-t", "2", "-c", "512",
-                         "--seed", "1", "-ctv", PairConfig.cache_type_v],
+                         "--seed", "1", "-ctv", default_type_v(0)],
                         capture_output=True, text=True, timeout=600)
     assert up.returncode == 0, up.stderr[-2000:]
     assert "n_drafted" in up.stderr  # it really drafted with the head

@@ -284,6 +284,19 @@ def test_batch_invariant_cache_pairs():
     assert str(e.value) == "unknown KV cache type 'fp8' (one of: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1)"
 
 
+def test_the_v_cache_is_bf16_on_a_cpu_and_f16_where_layers_are_on_a_gpu(monkeypatch, tiny_target, tiny_head):
+    """-ctv auto (PairConfig's, Eagle3Llama's and serve's default): bf16 keeps ggml-cpu's attention batch-invariant;
+    on a GPU it buys nothing and costs a conversion to f16 every decode (native.default_type_v)."""
+    from eagle3_gguf.pair import PairConfig, load_pair
+    if not C.llama_supports_gpu_offload():  # this build: the CPU whatever -ngl says
+        assert [native.default_type_v(n) for n in (0, -1, 30)] == ["bf16"] * 3
+        with load_pair(tiny_target, tiny_head, PairConfig(n_ctx=256, n_gpu_layers=-1)) as pair:
+            assert pair.target.kv_types == (CACHE_TYPES["f16"], CACHE_TYPES["bf16"])
+    monkeypatch.setattr(native.C, "llama_supports_gpu_offload", lambda: True)
+    assert [native.default_type_v(0), native.default_type_v(-1), native.default_type_v(30),
+            native.default_type_v(-1, remote=True)] == ["bf16", "f16", "f16", "bf16"]
+
+
 def test_where_a_model_runs(tiny_target, tiny_head):
     """Each model's offload reaches llama.cpp's model parameters (the head's follows the target's unless given),
     and its placement names the GPU devices llama.cpp gave it and the layers on them; none here: the CPU."""

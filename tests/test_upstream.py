@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from build_upstream import bin_dir  # noqa: E402
 
 from eagle3_gguf.decode import GenerateConfig, Runner  # noqa: E402
+from eagle3_gguf.native import default_type_v  # noqa: E402
 from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
 from eagle3_gguf.session import Eagle3Session  # noqa: E402
 from eagle3_gguf.tokens import tokenize  # noqa: E402
@@ -29,7 +30,7 @@ def test_same_greedy_text_as_llama_speculative_simple(smollm2_path, tmp_path):
     n = 40
     up = subprocess.run([str(SPEC), "-m", str(smollm2_path), "-md", str(head), "--spec-type", "draft-eagle3",
                          "--spec-draft-n-max", "4", "-p", prompt, "-n", str(n), "--temp", "0", "-t", "2",
-                         "-c", "1024", "--seed", "1", "-ctv", PairConfig.cache_type_v],  # our default V cache
+                         "-c", "1024", "--seed", "1", "-ctv", default_type_v(0)],  # our default V cache
                         capture_output=True, text=True, timeout=600)
     assert up.returncode == 0, up.stderr[-2000:]
     assert "n_drafted" in up.stderr  # upstream really drafted with the head

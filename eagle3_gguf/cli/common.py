@@ -151,9 +151,10 @@ def cache_type_k_option():
 
 
 def cache_type_v_option():
-    return typer.Option("bf16", "-ctv", "--cache-type-v", help="Target KV cache type for V (bf16: a lone row's "
-                        "attention is computed as a verify batch's at any length, where f16/f16 splits it past 256 "
-                        "tokens; docs/exactness.md).")
+    return typer.Option("auto", "-ctv", "--cache-type-v", help="Target KV cache type for V. auto: bf16 where the "
+                        "target runs on the CPU (a lone row's attention is then computed as a verify batch's at any "
+                        "length, where f16/f16 splits it past 256 tokens; docs/exactness.md), f16 where its layers "
+                        "are on a GPU (whose flash attention would convert bf16 to f16 on every decode).")
 
 
 def pair_config_from_flags(n_ctx: int, threads: int | None, cache_type_k: str, cache_type_v: str, n_seq_max: int,
@@ -166,7 +167,7 @@ def pair_config_from_flags(n_ctx: int, threads: int | None, cache_type_k: str, c
 
     ngl, ngld = gpu_layers(n_gpu_layers, "-ngl"), gpu_layers(n_gpu_layers_draft, "-ngld")
     servers, split = rpc_servers(rpc, rpc_backend), split_from_flag(tensor_split)
-    cache_type(cache_type_k), cache_type(cache_type_v)
+    cache_type(cache_type_k), cache_type_v == "auto" or cache_type(cache_type_v)
     return PairConfig(n_ctx=n_ctx, n_threads=threads, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
                       n_seq_max=n_seq_max, n_gpu_layers=ngl, n_gpu_layers_draft=ngld, rpc_servers=servers,
                       rpc_backend=str(rpc_backend) if rpc_backend else None, tensor_split=split)
