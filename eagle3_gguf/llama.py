@@ -284,6 +284,7 @@ class Eagle3Llama(Llama):
                 cp = self.context_params
                 hint = ("; flash_attn=False" if cp.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED else
                         f"; KV cache type_k={cp.type_k}, type_v={cp.type_v}" if cp.type_k == cp.type_v else "")
+                hint += f"; width {report.exact + 1} parts first at {report.parts_at}" if report.parts_at else ""
                 warnings.warn(INEXACT_WARNING.format(found=report.rows()[0][1], hint=hint), RuntimeWarning,
                               stacklevel=4)
 

@@ -417,7 +417,8 @@ def test_exactness_defaults_and_warning_on_f16_cache(tiny_target, tiny_head):
     f16 = CACHE_TYPES["f16"]
     inexact = (r"^no verify batch of 2 or more rows is computed bit for bit as one-token decoding on this set-up "
                r"\(exactness probe: 1 of 1\.\.17, width 2 parts \((probed in [0-9.]+ s|cached); depths 8, 257\); "
-               f"KV cache type_k={f16}, type_v={f16}\\): speculating anyway")
+               f"KV cache type_k={f16}, type_v={f16}; width 2 parts first at layer 0, node_[0-9]+: FLASH_ATTN_EXT over "
+               r"a F16 K / F16 V cache of 512 cells, at depth 257\): speculating anyway")
     with pytest.warns(RuntimeWarning, match=inexact):
         with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head,
                                  **{**KW, "n_threads": 2, "type_v": f16})):
