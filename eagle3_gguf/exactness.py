@@ -94,8 +94,10 @@ def probe(target: Context, extract: Callable[[bool], None], rows: int, batch: Ba
     if exact >= 2:
         exact, parts_at = _products_exact(target, tokens, depths, exact)
     if exact == logits_exact < rows and exact >= 1:  # the logits parted first, at the shallow depth
-        parts_at = where_parts(target, tokens, SHALLOW, exact + 1) if exact < target.n_ubatch else \
-            f"a batch of {exact + 1} rows, computed as ubatches of {target.n_ubatch}"
+        if exact < target.n_ubatch:
+            parts_at = _naming(lambda: where_parts(target, tokens, SHALLOW, exact + 1))
+        else:
+            parts_at = f"a batch of {exact + 1} rows, computed as ubatches of {target.n_ubatch}"
     return ExactWidths(rows, exact, tuple(depths), time.perf_counter() - t0, parts_at=parts_at)
 
 
@@ -289,9 +291,10 @@ class ProbeCallback:
                 for p in self.products if p.n_tokens == n_tokens]
 
 
-def _probe_context(target: Context, rec: ProbeCallback, n_ctx: int) -> Context:
-    """A context of the target's set-up, n_ctx cells, with rec as its eval callback."""
-    return Context(target.model, n_ctx=n_ctx, n_batch=target.n_batch, n_ubatch=target.n_ubatch,
+def _probe_context(target: Context, rec: ProbeCallback, n_ctx: int, n_ubatch: int | None = None) -> Context:
+    """A context of the target's set-up (n_ubatch: the target's unless given), n_ctx cells, with rec as its eval
+    callback."""
+    return Context(target.model, n_ctx=n_ctx, n_batch=target.n_batch, n_ubatch=n_ubatch or target.n_ubatch,
                    n_threads=target.n_threads, type_k=target.kv_types[0], type_v=target.kv_types[1],
                    flash_attn=target.flash_attn, n_seq_max=target.n_seq_max, capture=rec)
 
@@ -330,9 +333,18 @@ def _products_exact(target: Context, tokens: np.ndarray, depths: list[int], rows
                 ctx.decode(batch)
                 if any(rec.row(i, w) != ref[i] for i in range(w)):
                     ctx.seq_rm(0, depth)
-                    return w - 1, _parting_node(ctx, rec, batch, tokens, depth, w)
+                    return w - 1, _naming(lambda: _parting_node(ctx, rec, batch, tokens, depth, w))
             ctx.seq_rm(0, depth)
     return rows, ""
+
+
+def _naming(name: Callable[[], str]) -> str:
+    """Where a width parts, or why it could not be named: the widths found stand without it (a context the
+    diagnosis cannot make, on a GPU near full, fails it, not the load)."""
+    try:
+        return name()
+    except Exception as e:  # an interrupt still ends the probe
+        return f"not named ({e})"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -341,6 +353,8 @@ def _products_exact(target: Context, tokens: np.ndarray, depths: list[int], rows
 
 # where a width parts when no node computed apart does (ggml's graph whole takes a path its nodes alone do not)
 WHOLE_ONLY = "no node computed apart: the whole graph only"
+# where the batch's graph stops pairing with a lone row's, node for node, before any node parted
+UNPAIRED = "the batch's graph differs from a lone row's from {name} on"
 # ops whose result is a view of another node's data, or of the KV cache they write into: nothing of their own
 VIEWS = {"NONE", "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE", "CPY", "SET_ROWS"}
 
@@ -362,16 +376,17 @@ class NodeRecorder:
     def __init__(self):
         self.nodes: list[_Node] = []
         self.ref: list[list[_Node]] | None = None  # [width]: lone decodes' nodes, the batch's token i against ref[i]
-        self.parted: _Node | None = None
+        self.parted: str = ""  # what the first node that differs, or the first unpaired one, says
         self._layer = ""  # the layer of the last node named for one ("-0"): an unnamed node's
 
     def reset(self) -> None:
-        self.nodes, self.parted, self._layer = [], None, ""
+        self.nodes, self.parted, self._layer = [], "", ""
 
     def see(self, t: int, ask: bool) -> bool:
         head = node_head(t)
         op = op_name(head.op)
-        if op in VIEWS or head.type != 0 or not _contiguous(head):
+        # a stop ends only the scheduler's split: the graph's later splits (a GPU's after the CPU's) still come here
+        if self.parted or op in VIEWS or head.type != 0 or not _contiguous(head):
             return not ask
         if ask:
             return True
@@ -385,12 +400,13 @@ class NodeRecorder:
         self.nodes.append(node)
         lone = [r[j] if j < len(r) else None for r in self.ref]
         if any(n is None or n.name != node.name for n in lone):  # the graphs differ from here: nothing to pair
+            self.parted = UNPAIRED.format(name=node.name)
             return False
         dims = [d for d in range(4) if ne[d] != lone[0].ne[d]]
-        if len(dims) != 1 or ne[dims[0]] != width or any(n.ne != lone[0].ne for n in lone):
+        if len(dims) != 1 or ne[dims[0]] != width or lone[0].ne[dims[0]] != 1 or any(n.ne != lone[0].ne for n in lone):
             return True  # no single dimension over the batch's tokens (a mask, a KV view): not compared
         if any(_digest(np.take(data, i, axis=3 - dims[0])) != n.digest for i, n in enumerate(lone)):
-            self.parted = node
+            self.parted = f"{node.name}: {node.what}"
             return False  # found: stop the graph
         return True
 
@@ -451,15 +467,17 @@ def _parting_node(ctx: Context, rec: ProbeCallback, batch: Batch, tokens: np.nda
         nodes.ref = ref
         batch.set(tokens[depth:depth + width].tolist(), depth, logits="all")
         ctx.decode(batch)
-        return f"{nodes.parted.name}: {nodes.parted.what}, at depth {depth}" if nodes.parted else WHOLE_ONLY
+        return f"{nodes.parted}, at depth {depth}" if nodes.parted else WHOLE_ONLY
     finally:
         rec.nodes = None
         ctx.seq_rm(0, depth)
 
 
 def where_parts(target: Context, tokens: np.ndarray, depth: int, width: int) -> str:
-    """_parting_node on a context of the target's set-up made for it."""
+    """_parting_node on a context of the target's set-up made for it (n_ubatch `width`: the kernels a batch of
+    `width` rows takes, at the compute buffer's least)."""
     rec = ProbeCallback()
-    with rec.keeping_escapes(), _probe_context(target, rec, depth + width) as ctx, Batch(target.n_batch) as batch:
+    with rec.keeping_escapes(), _probe_context(target, rec, depth + width, width) as ctx, \
+            Batch(target.n_batch) as batch:
         _prefix(ctx, batch, tokens, 0, depth)
         return _parting_node(ctx, rec, batch, tokens, depth, width)

@@ -60,8 +60,8 @@ from .context import Context
 from .decode import spec_sampling_label
 from .errors import Eagle3Error
 from .gguf_file import HeadInfo, TargetInfo
-from .native import CACHE_TYPES, Model, default_type_v
-from .pair import Pair, PairConfig, load_pair, read_pair
+from .native import CACHE_TYPES, Model
+from .pair import Pair, PairConfig, default_type_v, load_pair, read_pair
 from .session import Eagle3Session
 from .spec_sampling import RejectionSampler, Transform
 from .speculator import Cycle, RunHooks, Speculator
@@ -75,7 +75,7 @@ _LIBRARY = DraftConfig()  # the knobs' library defaults
 # batch in another order) and a KV cache other than f16/f16 (there, a lone row with 512+ KV cells takes flash
 # attention's split-KV path). Eagle3Llama therefore defaults to flash_attn=True and type_v=bf16 (ggml type 30):
 # plain Llama(..., flash_attn=True, type_v=30) gives the same text as Eagle3Llama. With layers on a GPU it
-# defaults to f16 instead (native.default_type_v: bf16 buys no exactness there and costs a conversion).
+# defaults to f16 instead (pair.default_type_v: bf16 buys no exactness there and costs a conversion).
 INEXACT_WARNING = ("no verify batch of 2 or more rows is computed bit for bit as one-token decoding on this set-up "
                    "(exactness probe: {found}{hint}): speculating anyway (exact='auto'), so rare near-ties may resolve "
                    "differently from plain Llama; exact='strict' keeps its output")

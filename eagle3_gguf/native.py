@@ -287,16 +287,6 @@ def cache_type(name: str) -> int:
     return CACHE_TYPES[name]
 
 
-def default_type_v(n_gpu_layers: int, remote: bool = False) -> str:
-    """The target's V cache type where none is asked for (-ctv auto): bf16 where its layers run on this machine's CPU,
-    which keeps ggml-cpu's flash attention batch-invariant (batch_invariant_cache); f16 where any go to a local GPU.
-    There bf16 buys no exactness (ggml-cuda's flash attention takes its vector kernel for one row and its MMA kernel
-    for two or more, with either type) and costs a copy: ggml-cuda builds no f16-bf16 vector kernel by default, so it
-    converts V to f16 on every lone-row decode, as its MMA kernel does for batches (fattn.cu, fattn-mma-f16.cuh).
-    Layers over RPC keep bf16: the servers' backends are not known here."""
-    return "f16" if n_gpu_layers != 0 and not remote and C.llama_supports_gpu_offload() else "bf16"
-
-
 def batch_invariant_cache(type_k: int, type_v: int) -> bool:
     """Whether ggml-cpu's flash attention computes a lone query row exactly as it computes one row of
     a verify batch, for these cache types. At the pin it does not when K and V are both f16 (an f32

@@ -16,7 +16,7 @@ from .capture import capture_for
 from .context import Context
 from .errors import Eagle3Error
 from .gguf_file import HeadInfo, TargetInfo, read_gguf
-from .native import Model, cache_type, default_threads, default_type_v, flash_attn_type
+from .native import Model, cache_type, default_threads, flash_attn_type
 from .session import Eagle3Session
 from .speculator import Speculator
 
@@ -34,7 +34,7 @@ class PairConfig:
     # bit for bit at any context length and thread count; with f16/f16 (llama.cpp's default) a lone
     # row past 256 tokens takes a split-KV path and near-ties can part. bf16 V is read into an f32
     # accumulator (f16 V accumulates in f16), and costs ~4% of target-only speed here (96 vs 100 tok/s).
-    # "auto": bf16 there, f16 where the target's layers are on a GPU (native.default_type_v)
+    # "auto": bf16 there, f16 where the target's layers are on a GPU (default_type_v)
     cache_type_k: str = "f16"
     cache_type_v: str = "auto"
     flash_attn: bool = True  # batch-invariant rows need it on CPU (docs/exactness.md)
@@ -48,6 +48,19 @@ class PairConfig:
     rpc_backend: str | None = None  # a libggml-rpc module, where llama-cpp-python has no RPC built in
     # the target's offloaded layers per device (llama.cpp's --tensor-split), or rpc.HEAD_SPLIT: rpc.head_split's
     tensor_split: tuple[float, ...] | str = ()
+
+
+def default_type_v(n_gpu_layers: int, remote: bool = False) -> str:
+    """The target's V cache type where none is asked for (-ctv auto): bf16 where its layers run on this machine's CPU,
+    which keeps ggml-cpu's flash attention batch-invariant (native.batch_invariant_cache); f16 where they go to a local
+    GPU. On CUDA bf16 buys no exactness (ggml-cuda's flash attention takes its vector kernel for one row and its MMA
+    kernel for two or more, with either type) and costs a copy: the default build has no f16-bf16 vector kernel, so
+    it converts V to f16 on every lone-row decode, as the MMA kernel does for batches (fattn.cu,
+    fattn-mma-f16.cuh). Other GPU backends are taken to be alike, unmeasured. With RPC servers in play bf16 stays:
+    their backends are not known here."""
+    if n_gpu_layers == 0 or remote or rpc.in_use():
+        return "bf16"
+    return "f16" if rpc.local_devices() else "bf16"
 
 
 def check_pair(target: TargetInfo, head: HeadInfo, d2t: np.ndarray | None = None) -> None:

@@ -204,8 +204,9 @@ class CostKey:
         to the key (a cost curve: "graph" choices or "logits"; the graph's argmax costs more on a CPU)."""
         # ggml's switches in the environment pick kernels too (GGML_CPU_TILED_MM=0: K-quants without the tiled matmul)
         ggml = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("GGML_"))
-        setup = (f"kv {target.kv_types[0]}/{target.kv_types[1]} fa {target.flash_attn} repack {target.model.repack} "
-                 f"on {target.model.placement} / {head.model.placement}"  # the devices and layers offloaded
+        # n_ubatch: a batch wider than it is computed as ubatches (the probe compares products up to it)
+        setup = (f"kv {target.kv_types[0]}/{target.kv_types[1]} fa {target.flash_attn} ub {target.n_ubatch} "
+                 f"repack {target.model.repack} on {target.model.placement} / {head.model.placement}"
                  + (f" env {ggml}" if ggml else "") + (f" reads {reads}" if reads else ""))
         return cls.for_files(target.model.path, head.model.path, target.n_threads, setup, n_batch)
 

@@ -113,8 +113,8 @@ def build_app(config: ServeConfig):
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
     from .llama import attach_eagle3
-    from .native import CACHE_TYPES, default_type_v
-    from .pair import read_pair
+    from .native import CACHE_TYPES
+    from .pair import default_type_v, read_pair
 
     read_pair(config.model, config.draft)  # a mismatched pair fails here with one line, before loading
     if config.rpc_servers:  # registered before the target loads, so that llama.cpp places its layers there

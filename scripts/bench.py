@@ -42,8 +42,8 @@ from eagle3_gguf.bench import Bench, BenchPrompt, Contender, PromptRun, fastest,
 from eagle3_gguf.bench import per_prompt_ratio  # noqa: E402
 from eagle3_gguf.decode import GenerateConfig  # noqa: E402
 from eagle3_gguf.errors import Eagle3Error  # noqa: E402
-from eagle3_gguf.native import default_type_v, install_log_callback  # noqa: E402
-from eagle3_gguf.pair import PairConfig  # noqa: E402
+from eagle3_gguf.native import install_log_callback  # noqa: E402
+from eagle3_gguf.pair import PairConfig, default_type_v  # noqa: E402
 from eagle3_gguf.stats import SpecStats  # noqa: E402
 
 

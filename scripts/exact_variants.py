@@ -21,14 +21,18 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # eagle3_gguf, where it is not installed (a lent GPU)
+
 ROWS = 17  # generate's widest default verify batch
+VARIANT_TIMEOUT_S = 120  # one probe loads the target (an 8B in seconds from the page cache) and probes in ~0.1-2 s
+ERROR_PREFIX = "eagle3_gguf.errors.Eagle3Error: "
 
 
 @dataclass(frozen=True)
 class Variant:
     name: str
     type_k: str = "f16"
-    type_v: str = "auto"  # -ctv auto: bf16 on a CPU, f16 where the layers are on a GPU (native.default_type_v)
+    type_v: str = "auto"  # -ctv auto: bf16 on a CPU, f16 where the layers are on a GPU (pair.default_type_v)
     flash_attn: bool = True
     n_ubatch: int | None = None  # None: n_batch's
     env: dict[str, str] = field(default_factory=dict)
@@ -61,7 +65,8 @@ def probe_one(target: str, variant: Variant, ngl: int, threads: int, rows: int) 
     from eagle3_gguf.context import Context
     from eagle3_gguf.exactness import probe
     from eagle3_gguf.gguf_file import TargetInfo, read_gguf
-    from eagle3_gguf.native import Model, cache_type, default_type_v, flash_attn_type
+    from eagle3_gguf.native import Model, cache_type, flash_attn_type
+    from eagle3_gguf.pair import default_type_v
 
     type_v = default_type_v(ngl) if variant.type_v == "auto" else variant.type_v
     repack = TargetInfo.from_gguf(read_gguf(target)).repack_exact  # as load_pair repacks
@@ -73,20 +78,27 @@ def probe_one(target: str, variant: Variant, ngl: int, threads: int, rows: int) 
     return Found(variant.name, found.exact, found.probed, found.parts_at, found.seconds)
 
 
-def run_all(target: str, ngl: int, threads: int, rows: int) -> list[Found]:
-    """Every variant in a process of its own; one that fails says why in its row."""
-    results = []
+def run_all(target: str, ngl: int, threads: int, rows: int, out: Path | None) -> list[Found]:
+    """Every variant in a process of its own; one that fails says why in its row. The table is written to `out`
+    after each, so a run cut short (SIGINT) keeps what finished."""
+    results: list[Found] = []
     for i, v in enumerate(VARIANTS):
         t = time.perf_counter()
-        r = subprocess.run([sys.executable, __file__, "--target", target, "-ngl", str(ngl), "-t", str(threads),
-                            "--rows", str(rows), "--one", str(i)], capture_output=True, text=True,
-                           env={**os.environ, **v.env}, timeout=300)
-        if r.returncode == 0:
-            results.append(Found(**json.loads(r.stdout.splitlines()[-1])))
+        try:
+            r = subprocess.run([sys.executable, __file__, "--target", target, "-ngl", str(ngl), "-t", str(threads),
+                                "--rows", str(rows), "--one", str(i)], capture_output=True, text=True,
+                               env={**os.environ, **v.env}, timeout=VARIANT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            results.append(Found(v.name, error=f"no answer in {VARIANT_TIMEOUT_S} s"))
         else:
-            tail = (r.stderr.strip().splitlines() or ["no output"])[-1].removeprefix("eagle3_gguf.errors.Eagle3Error: ")
-            results.append(Found(v.name, error=f"exit {r.returncode}: {tail[:200]}"))
+            if r.returncode == 0:
+                results.append(Found(**json.loads(r.stdout.splitlines()[-1])))
+            else:
+                tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+                results.append(Found(v.name, error=f"exit {r.returncode}: {tail.removeprefix(ERROR_PREFIX)[:200]}"))
         print(f"{v.name}: {table_row(results[-1])} ({time.perf_counter() - t:.1f} s with the load)", flush=True)
+        if out is not None:
+            out.write_text(table(target, ngl, threads, results))
     return results
 
 
@@ -115,14 +127,20 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(args.target).is_file():
         print(f"error: {args.target}: no such file", file=sys.stderr)
         return 2
+    if args.n_gpu_layers != "all" and not args.n_gpu_layers.isdigit():
+        print(f"error: -ngl must be a number of layers or 'all' (got {args.n_gpu_layers})", file=sys.stderr)
+        return 2
+    if not 2 <= args.rows <= 512 or not 1 <= args.threads <= 512:
+        print("error: --rows must be 2..512 and -t 1..512", file=sys.stderr)
+        return 2
     ngl = -1 if args.n_gpu_layers == "all" else int(args.n_gpu_layers)
     if args.one is not None:
         print(json.dumps(asdict(probe_one(args.target, VARIANTS[args.one], ngl, args.threads, args.rows))))
         return 0
-    text = table(args.target, ngl, args.threads, run_all(args.target, ngl, args.threads, args.rows))
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    try:
+        print(table(args.target, ngl, args.threads, run_all(args.target, ngl, args.threads, args.rows, args.out)))
+    except KeyboardInterrupt:  # --out holds the variants that finished
+        return 130
     return 0
 
 

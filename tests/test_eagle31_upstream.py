@@ -17,7 +17,7 @@ from build_upstream import bin_dir  # noqa: E402
 from checkpoints import dims_with, write_checkpoint  # noqa: E402
 from eagle3_gguf.convert import convert_head  # noqa: E402
 from eagle3_gguf.head_norms import HeadNorms  # noqa: E402
-from eagle3_gguf.native import default_type_v  # noqa: E402
+from eagle3_gguf.pair import default_type_v  # noqa: E402
 from generate_flags import fixed_policy  # noqa: E402
 
 SPEC = bin_dir() / "llama-speculative-simple"

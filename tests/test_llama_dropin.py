@@ -393,7 +393,7 @@ def test_raw_generate_and_its_fallbacks(plain, ours):
 def test_one_cost_key_per_setup(tiny_target, tiny_head):
     """The drop-in and the CLI's pair key the cost cache alike for the same set-up (they once used two tags,
     so one set-up was calibrated twice), and a set-up that costs differently gets another key (a KV cache
-    type; weights not repacked for the CPU kernels)."""
+    type; weights not repacked for the CPU kernels; n_ubatch)."""
     from eagle3_gguf.pair import PairConfig, load_pair
     from eagle3_gguf.policy import CostKey
 
@@ -407,6 +407,10 @@ def test_one_cost_key_per_setup(tiny_target, tiny_head):
         assert key != CostKey.for_contexts(f16.target, f16.head, 64)
     with load_pair(tiny_target, tiny_head, PairConfig(**setup, repack=False)) as as_stored:  # weights not repacked
         assert key != CostKey.for_contexts(as_stored.target, as_stored.head, 64)
+    # a narrower n_ubatch computes wide batches as ubatches: the probe compares products only up to it
+    with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_policy="fixed",
+                             verbose=False, n_ubatch=8, **setup)) as narrow:
+        assert key != CostKey.for_contexts(narrow._e3_pair.target, narrow._e3_pair.head, 64)
 
 
 def test_exactness_defaults_and_warning_on_f16_cache(tiny_target, tiny_head):

@@ -286,15 +286,16 @@ def test_batch_invariant_cache_pairs():
 
 def test_the_v_cache_is_bf16_on_a_cpu_and_f16_where_layers_are_on_a_gpu(monkeypatch, tiny_target, tiny_head):
     """-ctv auto (PairConfig's, Eagle3Llama's and serve's default): bf16 keeps ggml-cpu's attention batch-invariant;
-    on a GPU it buys nothing and costs a conversion to f16 every decode (native.default_type_v)."""
-    from eagle3_gguf.pair import PairConfig, load_pair
-    if not C.llama_supports_gpu_offload():  # this build: the CPU whatever -ngl says
-        assert [native.default_type_v(n) for n in (0, -1, 30)] == ["bf16"] * 3
-        with load_pair(tiny_target, tiny_head, PairConfig(n_ctx=256, n_gpu_layers=-1)) as pair:
-            assert pair.target.kv_types == (CACHE_TYPES["f16"], CACHE_TYPES["bf16"])
-    monkeypatch.setattr(native.C, "llama_supports_gpu_offload", lambda: True)
-    assert [native.default_type_v(0), native.default_type_v(-1), native.default_type_v(30),
-            native.default_type_v(-1, remote=True)] == ["bf16", "f16", "f16", "bf16"]
+    on a GPU it buys nothing and costs a conversion to f16 every decode (pair.default_type_v). A registered RPC
+    backend (llama_supports_gpu_offload says yes for it) is no GPU of this machine's."""
+    from eagle3_gguf import pair, rpc
+    if not rpc.local_devices():  # this machine: the CPU whatever -ngl says
+        assert [pair.default_type_v(n) for n in (0, -1, 30)] == ["bf16"] * 3
+        with pair.load_pair(tiny_target, tiny_head, pair.PairConfig(n_ctx=256, n_gpu_layers=-1)) as p:
+            assert p.target.kv_types == (CACHE_TYPES["f16"], CACHE_TYPES["bf16"])
+    monkeypatch.setattr(rpc, "local_devices", lambda: [1])
+    assert [pair.default_type_v(0), pair.default_type_v(-1), pair.default_type_v(30),
+            pair.default_type_v(-1, remote=True)] == ["bf16", "f16", "f16", "bf16"]
 
 
 def test_where_a_model_runs(tiny_target, tiny_head):

@@ -12,8 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from build_upstream import bin_dir  # noqa: E402
 
 from eagle3_gguf.decode import GenerateConfig, Runner  # noqa: E402
-from eagle3_gguf.native import default_type_v  # noqa: E402
-from eagle3_gguf.pair import PairConfig, load_pair  # noqa: E402
+from eagle3_gguf.pair import PairConfig, default_type_v, load_pair  # noqa: E402
 from eagle3_gguf.session import Eagle3Session  # noqa: E402
 from eagle3_gguf.tokens import tokenize  # noqa: E402
 from model_factory import HeadSpec, write_random_head  # noqa: E402
