@@ -91,7 +91,9 @@ def test_vocab_and_lm_head_mismatches(tiny_target, tiny_head):
     (["-t", "100000"], "-t must be between 1 and 512 (got 100000)"),  # more crash ggml's thread pool
     (["-f", "/nonexistent/prompt.txt", "-p", "x"], "give the prompt with -p or -f, not both"),
     (["-f", "/nonexistent/prompt.txt"], "/nonexistent/prompt.txt: no such prompt file"),
-    (["-ctv", "f17"], "unknown KV cache type 'f17' (one of: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1)"),
+    (["-ctv", "f17"], "unknown KV cache type 'f17' for -ctv (one of: auto, f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, "
+                      "q5_0, q5_1)"),
+    (["-ctk", "auto"], "unknown KV cache type 'auto' (one of: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1)"),
 ])
 def test_bad_flags_one_line_exit_2(tiny_target, tiny_head, flags, expected):
     one_line_error(invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), *flags), expected)
