@@ -286,9 +286,11 @@ class ProbeCallback:
         return sum(product for product, _ in self._kinds[:last_new]) + 1
 
     def row(self, i: int, n_tokens: int) -> list[tuple[str, bytes]]:
-        """Digests of token i's rows in the last decode's products that span its n_tokens tokens."""
-        return [(p.name, hashlib.blake2b(p.token(i), digest_size=16).digest())
-                for p in self.products if p.n_tokens == n_tokens]
+        """Digests of token i's rows in the last decode's products that span its n_tokens tokens, of its first `stop`
+        products where one is set (a stopped decode's: counted among all products, before the span is asked, since
+        some products span heads and tokens together: a q8_0 cache's graph holds [64, n_head * n_tokens] ones)."""
+        kept = self.products if self.stop is None else self.products[:self.stop]
+        return [(p.name, hashlib.blake2b(p.token(i), digest_size=16).digest()) for p in kept if p.n_tokens == n_tokens]
 
 
 def _probe_context(target: Context, rec: ProbeCallback, n_ctx: int, n_ubatch: int | None = None) -> Context:
@@ -326,7 +328,7 @@ def _products_exact(target: Context, tokens: np.ndarray, depths: list[int], rows
                 ctx.decode(batch)
                 if i == 0:
                     rec.stop = rec.stop_point()
-                ref.append(rec.row(0, 1)[:rec.stop])
+                ref.append(rec.row(0, 1))
             for w in range(2, min(rows, ctx.n_ubatch) + 1):
                 ctx.seq_rm(0, depth)
                 batch.set(tokens[depth:depth + w].tolist(), depth, logits="all")

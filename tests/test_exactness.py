@@ -82,6 +82,22 @@ def test_a_batch_split_into_ubatches_is_probed_as_computed(tiny_target):
     assert (found.probed, found.exact, found.parts_at) == (17, 17, "")
 
 
+def test_a_quantized_cache_is_probed_as_the_weights_allow(tmp_path, smollm2_path):
+    """A q8_0 cache's graph multiplies Q, K and V by a Hadamard rotation over [head_dim, n_head * n_tokens]: products
+    that span no batch's tokens alone, which the probe skips. They once counted towards where a stopped decode ends
+    but not towards what was compared, so width 2 "parted" (exact 1 where the weights' kernels allow more)."""
+    import synthetic
+    made = synthetic.make_pair(tmp_path, "tiny", "q4_k_m", smollm2_path)
+    found = {}
+    for k, v in (("f16", "bf16"), ("q8_0", "q8_0")):
+        with Model(made.target, repack=False) as model, \
+                Context(model, n_ctx=1024, n_threads=2, type_k=cache_type(k), type_v=cache_type(v),
+                        flash_attn=flash_attn_type(True)) as ctx, Batch(512) as batch:
+            found[v] = exactness.probe(ctx, lambda _on: None, 17, batch)
+    assert found["q8_0"].exact == found["bf16"].exact >= 2  # Q4_K's kernels decide, whichever the cache
+    assert found["q8_0"].parts_at == found["bf16"].parts_at
+
+
 def test_the_probe_names_the_attention_that_parts(tiny_target, tiny_head):
     """With K and V both f16, ggml-cpu's flash attention splits a lone row's 512 KV cells across 2 threads: the first
     node to part is layer 0's attention, past 256 tokens; with the default bf16 V none parts."""
