@@ -56,8 +56,9 @@ def default_type_v(n_gpu_layers: int, remote: bool = False) -> str:
     GPU. On CUDA bf16 buys no exactness (ggml-cuda's flash attention takes its vector kernel for one row and its MMA
     kernel for two or more, with either type) and costs a copy: the default build has no f16-bf16 vector kernel, so
     it converts V to f16 on every lone-row decode, as the MMA kernel does for batches (fattn.cu,
-    fattn-mma-f16.cuh). Other GPU backends are taken to be alike, unmeasured. With RPC servers in play bf16 stays:
-    their backends are not known here."""
+    fattn-mma-f16.cuh). On Metal it costs more: its flash attention takes K and V of one type only, so attention
+    would run on the CPU, layer by layer (ggml-metal-device.m's supports_op). Others are taken to be alike,
+    unmeasured. With RPC servers in play bf16 stays: their backends are not known here."""
     if n_gpu_layers == 0 or remote or rpc.in_use():
         return "bf16"
     return "f16" if rpc.local_devices() else "bf16"
