@@ -64,6 +64,23 @@ def test_probe_finds_the_f32_router_inexact(moe):
         assert found.parts_at == parts_at, router
 
 
+def test_a_diagnosis_that_fails_leaves_the_widths_standing(moe, monkeypatch):
+    """Naming where a width parts takes another decode or context (a GPU near full may refuse one): its failure is
+    its answer, and the widths found stand; an interrupt still ends the probe."""
+    def fails(*_args):
+        raise Eagle3Error("llama.cpp could not create a context")
+    monkeypatch.setattr(exactness, "_parting_node", fails)
+    with load_pair(moe["f32"], moe["head"], PairConfig(n_ctx=1024, n_threads=2)) as pair, pair.speculator() as spec:
+        found = spec.probe_exact(9)
+        assert (found.exact, found.parts_at) == (1, "not named (llama.cpp could not create a context)")
+
+        def interrupted(*_args):
+            raise KeyboardInterrupt
+        monkeypatch.setattr(exactness, "_parting_node", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            exactness.probe(spec.target, spec.session.extract.enable, 9, spec.batch)
+
+
 def test_where_a_width_parts_on_a_context_of_its_own(moe):
     with load_pair(moe["f32"], moe["head"], PairConfig(n_ctx=1024, n_threads=2)) as pair:
         tokens = np.random.default_rng(exactness.SEED).integers(0, pair.target.model.n_vocab, 16)
