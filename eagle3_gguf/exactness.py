@@ -33,7 +33,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -290,7 +290,7 @@ class ProbeCallback:
         products where one is set (a stopped decode's: counted among all products, before the span is asked, since
         some products span heads and tokens together: a q8_0 cache's graph holds [64, n_head * n_tokens] ones)."""
         kept = self.products if self.stop is None else self.products[:self.stop]
-        return [(p.name, hashlib.blake2b(p.token(i), digest_size=16).digest()) for p in kept if p.n_tokens == n_tokens]
+        return [(p.name, _digest(p.token(i))) for p in kept if p.n_tokens == n_tokens]
 
 
 def _probe_context(target: Context, rec: ProbeCallback, n_ctx: int, n_ubatch: int | None = None) -> Context:
@@ -364,9 +364,8 @@ VIEWS = {"NONE", "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE", "CPY", "SET_ROWS"}
 @dataclass(frozen=True)
 class _Node:
     name: str  # llama.cpp's ("ffn_gate-0"), or "layer 0, node_21" where it gave none
-    what: str  # its op, and for a product or attention the types that pick its kernel
     ne: tuple[int, int, int, int]
-    digest: bytes  # of its data: a lone decode's, one token's
+    digest: bytes  # of its data: a lone decode's, one token's (a batch's: not kept)
 
 
 class NodeRecorder:
@@ -392,13 +391,12 @@ class NodeRecorder:
             return not ask
         if ask:
             return True
-        ne = tuple(head.ne)
-        data = np.frombuffer(node_bytes(t), np.float32).reshape(ne[::-1])  # [ne3, ne2, ne1, ne0]
-        node = _Node(self._name(t), _what(head, op), ne, b"")
+        ne, name, data = tuple(head.ne), self._name(t), node_bytes(t)
         if self.ref is None:
-            self.nodes.append(replace(node, digest=_digest(data)))
+            self.nodes.append(_Node(name, ne, _digest(data)))
             return True
         j, width = len(self.nodes), len(self.ref)
+        node = _Node(name, ne, b"")
         self.nodes.append(node)
         lone = [r[j] if j < len(r) else None for r in self.ref]
         if any(n is None or n.name != node.name for n in lone):  # the graphs differ from here: nothing to pair
@@ -407,8 +405,9 @@ class NodeRecorder:
         dims = [d for d in range(4) if ne[d] != lone[0].ne[d]]
         if len(dims) != 1 or ne[dims[0]] != width or lone[0].ne[dims[0]] != 1 or any(n.ne != lone[0].ne for n in lone):
             return True  # no single dimension over the batch's tokens (a mask, a KV view): not compared
-        if any(_digest(np.take(data, i, axis=3 - dims[0])) != n.digest for i, n in enumerate(lone)):
-            self.parted = f"{node.name}: {node.what}"
+        rows = _Product(name, ne, dims[0], data)  # its token-by-token slices, as a product's
+        if any(_digest(rows.token(i)) != n.digest for i, n in enumerate(lone)):
+            self.parted = f"{name}: {_what(head, op)}"
             return False  # found: stop the graph
         return True
 
@@ -429,8 +428,8 @@ def _contiguous(head) -> bool:
     return True
 
 
-def _digest(a: np.ndarray) -> bytes:
-    return hashlib.blake2b(np.ascontiguousarray(a).tobytes(), digest_size=16).digest()
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 def _type_name(t: int) -> str:

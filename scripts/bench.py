@@ -47,7 +47,6 @@ from eagle3_gguf.pair import PairConfig, default_type_v  # noqa: E402
 from eagle3_gguf.stats import SpecStats  # noqa: E402
 
 
-
 @dataclass(frozen=True)
 class Kind:
     """What a contender's name stands for in this script's table."""

@@ -130,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.n_gpu_layers != "all" and not args.n_gpu_layers.isdigit():
         print(f"error: -ngl must be a number of layers or 'all' (got {args.n_gpu_layers})", file=sys.stderr)
         return 2
-    if not 2 <= args.rows <= 512 or not 1 <= args.threads <= 512:
-        print("error: --rows must be 2..512 and -t 1..512", file=sys.stderr)
+    from eagle3_gguf.config import MAX_THREADS
+    if not 2 <= args.rows <= 512 or not 1 <= args.threads <= MAX_THREADS:
+        print(f"error: --rows must be 2..512 and -t 1..{MAX_THREADS}", file=sys.stderr)
         return 2
     ngl = -1 if args.n_gpu_layers == "all" else int(args.n_gpu_layers)
     if args.one is not None:

@@ -127,12 +127,12 @@ def _mps_available() -> bool:
 def pick_device(name: str = "auto") -> torch.device:
     """The torch device `name` names (auto: CUDA, else MPS, else the CPU), one that this torch can use."""
     if name != "auto":
+        usable = {"cpu": lambda: True, "cuda": torch.cuda.is_available, "mps": _mps_available}
         try:
             device = torch.device(name)
         except RuntimeError:
-            raise Eagle3Error(f"--device {name}: one of auto, cpu, cuda (cuda:N), mps") from None
-        usable = {"cpu": lambda: True, "cuda": torch.cuda.is_available, "mps": _mps_available}
-        if device.type not in usable:
+            device = None
+        if device is None or device.type not in usable:
             raise Eagle3Error(f"--device {name}: one of auto, cpu, cuda (cuda:N), mps")
         if not usable[device.type]():
             raise Eagle3Error(f"--device {name}: this torch sees no {device.type} device (--device auto picks what it "
