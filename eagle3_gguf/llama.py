@@ -75,7 +75,8 @@ _LIBRARY = DraftConfig()  # the knobs' library defaults
 # batch in another order) and a KV cache other than f16/f16 (there, a lone row with 512+ KV cells takes flash
 # attention's split-KV path). Eagle3Llama therefore defaults to flash_attn=True and type_v=bf16 (ggml type 30):
 # plain Llama(..., flash_attn=True, type_v=30) gives the same text as Eagle3Llama. With layers on a GPU it
-# defaults to f16 instead (pair.default_type_v: bf16 buys no exactness there and costs a conversion).
+# defaults to f16 instead (pair.default_type_v: bf16 buys no exactness there and costs a conversion), unless
+# offload_kqv=False keeps the cache and attention on the CPU.
 INEXACT_WARNING = ("no verify batch of 2 or more rows is computed bit for bit as one-token decoding on this set-up "
                    "(exactness probe: {found}{hint}): speculating anyway (exact='auto'), so rare near-ties may resolve "
                    "differently from plain Llama; exact='strict' keeps its output")
@@ -167,7 +168,8 @@ class Eagle3Llama(Llama):
                                spec_sampling=spec_sampling, draft_temp_scale=draft_temp_scale, draft_lookup=draft_lookup,
                                draft_lookup_max=draft_lookup_max, exact=exact)
         kwargs.setdefault("flash_attn", True)  # see EXACTNESS
-        kwargs.setdefault("type_v", CACHE_TYPES[default_type_v(kwargs.get("n_gpu_layers", 0), bool(rpc_servers))])
+        kwargs.setdefault("type_v", CACHE_TYPES[default_type_v(kwargs.get("n_gpu_layers", 0), bool(rpc_servers),
+                                                               kwargs.get("offload_kqv", True))])
         self._e3_rpc = (rpc_servers, rpc_backend)
         infos = read_pair(model_path, draft_model_path)  # a wrong pair fails in one line before the target loads,
         infos[0].require_hook()  # as a target whose states only eagle3-gguf's own contexts capture

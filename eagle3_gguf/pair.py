@@ -50,7 +50,7 @@ class PairConfig:
     tensor_split: tuple[float, ...] | str = ()
 
 
-def default_type_v(n_gpu_layers: int, remote: bool = False) -> str:
+def default_type_v(n_gpu_layers: int, remote: bool = False, offload_kqv: bool = True) -> str:
     """The target's V cache type where none is asked for (-ctv auto): bf16 where its layers run on this machine's CPU,
     which keeps ggml-cpu's flash attention batch-invariant (native.batch_invariant_cache); f16 where they go to a local
     GPU. On CUDA bf16 buys no exactness (ggml-cuda's flash attention takes its vector kernel for one row and its MMA
@@ -58,8 +58,9 @@ def default_type_v(n_gpu_layers: int, remote: bool = False) -> str:
     it converts V to f16 on every lone-row decode, as the MMA kernel does for batches (fattn.cu,
     fattn-mma-f16.cuh). On Metal it costs more: its flash attention takes K and V of one type only, so attention
     would run on the CPU, layer by layer (ggml-metal-device.m's supports_op). Others are taken to be alike,
-    unmeasured. With RPC servers in play bf16 stays: their backends are not known here."""
-    if n_gpu_layers == 0 or remote or rpc.in_use():
+    unmeasured. With RPC servers in play bf16 stays: their backends are not known here. So it does where the cache and
+    attention stay on the CPU with the layers on a GPU (llama-cpp-python's offload_kqv=False)."""
+    if n_gpu_layers == 0 or remote or rpc.in_use() or not offload_kqv:
         return "bf16"
     return "f16" if rpc.local_devices() else "bf16"
 

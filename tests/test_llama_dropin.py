@@ -413,6 +413,18 @@ def test_one_cost_key_per_setup(tiny_target, tiny_head):
         assert key != CostKey.for_contexts(narrow._e3_pair.target, narrow._e3_pair.head, 64)
 
 
+def test_the_v_cache_default_follows_where_attention_runs(tiny_target, tiny_head, monkeypatch):
+    """With its layers on a GPU (pretended here: rpc.local_devices) Eagle3Llama keeps llama.cpp's f16 V, unless
+    offload_kqv=False leaves the cache and attention on the CPU, where bf16 keeps them batch-invariant."""
+    from eagle3_gguf import rpc
+    monkeypatch.setattr(rpc, "local_devices", lambda: [1])
+    kw = dict(n_ctx=256, n_batch=64, verbose=False, n_gpu_layers=-1, draft_policy="fixed", exact="off")
+    for offload_kqv, v in ((True, "f16"), (False, "bf16")):
+        with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, offload_kqv=offload_kqv,
+                                 **kw)) as llm:
+            assert llm.context_params.type_v == CACHE_TYPES[v], offload_kqv
+
+
 def test_exactness_defaults_and_warning_on_f16_cache(tiny_target, tiny_head):
     plain_kw = dict(n_ctx=512, n_batch=64, verbose=False)
     with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_policy="fixed", **plain_kw)) as llm:

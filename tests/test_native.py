@@ -296,6 +296,7 @@ def test_the_v_cache_is_bf16_on_a_cpu_and_f16_where_layers_are_on_a_gpu(monkeypa
     monkeypatch.setattr(rpc, "local_devices", lambda: [1])
     assert [pair.default_type_v(0), pair.default_type_v(-1), pair.default_type_v(30),
             pair.default_type_v(-1, remote=True)] == ["bf16", "f16", "f16", "bf16"]
+    assert pair.default_type_v(-1, offload_kqv=False) == "bf16"  # the cache and attention stay on the CPU
 
 
 def test_where_a_model_runs(tiny_target, tiny_head):
