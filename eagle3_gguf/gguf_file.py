@@ -10,6 +10,7 @@ pinned eagle3 graph assumes of a head's numbers and tensors, checked by `HeadInf
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass, field
@@ -314,7 +315,8 @@ def read_gguf(path: str | Path) -> GGUFFile:
 _INTS = frozenset({VT.UINT8, VT.INT8, VT.UINT16, VT.INT16, VT.UINT32, VT.INT32, VT.UINT64, VT.INT64})
 _FLOATS = frozenset({VT.FLOAT32, VT.FLOAT64})
 # What the keys this package reads must hold: "int" a non-negative integer, "ints" an array of them,
-# "int|ints" either (per-layer values), "bool", "floats" an array of floats, "strings" an array of strings.
+# "int|ints" either (per-layer values), "bool", "floats" an array of floats, "strings" an array of strings, "eps" a
+# finite float of at least 0 (llama.cpp's norms assert eps >= 0: a NaN or negative one is a GGML abort).
 _KEY_KINDS = {
     keys.KEY_CONTEXT_LENGTH: "int", keys.KEY_EMBEDDING_LENGTH: "int", keys.KEY_BLOCK_COUNT: "int",
     keys.KEY_FEED_FORWARD_LENGTH: "int|ints", keys.KEY_VOCAB_SIZE: "int", keys.KEY_HEAD_COUNT: "int|ints",
@@ -322,7 +324,8 @@ _KEY_KINDS = {
     keys.KEY_NORM_BEFORE_RESIDUAL: "bool", keys.KEY_NORM_BEFORE_FC: "bool", keys.KEY_FC_NORM: "bool",
     keys.KEY_NORM_OUTPUT: "bool", keys.KEY_FC_NORM_WEIGHT: "floats", keys.KEY_TOKENIZER_TOKENS: "strings",
     keys.KEY_NAME: "string", keys.KEY_CHAT_TEMPLATE: "string", keys.KEY_KEY_LENGTH: "int", keys.KEY_VALUE_LENGTH: "int",
-    keys.KEY_ROPE_DIMENSION_COUNT: "int", keys.KEY_ROPE_SCALING_TYPE: "string",
+    keys.KEY_ROPE_DIMENSION_COUNT: "int", keys.KEY_ROPE_SCALING_TYPE: "string", keys.KEY_RMS_EPS: "eps",
+    keys.KEY_NORM_EPS: "eps",
 }
 
 
@@ -339,6 +342,8 @@ def _kind_ok(kv: KeyValue, kind: str) -> bool:
         return kv.vtype == VT.ARRAY and kv.sub_type in _FLOATS
     if kind == "strings":
         return kv.vtype == VT.ARRAY and kv.sub_type == VT.STRING
+    if kind == "eps":
+        return kv.vtype in _FLOATS and math.isfinite(kv.value) and kv.value >= 0
     return kv.vtype == VT.STRING and isinstance(kv.value, str)
 
 
@@ -351,8 +356,12 @@ def _check_types(path: Path, kvs: list[KeyValue], arch: str) -> None:
         if kind is not None and not _kind_ok(kv, kind):
             if kv.vtype == VT.STRING and kind == "string":
                 raise _corrupt(path, f"metadata {kv.key} is not UTF-8 text")
+            if kv.vtype in _FLOATS and kind == "eps":
+                raise _corrupt(path, f"metadata {kv.key} is {kv.value}, where llama.cpp's norms need a finite "
+                                     "epsilon of at least 0")
             stored = kv.vtype.name + (f" of {kv.sub_type.name}" if kv.sub_type is not None else "")
-            raise _corrupt(path, f"metadata {kv.key} holds {stored}, expected {kind.replace('|', ' or ')}")
+            expected = "a float" if kind == "eps" else kind.replace('|', ' or ')
+            raise _corrupt(path, f"metadata {kv.key} holds {stored}, expected {expected}")
 
 
 @dataclass
@@ -490,6 +499,9 @@ def _fc_norm_shape(g: GGUFFile, n_feat: int, n_embd_tgt: int) -> list[int] | Non
 FIX_HEAD = "convert the head again"
 # llama.cpp's LLAMA_ROPE_SCALING_TYPES: its loader aborts (GGML_ASSERT) on any other name
 ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
+# ggml types the eagle3 graph's weights cannot be: its products and norms take floats and quantized blocks (an
+# integer or F64 matrix crashed llama.cpp's CPU backend); d2t alone is I64
+NOT_WEIGHT_TYPES = frozenset({"I8", "I16", "I32", "I64", "F64"})
 
 
 @dataclass
@@ -618,6 +630,9 @@ class HeadGeometry:
             t = table.get(name)
             if t is None and name not in optional:
                 raise Eagle3Error(f"{where}: lacks tensor '{name}', which the eagle3 graph needs: {fix}")
+            if t is not None and t.type in NOT_WEIGHT_TYPES:
+                raise Eagle3Error(f"{where}: tensor '{name}' is {t.type}; the eagle3 graph's weights are floats or "
+                                  f"quantized blocks: {fix}")
             if t is not None and _dims(t.shape) != _dims(shape.dims):
                 raise Eagle3Error(f"{where}: tensor '{name}' is {t.shape}, expected {shape.dims} = {shape.meaning}: "
                                   f"{fix}")

@@ -27,6 +27,7 @@ KEY_HEAD_COUNT_KV = "{arch}.attention.head_count_kv"
 KEY_KEY_LENGTH = "{arch}.attention.key_length"
 KEY_VALUE_LENGTH = "{arch}.attention.value_length"
 KEY_RMS_EPS = "{arch}.attention.layer_norm_rms_epsilon"
+KEY_NORM_EPS = "{arch}.attention.layer_norm_epsilon"
 KEY_SLIDING_WINDOW = "{arch}.attention.sliding_window"  # cells a sliding-window layer attends (exactness probe)
 KEY_ROPE_DIMENSION_COUNT = "{arch}.rope.dimension_count"
 KEY_ROPE_FREQ_BASE = "{arch}.rope.freq_base"

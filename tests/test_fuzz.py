@@ -329,6 +329,10 @@ def geometry_mutants(tmp: Path, head: Path, head_d2t: Path, target: Path) -> lis
          "tensor 'token_embd.weight' is [64, 1000], expected [64, 49152] = [hidden 64, vocab 49152]"),
         ("rope_freqs F16 (abort)", mutant("freqs-f16", tensors={keys.T_ROPE_FREQS: np.ones(8, dtype=np.float16)}),
          "rope_freqs.weight is F16; the eagle3 graph needs F32"),
+        ("fc I32 (segfault)", mutant("fc-i32", tensors={keys.T_FC: np.zeros((64, 192), dtype=np.int32)}),
+         "tensor 'fc.weight' is I32; the eagle3 graph's weights are floats or quantized blocks"),
+        ("attn_q F64 (segfault)", mutant("q-f64", tensors={q: w(64, 128).astype(np.float64)}),
+         "tensor 'blk.0.attn_q.weight' is F64; the eagle3 graph's weights are floats or quantized blocks"),
         ("q rows", mutant("q96", tensors={q: w(96, 128)}),
          "tensor 'blk.0.attn_q.weight' is [128, 96], expected [128, 64] = [2 x hidden 64, 4 heads x head_dim 16]"),
         ("kv heads 0", mutant("kv0", kvs=kv(keys.KEY_HEAD_COUNT_KV, 0)),
@@ -354,6 +358,12 @@ def geometry_mutants(tmp: Path, head: Path, head_d2t: Path, target: Path) -> lis
     out.append(GeometryCase("narrow head, borrowed token_embd (abort)", narrow,
                             f"narrow.gguf: head has hidden size 32 and no token_embd.weight (token embeddings) of "
                             f"its own, {borrow}"))
+    for name, value in (("nan", float("nan")), ("negative", -1.0)):  # ggml_rms_norm asserts eps >= 0
+        eps = mutant(f"eps-{name}", kvs=kv(keys.KEY_RMS_EPS, value, VT.FLOAT32))
+        out.append(GeometryCase(f"rms epsilon {name} (abort)", eps,
+                                f"{eps}: corrupt GGUF (metadata eagle3.attention.layer_norm_rms_epsilon is {value}, "
+                                "where llama.cpp's norms need a finite epsilon of at least 0): download or convert it "
+                                "again"))
     own_embd = mutant("narrow-own-embd", narrow, tensors={keys.T_TOKEN_EMBD: w(49152, 32)})
     out.append(GeometryCase("narrow head, borrowed lm_head (abort)", own_embd,
                             f"narrow-own-embd.gguf: head has hidden size 32 and no output.weight (lm_head) of its "
@@ -370,6 +380,12 @@ def test_head_geometry_refused_in_one_line(tmp_path, tiny_target, tiny_head, tin
     cases.append({"name": f"Eagle3Llama {first.name}", "target": str(tiny_target), "head": str(first.head),
                   "api": "Eagle3Llama"})
     expected = {m.name: m.line for m in mutants} | {f"Eagle3Llama {first.name}": first.line}
+    key = keys.arch_key(keys.KEY_RMS_EPS, "llama")  # the target's norms too
+    target = rewrite_gguf(tiny_target, tmp_path / "target-eps.gguf", kvs={key: KeyValue(key, -0.5, VT.FLOAT32)})
+    cases.append({"name": "target rms epsilon -0.5 (abort)", "target": str(target), "head": str(tiny_head)})
+    expected["target rms epsilon -0.5 (abort)"] = (f"{target}: corrupt GGUF (metadata {key} is -0.5, where llama.cpp's "
+                                                   "norms need a finite epsilon of at least 0): download or convert "
+                                                   "it again")
     for r in load_in_child(cases, timeout=300):
         assert r["exception"] is None, r
         assert (r["exit"], r["stderr"]) == (2, f"error: {expected[r['case']]}\n"), r
