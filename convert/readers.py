@@ -108,12 +108,8 @@ class _StEntry:
     end: int
 
 
-def _is_count(x: Any) -> bool:
-    """A non-negative JSON integer (not a bool) that fits an int64."""
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**63
-
-
-def _parse_safetensors(path: Path) -> dict[str, _StEntry]:
+def _header_bytes(path: Path) -> tuple[int, bytes]:
+    """A safetensors file's size and its JSON header's bytes."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -123,14 +119,26 @@ def _parse_safetensors(path: Path) -> dict[str, _StEntry]:
         if n_header > size - 8:
             raise Eagle3Error(f"{path}: truncated or not a safetensors file "
                               f"(header claims {n_header} bytes, file has {size})")
-        raw = f.read(n_header)
+        return size, f.read(n_header)
+
+
+def _is_count(x: Any) -> bool:
+    """A non-negative JSON integer (not a bool) that fits an int64."""
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**63
+
+
+def _parse_safetensors(path: Path) -> dict[str, _StEntry]:
+    try:
+        size, raw = _header_bytes(path)
+    except OSError as e:
+        raise Eagle3Error(f"{path}: cannot read ({e.strerror or e})") from None
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise Eagle3Error(f"{path}: corrupt safetensors header (not valid JSON)") from None
     if not isinstance(header, dict):
         raise Eagle3Error(f"{path}: corrupt safetensors header (not a JSON object)")
-    data_start = 8 + n_header
+    data_start = 8 + len(raw)
     entries: dict[str, _StEntry] = {}
     for name, info in header.items():
         if name == "__metadata__":

@@ -57,6 +57,15 @@ def test_not_a_safetensors_file(tmp_path, tiny_target):
            f"{src / 'model.safetensors'}: truncated safetensors file (2 bytes, no header)")
 
 
+def test_unreadable_safetensors(tmp_path, tiny_target):
+    """An OSError reading the weights (here a folder in the file's place; unreadable permissions give the same)."""
+    src = _ckpt(tmp_path)
+    f = src / "model.safetensors"
+    f.unlink()
+    f.mkdir()
+    _fails(tmp_path, [str(src), "-t", str(tiny_target)], f"{f}: cannot read (Is a directory)")
+
+
 def test_truncated_bin(tmp_path, tiny_target):
     pytest.importorskip("torch")
     src = _ckpt(tmp_path, fmt="bin")
