@@ -325,7 +325,7 @@ _KEY_KINDS = {
     keys.KEY_NORM_OUTPUT: "bool", keys.KEY_FC_NORM_WEIGHT: "floats", keys.KEY_TOKENIZER_TOKENS: "strings",
     keys.KEY_NAME: "string", keys.KEY_CHAT_TEMPLATE: "string", keys.KEY_KEY_LENGTH: "int", keys.KEY_VALUE_LENGTH: "int",
     keys.KEY_ROPE_DIMENSION_COUNT: "int", keys.KEY_ROPE_SCALING_TYPE: "string", keys.KEY_RMS_EPS: "eps",
-    keys.KEY_NORM_EPS: "eps",
+    keys.KEY_NORM_EPS: "eps", keys.KEY_SLIDING_WINDOW: "int",
 }
 
 
@@ -389,6 +389,7 @@ class TargetInfo:
     token_embd: TensorInfo | None = None  # [n_embd, n_vocab] (GGUF order), where its data lies in the file
     tokenizer: list[KeyValue] = field(default_factory=list, repr=False, compare=False)  # tokenizer.*, as stored
     tensor_types: frozenset[str] = frozenset()  # ggml type names of its tensors (GGUF files)
+    sliding_window: int = 0  # cells its sliding-window layers attend (0: none)
 
     @property
     def repack_exact(self) -> bool:
@@ -436,7 +437,8 @@ class TargetInfo:
                    rope_theta=g.get(keys.KEY_ROPE_FREQ_BASE, 10000.0),
                    token_embd=g.raw.tensor(keys.T_TOKEN_EMBD),
                    tokenizer=[kv for kv in g.raw.kvs if kv.key.startswith(keys.TOKENIZER_PREFIX)],
-                   tensor_types=frozenset(t.type for t in g.tensors))
+                   tensor_types=frozenset(t.type for t in g.tensors),
+                   sliding_window=int(g.get(keys.KEY_SLIDING_WINDOW, 0)))
 
 
 @dataclass

@@ -61,7 +61,7 @@ from .decode import spec_sampling_label
 from .errors import Eagle3Error
 from .gguf_file import HeadInfo, TargetInfo
 from .native import CACHE_TYPES, Model
-from .pair import Pair, PairConfig, default_type_v, load_pair, read_pair
+from .pair import Pair, PairConfig, check_kv_memory, default_type_v, load_pair, read_pair
 from .session import Eagle3Session
 from .spec_sampling import RejectionSampler, Transform
 from .speculator import Cycle, RunHooks, Speculator
@@ -173,6 +173,10 @@ class Eagle3Llama(Llama):
         self._e3_rpc = (rpc_servers, rpc_backend)
         infos = read_pair(model_path, draft_model_path)  # a wrong pair fails in one line before the target loads,
         infos[0].require_hook()  # as a target whose states only eagle3-gguf's own contexts capture
+        type_k = kwargs.get("type_k")
+        check_kv_memory(infos[0], kwargs.get("n_ctx", 512), CACHE_TYPES["f16"] if type_k is None else type_k,
+                        kwargs["type_v"], kwargs.get("n_gpu_layers", 0), bool(rpc_servers),
+                        kwargs.get("offload_kqv", True))
         if rpc_servers:  # registered before Llama loads the target, so that llama.cpp places it there
             rpc.connect(rpc.parse_servers(rpc_servers), rpc_backend)
         super().__init__(model_path=model_path, **kwargs)

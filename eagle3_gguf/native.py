@@ -249,6 +249,16 @@ def enable_llama_log(enabled: bool = True) -> None:
     log.setLevel(logging.DEBUG if enabled else logging.CRITICAL)
 
 
+def free_memory() -> int | None:
+    """Bytes this machine can still give a process (MemAvailable and free swap, Linux), None where not known."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return sum(int(fields[k].split()[0]) * 1024 for k in ("MemAvailable", "SwapFree"))
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
 def default_threads() -> int:
     """Threads for llama.cpp: every core on small machines, half of them (physical cores) on big ones."""
     n = os.cpu_count() or 1

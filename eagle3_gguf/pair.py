@@ -10,13 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from . import keys, rpc
 from .capture import capture_for
 from .context import Context
 from .errors import Eagle3Error
 from .gguf_file import HeadInfo, TargetInfo, read_gguf
-from .native import Model, cache_type, default_threads, flash_attn_type
+from .native import Model, cache_type, default_threads, flash_attn_type, free_memory
 from .session import Eagle3Session
 from .speculator import Speculator
 
@@ -63,6 +64,37 @@ def default_type_v(n_gpu_layers: int, remote: bool = False, offload_kqv: bool = 
     if n_gpu_layers == 0 or remote or rpc.in_use() or not offload_kqv:
         return "bf16"
     return "f16" if rpc.local_devices() else "bf16"
+
+
+_GGML_TYPES = frozenset(int(t) for t in GGMLQuantizationType)
+
+
+def check_kv_memory(target: TargetInfo, n_ctx: int, type_k: int, type_v: int, n_gpu_layers: int, remote: bool = False,
+                    offload_kqv: bool = True) -> None:
+    """Refuse a context whose target KV cache alone cannot fit in this machine's free memory, where the cache lives on
+    its CPU: llama.cpp zeroes the whole cache as it makes it, and past the free memory the kernel kills the process
+    without a word (-c 2000000000 did, after a minute). A lower bound (the weights and the head's cache left out, the
+    head size taken as hidden / heads), and none for sliding-window targets, whose windowed layers hold less."""
+    on_gpu = n_gpu_layers != 0 and offload_kqv and (remote or rpc.in_use() or bool(rpc.local_devices()))
+    n_ctx = n_ctx or target.n_ctx_train
+    if on_gpu or target.sliding_window or n_ctx <= 0:
+        return
+    free = free_memory()
+    heads = target.n_head if isinstance(target.n_head, list) else [target.n_head or 0]
+    kv = target.n_head_kv if isinstance(target.n_head_kv, list) else [target.n_head_kv or 0] * target.n_layer
+    sizes = [GGML_QUANT_SIZES.get(GGMLQuantizationType(t)) if t in _GGML_TYPES else None for t in (type_k, type_v)]
+    if free is None or not max(heads) or None in sizes:  # an unknown type: llama.cpp's to refuse
+        return
+    head_dim = target.n_embd // max(heads)
+    per_elt = sum(size / block for block, size in sizes)  # bytes of a K element and a V element
+    need = n_ctx * sum(kv) * head_dim * per_elt
+    if need > free:
+        raise Eagle3Error(f"a context of {n_ctx} tokens needs {_gib(need)} for {target.path.name}'s KV cache alone, "
+                          f"more than the {_gib(free)} this machine has free: lower -c (n_ctx)")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def check_pair(target: TargetInfo, head: HeadInfo, d2t: np.ndarray | None = None) -> None:
@@ -170,6 +202,8 @@ def load_pair(target_path: str | Path, head_path: str | Path, config: PairConfig
     if type_v == "auto":
         type_v = default_type_v(config.n_gpu_layers, bool(config.rpc_servers))
     type_k, type_v = cache_type(config.cache_type_k), cache_type(type_v)
+    if target_ctx is None:
+        check_kv_memory(target_info, config.n_ctx, type_k, type_v, config.n_gpu_layers, bool(config.rpc_servers))
     threads = config.n_threads or default_threads()
     opened: list = []
     try:

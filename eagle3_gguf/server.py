@@ -114,9 +114,9 @@ def build_app(config: ServeConfig):
 
     from .llama import attach_eagle3
     from .native import CACHE_TYPES
-    from .pair import default_type_v, read_pair
+    from .pair import check_kv_memory, default_type_v, read_pair
 
-    read_pair(config.model, config.draft)  # a mismatched pair fails here with one line, before loading
+    target, _ = read_pair(config.model, config.draft)  # a mismatched pair fails here with one line, before loading
     if config.rpc_servers:  # registered before the target loads, so that llama.cpp places its layers there
         rpc.connect(config.rpc_servers, config.rpc_backend)
 
@@ -165,6 +165,7 @@ def build_app(config: ServeConfig):
     if config.parallel > 1:
         extra["logits_all"] = False
     type_v = CACHE_TYPES[default_type_v(config.n_gpu_layers, bool(config.rpc_servers))]  # EXACTNESS (llama.py)
+    check_kv_memory(target, config.n_ctx, CACHE_TYPES["f16"], type_v, config.n_gpu_layers, bool(config.rpc_servers))
     model_settings = ModelSettings(model=str(config.model), model_alias=config.model_alias, n_ctx=n_ctx,
                                    n_gpu_layers=config.n_gpu_layers, flash_attn=True, type_v=type_v, verbose=False,
                                    **extra)

@@ -83,8 +83,9 @@ def test_vocab_and_lm_head_mismatches(tiny_target, tiny_head):
 @pytest.mark.parametrize("flags, expected", [
     (["-n", "0"], "-n must be at least 1 (got 0)"),
     (["--draft-max", "40"], "--draft-max must be between 0 and 32 (got 40)"),
-    (["--temp", "-1"], "--temp must be 0 (greedy) or more (got -1.0)"),
-    (["--temp", "nan"], "--temp must be 0 (greedy) or more (got nan)"),
+    (["--temp", "-1"], "--temp must be 0 (greedy) or a finite number above it (got -1.0)"),
+    (["--temp", "nan"], "--temp must be 0 (greedy) or a finite number above it (got nan)"),
+    (["--temp", "inf"], "--temp must be 0 (greedy) or a finite number above it (got inf)"),
     (["--seed", "-2"], "--seed must be between 0 and 2^64 - 1, or -1 for a random one (got -2)"),
     (["--draft-p-min", "1.5"], "--draft-p-min must be in [0, 1) (got 1.5)"),
     (["-t", "0"], "-t must be between 1 and 512 (got 0)"),
@@ -128,6 +129,16 @@ def test_a_head_with_nan_weights_is_one_line(tiny_target, tiny_head, tmp_path):
 def test_missing_model_file(tiny_head, tmp_path):
     one_line_error(invoke("generate", "-m", str(tmp_path / "nope.gguf"), "--draft", str(tiny_head), "-p", "x"),
                    f"{tmp_path / 'nope.gguf'}: no such file")
+
+
+def test_a_context_past_the_free_memory_is_one_line(tiny_target, tiny_head, monkeypatch):
+    """llama.cpp zeroes the whole KV cache as it makes it: past the free memory the process was killed, silently."""
+    from eagle3_gguf import pair
+    monkeypatch.setattr(pair, "free_memory", lambda: 2**21)
+    # 6 layers x 2 KV heads x head size 16, an f16 K and a bf16 V element each: 768 bytes a token
+    one_line_error(invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-c", "4096", "-p", "x"),
+                   "a context of 4096 tokens needs 3.0 MiB for tiny-target.gguf's KV cache alone, more than the 2.0 MiB "
+                   "this machine has free: lower -c (n_ctx)")
 
 
 def test_prompt_longer_than_context(tiny_target, tiny_head):

@@ -425,6 +425,15 @@ def test_the_v_cache_default_follows_where_attention_runs(tiny_target, tiny_head
             assert llm.context_params.type_v == CACHE_TYPES[v], offload_kqv
 
 
+def test_a_context_past_the_free_memory_is_refused_before_loading(tiny_target, tiny_head, monkeypatch):
+    from eagle3_gguf import pair
+    monkeypatch.setattr(pair, "free_memory", lambda: 2**21)
+    with pytest.raises(Eagle3Error) as e:
+        Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, n_ctx=4096, verbose=False)
+    assert str(e.value) == ("a context of 4096 tokens needs 3.0 MiB for tiny-target.gguf's KV cache alone, more than "
+                            "the 2.0 MiB this machine has free: lower -c (n_ctx)")
+
+
 def test_exactness_defaults_and_warning_on_f16_cache(tiny_target, tiny_head):
     plain_kw = dict(n_ctx=512, n_batch=64, verbose=False)
     with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_policy="fixed", **plain_kw)) as llm:

@@ -96,8 +96,8 @@ def _check_flags(prompt, file, n_predict, n_ctx, threads, temp, seed) -> None:
     if n_predict < 1:
         raise Eagle3Error(f"-n must be at least 1 (got {n_predict})")
     check_context_flags(n_ctx, threads)
-    if not temp >= 0:
-        raise Eagle3Error(f"--temp must be 0 (greedy) or more (got {temp})")
+    if not 0 <= temp < float("inf"):
+        raise Eagle3Error(f"--temp must be 0 (greedy) or a finite number above it (got {temp})")
     if not -1 <= seed < 2**64:
         raise Eagle3Error(f"--seed must be between 0 and 2^64 - 1, or -1 for a random one (got {seed})")
 
