@@ -350,7 +350,8 @@ class Bench:
         timing (they also warm the target's graphs up): what the report's header says."""
         exact = {c.name: self.runners[c.name].prepare(c.config, Sampler(c.temperature)) for c in self.contenders
                  if c.speculative}
-        costs = self.runners[TARGET.name].spec.calibrate(LIBRARY.draft_lookup_max)  # the widest default draft
+        spec = self.runners[TARGET.name].spec
+        costs = spec.calibrate(min(LIBRARY.draft_lookup_max, spec.k_fit))  # the widest default draft that fits
         self.setup = Setup.of(self.pair, costs, exact, self.chat, n_predict)
         return self.setup
 

@@ -243,3 +243,15 @@ def test_bench_hooks_rotation_and_late_contenders(tiny_target, tiny_head):
                                             ("1", "target"), ("1", "k2"), ("1", "k1"), ("1", "target")]
     assert [n for _, _, n in seen] == [0, 8, 8, 8, 0, 8, 8, 8]  # the round's target-only tokens, once it ran
     assert all(r.seconds > 1.0 for r in runs) and [r.contender for r in runs][:4] == ["target", "k1", "k2", "target"]
+
+
+def test_a_context_narrower_than_the_widest_default_draft_is_calibrated_to_fit(tiny_target, tiny_head, tmp_path,
+                                                                                monkeypatch):
+    """prepare() calibrates target-only's curve for the widest default draft (a lookup draft's 16 rows and id_last):
+    a context of 16 cells holds a batch of 16 rows only, so the curve stops there ("batch of 17 tokens does not fit
+    capacity 16" had ended `bench -c 16`)."""
+    from eagle3_gguf.pair import PairConfig
+
+    monkeypatch.setenv("EAGLE3_GGUF_CACHE", str(tmp_path))
+    with lib.Bench(tiny_target, tiny_head, PairConfig(n_ctx=16, n_threads=1), lib.contenders_from(["k2"], 4)) as b:
+        assert len(b.prepare(4).verify_cost) == 16  # 1..16 rows
