@@ -58,12 +58,19 @@ def write_gguf(out: Path, arch: str, kvs: list[KeyValue], tensors: list[PlannedT
         raise Eagle3Error(f"{out}: cannot create a file in {out.parent} ({e.strerror}): choose another -o") from None
     tmp = Path(tmp_name)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # a new file's mode, as open() gives one: mkstemp's 0600 kept it private
         os.close(fd)
         return _write(out, tmp, arch, kvs, tensors, on_tensor)
     except OSError as e:  # a full disk (ENOSPC), a quota, an I/O error: the temp file is already gone
         tmp.unlink(missing_ok=True)
         raise Eagle3Error(f"{out}: writing failed ({e.strerror or e}); nothing was written: free some disk space "
                           "or choose another -o") from None
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask sets it: set it back
+    os.umask(mask)
+    return mask
 
 
 def _write(out: Path, tmp: Path, arch: str, kvs: list[KeyValue], tensors: list[PlannedTensor],

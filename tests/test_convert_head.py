@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import numpy as np
 import pytest
@@ -214,6 +215,11 @@ def test_default_out_path_and_progress(tmp_path, tiny_target):
     assert [s[0] for s in seen] == [row.name for row in r.rows]
     assert seen[-1][1] == seen[-1][2] == sum(row.bytes for row in r.rows)
     assert default_out_path(src / "model.safetensors") == src / "model.gguf"
+    old = os.umask(0o027)  # a new file's mode follows the umask, as a file open() makes (mkstemp's is 0600)
+    try:
+        assert convert_head(src, tmp_path / "shared.gguf", tiny_target).out.stat().st_mode & 0o777 == 0o640
+    finally:
+        os.umask(old)
 
 
 def test_a_target_read_once_is_not_read_again(tmp_path, tiny_target, monkeypatch):
