@@ -137,6 +137,8 @@ def test_train_bad_numbers_paths_and_devices_are_one_line_before_any_data(tmp_pa
             (["--parallel", "0"], "--parallel must be at least 1 (got 0)"),
             (["--ffn", "-3"], "--ffn must be at least 1 (got -3)"),
             (["--draft-vocab", "0"], "--draft-vocab must be at least 1 (got 0)"),
+            (["--draft-vocab", "49153"], "--draft-vocab 49153: the target has 49152 tokens; at most that many"),
+            (["--resume"], f"{out}: no run to resume there: drop --resume to start one"),
             (["-t", "100000"], "-t must be between 1 and 512 (got 100000)"),
             (["--device", "tpu"], "--device tpu: one of auto, cpu, cuda (cuda:N), mps"),
             *no_cuda):

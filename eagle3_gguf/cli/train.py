@@ -104,6 +104,9 @@ def register(app: typer.Typer) -> None:
         from ..train.loop import TrainConfig
         from .convert import parse_layer_ids
 
+        if resume and not out.is_dir():  # (the library's resume also starts a run where none is: the scripts')
+            fail(f"{out}: no run to resume there: drop --resume to start one")
+            return
         try:
             ids = parse_layer_ids(layer_ids) if layer_ids is not None else None
             tcfg = TrainConfig(n_unroll=unroll, epochs=epochs, max_steps=steps, batch_tokens=batch_tokens, lr=lr,

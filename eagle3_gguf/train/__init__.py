@@ -125,6 +125,8 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
     layers = list(cfg.layer_ids) if cfg.layer_ids else default_layer_ids(tgt.n_layer)
     if len(layers) != 3 or not all(0 <= x < tgt.n_layer for x in layers):
         raise Eagle3Error(f"--layer-ids {layers}: need 3 ids in 0..{tgt.n_layer - 1} for this target")
+    if cfg.draft_vocab > tgt.n_vocab:
+        raise Eagle3Error(f"--draft-vocab {cfg.draft_vocab}: the target has {tgt.n_vocab} tokens; at most that many")
 
     data_target = cfg.data_target or target
     if cfg.data_target is not None:
@@ -146,6 +148,8 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
     chat = prompt_chat(cfg, tgt)
     tcfg = cfg.train or TrainConfig()
     pick_device(tcfg.device)  # one that can run here, said before the data is made
+    if cfg.data_source == "sharegpt":
+        sharegpt_json(cfg)  # the package's file, or the one named, found before the run's folder is made
     teacher = None
     if cfg.online:
         if cfg.data_source != "sharegpt":
