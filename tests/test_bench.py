@@ -98,6 +98,8 @@ def test_bad_flags_and_files_are_one_line_exit_2(tmp_path, tiny_target):
     one_line_error(invoke("--contenders", "default,k0"),
                    "--contenders: unknown contender 'k0' (valid: target, default, lookup, head, tree, k1, k2, k4, or "
                    "kN for any fixed K from 1 to 32)")
+    one_line_error(invoke("--contenders", " , "),
+                   "--contenders names none: name one or more (e.g. default,k2), or leave it out for the defaults")
     missing = tmp_path / "missing.jsonl"
     one_line_error(invoke("-f", str(missing)), f"{missing}: no such prompt file")
     bad = tmp_path / "bad.jsonl"

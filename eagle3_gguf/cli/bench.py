@@ -68,7 +68,11 @@ def register(app: typer.Typer) -> None:
             from .. import bench as lib
 
             _check_flags(n_predict, limit, repeat, time_limit, n_ctx, threads, plot, exact)
-            chosen = lib.contenders_from(_names(contenders, ",".join(lib.DEFAULT_CONTENDERS)), n_predict, exact)
+            named = _names(contenders, ",".join(lib.DEFAULT_CONTENDERS))
+            if not named:
+                raise Eagle3Error("--contenders names none: name one or more (e.g. default,k2), or leave it out for "
+                                  "the defaults")
+            chosen = lib.contenders_from(named, n_predict, exact)
             pair_config = pair_config_from_flags(n_ctx, threads, cache_type_k, cache_type_v, 1, n_gpu_layers,
                                                  n_gpu_layers_draft, rpc, rpc_backend, tensor_split)
             prompts = lib.load_jsonl(file, limit or None) if file is not None else []
