@@ -240,8 +240,12 @@ def read_gguf_metadata(path: str | Path) -> GGUFMetadata:
             data_start = -(-cur.pos // align) * align
     except Eagle3Error:
         raise
-    except (struct.error, ValueError, OSError) as e:
-        raise Eagle3Error(f"{path}: not a valid GGUF (truncated or corrupt metadata: {e})") from None
+    except struct.error:  # a read past the end of the header
+        raise _corrupt(path, "its header ends early: the file is cut short") from None
+    except ValueError as e:
+        raise _corrupt(path, f"{e}") from None
+    except OSError as e:
+        raise Eagle3Error(f"{path}: cannot read ({e.strerror or e})") from None
     tensors = [TensorInfo(name, shape, t, data_start + off) for name, shape, t, off in infos]
     return GGUFMetadata(path, kvs, tensors)
 

@@ -349,7 +349,8 @@ def test_bad_targets(tmp_path, tiny_target):
     _fails(tmp_path, [str(src), "-t", str(tiny_head)], f"{tiny_head}: this is an EAGLE-3 head, not a target model")
     bad = tmp_path / "trunc.gguf"
     bad.write_bytes(tiny_target.read_bytes()[:5000])
-    _fails(tmp_path, [str(src), "-t", str(bad)], prefix=f"{bad}: not a valid GGUF (truncated or corrupt metadata: ")
+    _fails(tmp_path, [str(src), "-t", str(bad)],
+           f"{bad}: corrupt GGUF (its header ends early: the file is cut short): download or convert it again")
 
 
 def test_missing_source_and_output_dir(tmp_path, tiny_target):

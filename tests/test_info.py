@@ -81,7 +81,8 @@ def test_info_bad_input_one_line_exit_2(case, tmp_path, tiny_head):
     expected = {
         "missing": f"error: {path}: no such file",
         "not-gguf": f"error: {path}: not a GGUF file (expected magic 'GGUF', found b'hell')",
-        "truncated-header": f"error: {path}: not a valid GGUF (truncated or corrupt",
+        "truncated-header": f"error: {path}: corrupt GGUF (its header ends early: the file is cut short): download or "
+                            "convert it again",
         "truncated-data": f"error: {path}: truncated GGUF (tensor data ",
         "directory": f"error: {tmp_path}: not a file",
     }[case]
