@@ -134,6 +134,10 @@ HOOKED_TARGET_ARCHS = frozenset({
 # graphs, where "layer input" means something else; others (phi3, glm4, ...) once a test target runs them.
 CAPTURED_TARGET_ARCHS = frozenset({"gemma3", "llama4", "mistral3", "qwen2"})
 
+# Architectures whose every layer caches every token's K and V (no sliding window, recurrent layers or compressed
+# latent), so that head count x head size x layers bounds their KV cache from below (pair.check_kv_memory)
+FULL_KV_ARCHS = frozenset({"llama", "mistral3", "qwen2", "qwen3", "qwen3moe"})
+
 # Weight types that repacking does not make batch-variant: Q4_0 repacked as q4_0_8x8 stays exact (244 benchmark
 # prompts identical), the rest are not repacked at the pin. A target with any other type is loaded unrepacked
 # (Q4_K repacked as q4_K_8x8: batch rows from 4 up computed by another kernel than lone rows). Not a claim of

@@ -74,10 +74,10 @@ def check_kv_memory(target: TargetInfo, n_ctx: int, type_k: int, type_v: int, n_
     """Refuse a context whose target KV cache alone cannot fit in this machine's free memory, where the cache lives on
     its CPU: llama.cpp zeroes the whole cache as it makes it, and past the free memory the kernel kills the process
     without a word (-c 2000000000 did, after a minute). A lower bound (the weights and the head's cache left out, the
-    head size taken as hidden / heads), and none for sliding-window targets, whose windowed layers hold less."""
+    head size taken as hidden / heads), so only for architectures that cache every token in every layer."""
     on_gpu = n_gpu_layers != 0 and offload_kqv and (remote or rpc.in_use() or bool(rpc.local_devices()))
     n_ctx = n_ctx or target.n_ctx_train
-    if on_gpu or target.sliding_window or n_ctx <= 0:
+    if on_gpu or target.arch not in keys.FULL_KV_ARCHS or target.sliding_window or n_ctx <= 0:
         return
     free = free_memory()
     heads = target.n_head if isinstance(target.n_head, list) else [target.n_head or 0]
