@@ -110,8 +110,7 @@ def _logits_exact(target: Context, extract: Callable[[bool], None], batch: Batch
     target.clear()
     try:
         extract(False)
-        batch.set(tokens[:SHALLOW].tolist(), 0, logits="none")
-        target.decode(batch)
+        _prefix(target, batch, tokens, 0, SHALLOW)  # in batches of what it holds (a drop-in's n_batch may be 4)
         ref = np.empty((rows, target.model.n_vocab), np.float32)  # [rows, n_vocab]
         for i in range(rows):
             batch.set([int(tokens[SHALLOW + i])], SHALLOW + i, logits="all")

@@ -538,3 +538,20 @@ def test_smollm2_chat_and_completion_identical(smollm2_path, smol_head):
         same(plain("The three primary colours are", max_tokens=32, seed=4, temperature=0.8),
              ours("The three primary colours are", max_tokens=32, seed=4, temperature=0.8))
         same_state(plain, ours)
+
+
+def test_a_batch_narrower_than_the_probes_prefix_speculates(smollm2_path, monkeypatch, tmp_path):
+    """n_batch 4 (a llama-cpp-python setting that works on plain Llama): the exactness probe decodes its 8-token
+    prefix in batches of 4 ("batch of 8 tokens does not fit capacity 4" had refused every completion), and the text
+    is plain Llama's, with drafts kept."""
+    from eagle3_gguf.assets import default_head_path
+
+    monkeypatch.setenv("EAGLE3_GGUF_CACHE", str(tmp_path))  # probed here, not read from a cache
+    kw = dict(n_ctx=512, n_batch=4, verbose=False, **EXACT)
+    prompt = "Count from 1 to 20: 1, 2, 3, 4,"
+    with closing(llama_cpp.Llama(model_path=str(smollm2_path), **kw)) as plain:
+        expected = text_of(plain.create_completion(prompt, max_tokens=24, **GREEDY))
+    with closing(Eagle3Llama(model_path=str(smollm2_path), draft_model_path=default_head_path(),
+                             draft_policy="fixed", **kw)) as llm:
+        assert text_of(llm.create_completion(prompt, max_tokens=24, **GREEDY)) == expected
+        assert llm.spec_stats.n_accepted > 0
