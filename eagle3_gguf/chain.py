@@ -18,7 +18,7 @@ from llama_cpp import llama_cpp as C
 
 from .batch import Batch
 from .cbuild import library
-from .context import Context, llama_get_embeddings_nextn_ith
+from .context import Context, decode_failure, llama_get_embeddings_nextn_ith
 from .draft import Draft, NativeJudge
 from .errors import Eagle3Error
 from .native import require_ext
@@ -200,4 +200,4 @@ def _failure(rc: int, k: int, n_alt: int, n_max: int) -> str:
         return f"chain.c refused a draft of up to {n_max} steps, {k} tokens chosen a step, {n_alt} runner-ups"
     if rc <= -100000:
         return f"no tokens chosen in the graph for batch row {-100000 - rc}"
-    return f"llama_decode failed (rc={rc}): the context may be full (raise -c)"
+    return decode_failure(rc)

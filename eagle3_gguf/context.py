@@ -67,6 +67,17 @@ llama_get_logits_ith_addr = _address_twin("llama_get_logits_ith", [ctx_p, ctypes
 NO_LOGITS = "no logits: this context chooses tokens in the graph (set_graph_choice)"
 
 
+def decode_failure(rc: int) -> str:
+    """What llama_decode's nonzero rc means (llama.h), in one line."""
+    if rc == 1:
+        return "llama_decode found no room in the KV cache (rc=1): the context is full: raise -c"
+    if rc == -1:
+        return "llama_decode refused the batch (rc=-1): a token id outside the vocabulary, or a position out of order"
+    if rc == 2:
+        return "llama_decode was aborted (rc=2)"
+    return f"llama_decode failed (rc={rc}): llama.cpp's log (-v, verbose=True) says why"
+
+
 class Context(_Owner):
     """A llama_context; `ctx_other` pairs an EAGLE-3 head with its target."""
 
@@ -205,7 +216,7 @@ class Context(_Owner):
     def decode(self, batch: "Batch") -> None:
         rc = self._run(C.llama_decode, batch.struct)
         if rc != 0:
-            raise Eagle3Error(f"llama_decode failed (rc={rc}): the context may be full (raise -c)")
+            raise Eagle3Error(decode_failure(rc))
 
     def process(self, kind: int, batch: "BatchExt") -> None:
         rc = self._run(C.llama_process, kind, batch._live())

@@ -113,6 +113,24 @@ def test_layer_inp_guarded_before_extraction(tiny_target):
             tc.set_layer_inp(6)
 
 
+def test_a_failed_decode_says_what_its_rc_means(tiny_target):
+    """llama.h's return codes: -1 a batch it refuses (here a token id outside the vocabulary: the drop-in's prompt of
+    ids), 1 no room left in the KV cache; neither leaves the context unusable."""
+    with Model(tiny_target) as tm, Context(tm, n_ctx=256, n_batch=16) as tc, Batch(16) as b:
+        b.set([1, 2, -1], 0)
+        with pytest.raises(Eagle3Error) as e:
+            tc.decode(b)
+        assert str(e.value) == ("llama_decode refused the batch (rc=-1): a token id outside the vocabulary, or a "
+                                "position out of order")
+        for pos in range(0, 256, 16):
+            b.set([1] * 16, pos)
+            tc.decode(b)
+        b.set([1], 256)
+        with pytest.raises(Eagle3Error) as e:
+            tc.decode(b)
+        assert str(e.value) == "llama_decode found no room in the KV cache (rc=1): the context is full: raise -c"
+
+
 def test_greedy_sampling_in_the_graph_picks_the_argmax_of_every_row(smollm2_path):
     """Backend greedy sampling on a verify-shaped batch (every row an output, as many as a verify sends) gives
     numpy's argmax of the same rows, leaves the extracted layer inputs as they were, and hides the logits

@@ -154,7 +154,7 @@ def test_a_failed_shared_decode_fails_only_its_own_slot(llm, engine):
         t.start()
     for t in threads:
         t.join(timeout=120)
-    assert "llama_decode failed" in str(got["a"])
+    assert str(got["a"]) == "llama_decode found no room in the KV cache (rc=1): the context is full: raise -c"
     assert got["b"][0] == want[0]  # its text (it drafted less)
     pool.release(a)
     pool.release(b)
