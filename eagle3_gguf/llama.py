@@ -53,6 +53,7 @@ from typing import Any, Callable, Iterator, Sequence
 import llama_cpp
 import numpy as np
 from llama_cpp import Llama
+from llama_cpp import llama_cpp as C
 
 from . import rpc
 from .config import DraftConfig
@@ -260,6 +261,15 @@ class Eagle3Llama(Llama):
         if getattr(self, "_stack", None) is not None:  # a constructor that failed early made no stack
             super().close()
 
+    def detokenize(self, tokens: list[int], prev_tokens: list[int] | None = None, special: bool = False) -> bytes:
+        """Llama.detokenize, a token id outside the vocabulary refused: llama.cpp aborts the process on one (a served
+        /extras/detokenize request killed the server)."""
+        for ids in (tokens, prev_tokens or ()):
+            if ids and not 0 <= min(ids) <= max(ids) < self._n_vocab:
+                bad = next(t for t in ids if not 0 <= t < self._n_vocab)
+                raise Eagle3Error(f"token id {bad} is outside the vocabulary (0 to {self._n_vocab - 1})")
+        return super().detokenize(tokens, prev_tokens, special)
+
     def __getstate__(self):
         return {**super().__getstate__(), "draft_model_path": str(self._e3_head_path), "draft_config": self.draft_config,
                 "n_gpu_layers_draft": self._e3_head_ngl, "rpc_servers": self._e3_rpc[0], "rpc_backend": self._e3_rpc[1]}
@@ -331,6 +341,8 @@ class Eagle3Llama(Llama):
         tokens = list(tokens)
         if self._e3_session is None:
             raise Eagle3Error("this Eagle3Llama is closed")
+        if grammar is not None:
+            _check_grammar(self._model.vocab, grammar)
         turn = _Turn(self)
         try:
             if self._e3_unfinished:  # an earlier generation was left suspended
@@ -478,6 +490,18 @@ class Eagle3Llama(Llama):
         n_target = self.longest_token_prefix(self.input_ids[:self.n_tokens].tolist(), prompt)
         n_head = self.longest_token_prefix(self._e3_head_tokens, prompt)
         return max(min(n_target, n_head - 1, len(prompt) - 1), 0)
+
+
+def _check_grammar(vocab, grammar) -> None:
+    """llama.cpp's grammar parser on `grammar` first: llama-cpp-python adds the sampler it makes to its chain unchecked,
+    and the NULL one a grammar that does not parse gives crashed the process at the first token (a served request
+    killed the server)."""
+    # LLAMA_API struct llama_sampler * llama_sampler_init_grammar(const struct llama_vocab * vocab,
+    #                                                             const char * grammar_str, const char * grammar_root);
+    sampler = C.llama_sampler_init_grammar(vocab, grammar._grammar.encode("utf-8"), grammar._root.encode("utf-8"))
+    if not sampler:
+        raise Eagle3Error("the grammar does not parse (llama.cpp's log says where; check its rules and its root)")
+    C.llama_sampler_free(sampler)
 
 
 class _DropInHooks(RunHooks):

@@ -555,3 +555,23 @@ def test_a_batch_narrower_than_the_probes_prefix_speculates(smollm2_path, monkey
                              draft_policy="fixed", **kw)) as llm:
         assert text_of(llm.create_completion(prompt, max_tokens=24, **GREEDY)) == expected
         assert llm.spec_stats.n_accepted > 0
+
+
+def test_what_llama_cpp_dies_on_is_an_error(tiny_target, tiny_head):
+    """A grammar that does not parse (llama-cpp-python chains the NULL sampler: SIGSEGV at the first token) and a
+    token id outside the vocabulary given to detokenize (std::out_of_range: SIGABRT) raise; the Eagle3Llama goes on."""
+    from llama_cpp import LlamaGrammar
+
+    with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_policy="fixed",
+                             **KW)) as llm:
+        for text in ("root ::= (", 'a ::= "x"'):
+            with pytest.raises(Eagle3Error) as e:
+                llm.create_completion("Hi", max_tokens=4, grammar=LlamaGrammar.from_string(text, verbose=False))
+            assert str(e.value) == "the grammar does not parse (llama.cpp's log says where; check its rules and its root)"
+        for ids in ([10**9], [1, -1]):
+            with pytest.raises(Eagle3Error) as e:
+                llm.detokenize(ids)
+            assert str(e.value) == f"token id {ids[-1]} is outside the vocabulary (0 to 49151)"
+        assert llm.detokenize(llm.tokenize(b"Hello", add_bos=False)) == b"Hello"
+        assert text_of(llm.create_completion("Hi", max_tokens=4, grammar=LlamaGrammar.from_string(
+            'root ::= "yes" | "no"', verbose=False))) in ("yes", "no")

@@ -288,6 +288,18 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server, client,
     assert got.usage.completion_tokens == 3
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 4, "grammar": "root ::= ("}'),  # a NULL sampler: SIGSEGV
+    ("/extras/detokenize", b'{"tokens": [1000000000]}'),  # std::out_of_range: SIGABRT
+])
+def test_requests_llama_cpp_dies_on_fail_alone(server, client, path, body):
+    """llama-cpp-python's own server dies on these; here each request fails and the server keeps serving."""
+    status, answer = raw_post(server, path, body)
+    assert status >= 400, (status, answer)
+    got = client.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=3, temperature=0, extra_body=EXTRA)
+    assert got.usage.completion_tokens == 3
+
+
 def test_missing_server_extra_is_one_line(tiny_target, tiny_head):
     code = ("import sys; sys.modules['uvicorn'] = None; sys.argv = ['eagle3-gguf', 'serve', '-m', sys.argv[1], "
             "'--draft', sys.argv[2]]; from eagle3_gguf.cli.main import main; main()")
