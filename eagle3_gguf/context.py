@@ -95,7 +95,8 @@ class Context(_Owner):
         self.model = model
         self.ctx_other = ctx_other  # keeps the target alive while the head borrows from it
         threads = n_threads or default_threads()
-        check_threads(threads, "n_threads")
+        if threads != -1:  # ggml's default count, as llama-cpp-python's Llama(n_threads=-1) hands it on
+            check_threads(threads, "n_threads")
         rows = min(n_ctx, n_batch) if n_ctx > 0 else n_batch  # llama.cpp's n_batch, the most outputs a decode has
         if borrowed is None and n_seq_max > rows:  # llama.cpp reserves an output row per sequence: a GGML abort
             raise Eagle3Error(f"a context of {rows} batch rows cannot serve {n_seq_max} sequences (a draft tree's): "

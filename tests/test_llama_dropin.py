@@ -575,3 +575,16 @@ def test_what_llama_cpp_dies_on_is_an_error(tiny_target, tiny_head):
         assert llm.detokenize(llm.tokenize(b"Hello", add_bos=False)) == b"Hello"
         assert text_of(llm.create_completion("Hi", max_tokens=4, grammar=LlamaGrammar.from_string(
             'root ::= "yes" | "no"', verbose=False))) in ("yes", "no")
+
+
+def test_n_threads_minus_one_is_ggmls_default_as_on_plain_llama(tiny_target, tiny_head, monkeypatch, tmp_path):
+    """llama-cpp-python hands n_threads=-1 on to llama.cpp (ggml's default count); the head and the exactness probe's
+    contexts take it too, and the text is plain Llama's."""
+    monkeypatch.setenv("EAGLE3_GGUF_CACHE", str(tmp_path))  # the probe runs here, on contexts of -1 threads
+    kw = {**KW, "n_threads": -1}
+    with closing(llama_cpp.Llama(model_path=str(tiny_target), **kw)) as plain:
+        expected = text_of(plain.create_completion(PROMPTS[0], max_tokens=16, **GREEDY))
+    with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_policy="fixed",
+                             **kw)) as llm:
+        assert text_of(llm.create_completion(PROMPTS[0], max_tokens=16, **GREEDY)) == expected
+        assert llm._e3_spec.session.draft_ctx.n_threads == -1 and llm.spec_stats.n_drafted > 0
