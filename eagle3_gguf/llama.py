@@ -133,6 +133,9 @@ class _Turn:
 
 def _draft_config(draft_config: DraftConfig | None, **knobs) -> DraftConfig:
     """The drafting knobs given as one DraftConfig, or else one by one, checked."""
+    if draft_config is not None and not isinstance(draft_config, DraftConfig):
+        raise Eagle3Error(f"draft_config is a DraftConfig (eagle3_gguf.config), not a {type(draft_config).__name__}: "
+                          "DraftConfig(draft_max=..., ...), or give the knobs as arguments")
     config = draft_config or DraftConfig(**knobs)
     _check_chains(config)
     return config

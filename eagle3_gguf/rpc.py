@@ -97,6 +97,8 @@ def _registry() -> _Ggml:
 def parse_servers(text: str) -> tuple[str, ...]:
     """`host:port,host:port` as llama.cpp's --rpc takes it: IPv4 addresses or host names (its RPC client
     splits at the first ':' and connects over IPv4 only), each with a port."""
+    if not isinstance(text, str):
+        raise Eagle3Error(f"--rpc (rpc_servers) is one string, 'host:port,host:port', not a {type(text).__name__}")
     out = []
     for item in (s.strip() for s in text.split(",")):
         host, sep, port = item.partition(":")

@@ -486,6 +486,13 @@ def test_bad_construction(tiny_target, tiny_head, smollm2_path):
         Eagle3Llama(model_path=str(smollm2_path), draft_model_path=tiny_head, draft_policy="fixed", **KW)
     with pytest.raises(Eagle3Error, match="no such file"):
         Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head.with_name("missing.gguf"), **KW)
+    with pytest.raises(Eagle3Error) as e:
+        Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_config={"draft_max": 2}, **KW)
+    assert str(e.value) == ("draft_config is a DraftConfig (eagle3_gguf.config), not a dict: DraftConfig(draft_max=..., "
+                            "...), or give the knobs as arguments")
+    with pytest.raises(Eagle3Error) as e:
+        Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, rpc_servers=["127.0.0.1:1"], **KW)
+    assert str(e.value) == "--rpc (rpc_servers) is one string, 'host:port,host:port', not a list"
     tree = DraftConfig(draft_topk=2)
     chains = r"^Eagle3Llama drafts chains \(llama-cpp-python opens its context with one sequence"
     with pytest.raises(Eagle3Error, match=chains):
