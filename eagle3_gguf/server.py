@@ -172,7 +172,7 @@ def build_app(config: ServeConfig):
     server_settings = ServerSettings(host=config.host, port=config.port, interrupt_requests=config.interrupt_requests,
                                      api_key=config.api_key)
     app = create_app_with(server_app, Eagle3LlamaProxy, server_settings, model_settings)
-    app.add_middleware(RequestCheck)
+    app.add_middleware(RequestCheck, parallel=config.parallel)
     app.add_middleware(SpeculationReport)
     app.get("/v1/eagle3/stats", dependencies=[Depends(server_app.authenticate)])(speculation_stats)
     if config.api_key is not None:  # outermost: a request without the key reaches nothing else
@@ -446,13 +446,15 @@ def _preflight(scope) -> bool:
 
 
 class RequestCheck:
-    """ASGI middleware: completion requests whose body is not JSON, or does not fit llama-cpp-python's own
-    request model, get a 400 in OpenAI's error shape (llama-cpp-python's route handler answers them 500)."""
+    """ASGI middleware: completion requests whose body is not JSON, does not fit llama-cpp-python's own request model,
+    or asks what its completion code fails on (`refusal`) get a 400 in OpenAI's error shape (llama-cpp-python's route
+    handler answers them 500, or a stream with no error event). `parallel`: serve's slots."""
 
-    def __init__(self, app):
+    def __init__(self, app, parallel: int = 1):
         from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
 
         self.app = app
+        self.parallel = parallel
         self.models = {"/v1/completions": CreateCompletionRequest, "/v1/chat/completions": CreateChatCompletionRequest}
 
     async def __call__(self, scope, receive, send) -> None:
@@ -469,6 +471,8 @@ class RequestCheck:
             more = message.get("more_body", False)
         body = b"".join(chunks)
         error = self.check(model, body)
+        if error is None:
+            error = refusal(json.loads(body), self.parallel)
         if error is not None:
             await self.reject(send, error)
             return
@@ -485,8 +489,6 @@ class RequestCheck:
 
     @staticmethod
     def check(model, body: bytes) -> str | None:
-        import json
-
         from pydantic import ValidationError
 
         try:
@@ -501,13 +503,31 @@ class RequestCheck:
 
     @staticmethod
     async def reject(send, message: str) -> None:
-        import json
-
         payload = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
                                         "code": None}}).encode()
         await send({"type": "http.response.start", "status": 400,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
         await send({"type": "http.response.body", "body": payload})
+
+
+def refusal(request: dict, parallel: int) -> str | None:
+    """What a valid completion request asks that llama-cpp-python's completion code fails on (a 500, or a stream
+    with no error event), said as a 400 would say it; None where nothing is."""
+    prompt = request.get("prompt", "x")
+    if prompt == "" or prompt == []:
+        return "the prompt is empty: give it some text"
+    if isinstance(prompt, list) and any(isinstance(p, str) for p in prompt):
+        return "one prompt a request: give prompt as a string (or a list of token ids)"
+    if any(not isinstance(m.get("content"), str) for m in request.get("messages", ()) if isinstance(m, dict)
+           and m.get("role") in ("system", "user")):
+        return "a system or user message's content is a string here (no content parts)"
+    bias = request.get("logit_bias") or {}
+    bad = next((k for k in bias if not k.lstrip("-").isdigit()), None) if isinstance(bias, dict) else None
+    if bad is not None:
+        return f"logit_bias keys are token ids: {bad!r} is not one"
+    if parallel > 1 and (request.get("logprobs") not in (None, False) or request.get("top_logprobs") is not None):
+        return "logprobs need serve --parallel 1 (parallel slots keep no logits for each row)"
+    return None
 
 
 # ------------------------------------------------------------------------------------------------
