@@ -264,9 +264,21 @@ class Eagle3Llama(Llama):
         if getattr(self, "_stack", None) is not None:  # a constructor that failed early made no stack
             super().close()
 
+    def _require_open(self) -> None:
+        """One error line once this Eagle3Llama (or the Llama it is attached to: they close together) is closed:
+        llama-cpp-python would hand llama.cpp the freed model or context (a segfault)."""
+        if self._e3_session is None or getattr(self._ctx, "ctx", None) is None:
+            raise Eagle3Error("this Eagle3Llama is closed")
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+        """Llama.tokenize (every completion's first step), refused once closed."""
+        self._require_open()
+        return super().tokenize(text, add_bos, special)
+
     def detokenize(self, tokens: list[int], prev_tokens: list[int] | None = None, special: bool = False) -> bytes:
         """Llama.detokenize, a token id outside the vocabulary refused: llama.cpp aborts the process on one (a served
         /extras/detokenize request killed the server)."""
+        self._require_open()
         for ids in (tokens, prev_tokens or ()):
             if ids and not 0 <= min(ids) <= max(ids) < self._n_vocab:
                 bad = next(t for t in ids if not 0 <= t < self._n_vocab)
@@ -324,7 +336,8 @@ class Eagle3Llama(Llama):
         self._e3_runner = runner
 
     def eval(self, tokens: Sequence[int]) -> None:
-        """Llama's own, through the runner set by run_graphs_with."""
+        """Llama's own, through the runner set by run_graphs_with; refused once closed."""
+        self._require_open()
         if self._e3_runner is None:
             return super().eval(tokens)
         return self._e3_runner(super().eval, tokens)
@@ -342,8 +355,7 @@ class Eagle3Llama(Llama):
                         mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, penalize_nl=penalize_nl,
                         logits_processor=logits_processor, grammar=grammar)
         tokens = list(tokens)
-        if self._e3_session is None:
-            raise Eagle3Error("this Eagle3Llama is closed")
+        self._require_open()
         if grammar is not None:
             _check_grammar(self._model.vocab, grammar)
         turn = _Turn(self)
@@ -616,6 +628,8 @@ def attach_eagle3(llm: Llama, head_path: str | Path, *, draft_max: int = _LIBRAR
         raise Eagle3Error(f"attach_eagle3 needs a llama_cpp.Llama, not {type(llm).__name__}")
     if llm in _ATTACHED:
         raise Eagle3Error("this Llama already has an EAGLE-3 head: use the Eagle3Llama attach_eagle3 returned")
+    if getattr(getattr(llm, "_ctx", None), "ctx", None) is None:
+        raise Eagle3Error("this Llama is closed: attach the head to an open one")
     config = _draft_config(draft_config, draft_max=draft_max, draft_p_min=draft_p_min, draft_policy=draft_policy,
                            spec_sampling=spec_sampling, draft_temp_scale=draft_temp_scale, draft_lookup=draft_lookup,
                            draft_lookup_max=draft_lookup_max, exact=exact)

@@ -595,3 +595,26 @@ def test_n_threads_minus_one_is_ggmls_default_as_on_plain_llama(tiny_target, tin
                              **kw)) as llm:
         assert text_of(llm.create_completion(PROMPTS[0], max_tokens=16, **GREEDY)) == expected
         assert llm._e3_spec.session.draft_ctx.n_threads == -1 and llm.spec_stats.n_drafted > 0
+
+
+def test_a_closed_eagle3llama_refuses_every_call(tiny_target, tiny_head):
+    """Plain Llama hands llama.cpp the freed model or context after close() (a segfault); an Eagle3Llama, or one
+    attached to a Llama since closed, refuses in one line, and a closed Llama takes no head."""
+    llm = Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_policy="fixed", **KW)
+    llm.close()
+    calls = [lambda x: x("Hi", max_tokens=4), lambda x: x.create_chat_completion(CHAT, max_tokens=4),
+             lambda x: x.create_completion([1, 2], max_tokens=2), lambda x: x.tokenize(b"Hi"),
+             lambda x: x.eval([1, 2]), lambda x: x.detokenize([1])]
+    for call in calls:
+        with pytest.raises(Eagle3Error, match="^this Eagle3Llama is closed$"):
+            call(llm)
+    plain = llama_cpp.Llama(model_path=str(tiny_target), **KW)
+    attached = attach_eagle3(plain, tiny_head)
+    plain.close()
+    for call in calls:
+        with pytest.raises(Eagle3Error, match="^this Eagle3Llama is closed$"):
+            call(attached)
+    fresh = llama_cpp.Llama(model_path=str(tiny_target), **KW)
+    fresh.close()
+    with pytest.raises(Eagle3Error, match="^this Llama is closed: attach the head to an open one$"):
+        attach_eagle3(fresh, tiny_head)
