@@ -141,6 +141,21 @@ def _draft_config(draft_config: DraftConfig | None, **knobs) -> DraftConfig:
     return config
 
 
+def _check_llama_kwargs(kwargs: dict[str, Any]) -> None:
+    """The context settings llama.cpp crashes on (a segfault or an abort, also under plain Llama), refused first."""
+    for name in ("type_k", "type_v"):
+        value = kwargs.get(name)
+        if value is not None and value not in CACHE_TYPES.values():
+            kinds = ", ".join(f"{v} ({k})" for k, v in CACHE_TYPES.items())
+            raise Eagle3Error(f"{name}={value} is no KV cache type llama.cpp takes (one of: {kinds})")
+    if kwargs.get("n_batch", 1) < 1:
+        raise Eagle3Error(f"n_batch must be at least 1 (got {kwargs['n_batch']})")
+    if kwargs.get("n_ubatch", 0) < 0:  # 0: as n_batch (llama.cpp's reading)
+        raise Eagle3Error(f"n_ubatch must be 0 (as n_batch) or more (got {kwargs['n_ubatch']})")
+    if kwargs.get("n_ctx", 0) < 0:
+        raise Eagle3Error(f"n_ctx must be 0 (the model's training context) or more (got {kwargs['n_ctx']})")
+
+
 def _check_chains(config: DraftConfig) -> None:
     """A draft tree needs sequences of its own in the target's context; llama-cpp-python opens it with one."""
     if config.draft_topk > 1:
@@ -171,6 +186,7 @@ class Eagle3Llama(Llama):
         config = _draft_config(draft_config, draft_max=draft_max, draft_p_min=draft_p_min, draft_policy=draft_policy,
                                spec_sampling=spec_sampling, draft_temp_scale=draft_temp_scale, draft_lookup=draft_lookup,
                                draft_lookup_max=draft_lookup_max, exact=exact)
+        _check_llama_kwargs(kwargs)
         kwargs.setdefault("flash_attn", True)  # see EXACTNESS
         kwargs.setdefault("type_v", CACHE_TYPES[default_type_v(kwargs.get("n_gpu_layers", 0), bool(rpc_servers),
                                                                kwargs.get("offload_kqv", True))])

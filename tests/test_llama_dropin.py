@@ -493,6 +493,14 @@ def test_bad_construction(tiny_target, tiny_head, smollm2_path):
     with pytest.raises(Eagle3Error) as e:
         Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, rpc_servers=["127.0.0.1:1"], **KW)
     assert str(e.value) == "--rpc (rpc_servers) is one string, 'host:port,host:port', not a list"
+    for kw, line in ((dict(type_v=999), "type_v=999 is no KV cache type llama.cpp takes (one of: 0 (f32), 1 (f16), 30 "
+                                         "(bf16), 8 (q8_0), 2 (q4_0), 3 (q4_1), 20 (iq4_nl), 6 (q5_0), 7 (q5_1))"),
+                     (dict(n_batch=-1), "n_batch must be at least 1 (got -1)"),
+                     (dict(n_ubatch=-2), "n_ubatch must be 0 (as n_batch) or more (got -2)"),
+                     (dict(n_ctx=-5), "n_ctx must be 0 (the model's training context) or more (got -5)")):
+        with pytest.raises(Eagle3Error) as e:  # a segfault or an abort under plain Llama
+            Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, **{**KW, **kw})
+        assert str(e.value) == line
     tree = DraftConfig(draft_topk=2)
     chains = r"^Eagle3Llama drafts chains \(llama-cpp-python opens its context with one sequence"
     with pytest.raises(Eagle3Error, match=chains):
