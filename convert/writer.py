@@ -57,9 +57,12 @@ def write_gguf(out: Path, arch: str, kvs: list[KeyValue], tensors: list[PlannedT
     except OSError as e:
         raise Eagle3Error(f"{out}: cannot create a file in {out.parent} ({e.strerror}): choose another -o") from None
     tmp = Path(tmp_name)
+    os.close(fd)
+    try:  # a new file's mode, as open() gives one: mkstemp's 0600 kept it private (some mounts refuse: then as it is)
+        os.chmod(tmp, 0o666 & ~_umask())
+    except OSError:
+        pass
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # a new file's mode, as open() gives one: mkstemp's 0600 kept it private
-        os.close(fd)
         return _write(out, tmp, arch, kvs, tensors, on_tensor)
     except OSError as e:  # a full disk (ENOSPC), a quota, an I/O error: the temp file is already gone
         tmp.unlink(missing_ok=True)
@@ -68,9 +71,14 @@ def write_gguf(out: Path, arch: str, kvs: list[KeyValue], tensors: list[PlannedT
 
 
 def _umask() -> int:
-    mask = os.umask(0o022)  # reading the umask sets it: set it back
-    os.umask(mask)
-    return mask
+    """The process's umask: Linux says it in /proc, elsewhere reading it means setting it (and back)."""
+    try:
+        with open("/proc/self/status") as f:
+            return int(next(line.split()[1] for line in f if line.startswith("Umask:")), 8)
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
 
 
 def _write(out: Path, tmp: Path, arch: str, kvs: list[KeyValue], tensors: list[PlannedTensor],

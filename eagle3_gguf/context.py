@@ -72,7 +72,8 @@ def decode_failure(rc: int) -> str:
     if rc == 1:
         return "llama_decode found no room in the KV cache (rc=1): the context is full: raise -c"
     if rc == -1:
-        return "llama_decode refused the batch (rc=-1): a token id outside the vocabulary, or a position out of order"
+        return ("llama_decode refused the batch (rc=-1): a token id outside the vocabulary, a position out of order "
+                "or a sequence id past the context's")
     if rc == 2:
         return "llama_decode was aborted (rc=2)"
     return f"llama_decode failed (rc={rc}): llama.cpp's log (-v, verbose=True) says why"
@@ -99,9 +100,9 @@ class Context(_Owner):
             check_threads(threads, "n_threads")
         rows = min(n_ctx, n_batch) if n_ctx > 0 else n_batch  # llama.cpp's n_batch, the most outputs a decode has
         if borrowed is None and n_seq_max > rows:  # llama.cpp reserves an output row per sequence: a GGML abort
-            raise Eagle3Error(f"a context of {rows} batch rows cannot serve {n_seq_max} sequences (a draft tree's): "
-                              f"raise -c and the batch to at least {n_seq_max}, or draft a smaller tree "
-                              "(--draft-topk, --draft-nodes)")
+            raise Eagle3Error(f"a context of {rows} batch rows cannot serve {n_seq_max} sequences (llama.cpp reserves "
+                              f"an output row for each): raise -c and the batch to at least {n_seq_max}, or use fewer "
+                              "(a draft tree's: --draft-topk, --draft-nodes)")
         params = C.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = n_batch

@@ -394,6 +394,8 @@ class TargetInfo:
     tokenizer: list[KeyValue] = field(default_factory=list, repr=False, compare=False)  # tokenizer.*, as stored
     tensor_types: frozenset[str] = frozenset()  # ggml type names of its tensors (GGUF files)
     sliding_window: int = 0  # cells its sliding-window layers attend (0: none)
+    key_length: int = 0  # a head's K and V widths where the GGUF gives them (else n_embd / n_head)
+    value_length: int = 0
 
     @property
     def repack_exact(self) -> bool:
@@ -442,7 +444,8 @@ class TargetInfo:
                    token_embd=g.raw.tensor(keys.T_TOKEN_EMBD),
                    tokenizer=[kv for kv in g.raw.kvs if kv.key.startswith(keys.TOKENIZER_PREFIX)],
                    tensor_types=frozenset(t.type for t in g.tensors),
-                   sliding_window=int(g.get(keys.KEY_SLIDING_WINDOW, 0)))
+                   sliding_window=int(g.get(keys.KEY_SLIDING_WINDOW, 0)),
+                   key_length=int(g.get(keys.KEY_KEY_LENGTH, 0)), value_length=int(g.get(keys.KEY_VALUE_LENGTH, 0)))
 
 
 @dataclass

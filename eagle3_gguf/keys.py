@@ -57,6 +57,7 @@ KEY_NORM_OUTPUT = "eagle3gguf.norm_output"  # bool: output_norm(h), not h, is fe
 TOKENIZER_PREFIX = "tokenizer."
 KEY_TOKENIZER_MODEL = "tokenizer.ggml.model"
 KEY_TOKENIZER_TOKENS = "tokenizer.ggml.tokens"
+KEY_ADD_BOS = "tokenizer.ggml.add_bos_token"
 KEY_CHAT_TEMPLATE = "tokenizer.chat_template"
 KEY_TOKENIZER_EOS_ID = "tokenizer.ggml.eos_token_id"
 KEY_TOKENIZER_EOT_ID = "tokenizer.ggml.eot_token_id"

@@ -295,10 +295,10 @@ class Eagle3Llama(Llama):
         """Llama.detokenize, a token id outside the vocabulary refused: llama.cpp aborts the process on one (a served
         /extras/detokenize request killed the server)."""
         self._require_open()
-        for ids in (tokens, prev_tokens or ()):
-            if ids and not 0 <= min(ids) <= max(ids) < self._n_vocab:
-                bad = next(t for t in ids if not 0 <= t < self._n_vocab)
-                raise Eagle3Error(f"token id {bad} is outside the vocabulary (0 to {self._n_vocab - 1})")
+        ids = np.asarray(tokens)  # (prev_tokens only offset the text: llama.cpp never reads them)
+        if ids.size and not 0 <= ids.min() <= ids.max() < self._n_vocab:
+            bad = next(int(t) for t in ids.ravel() if not 0 <= t < self._n_vocab)
+            raise Eagle3Error(f"token id {bad} is outside the vocabulary (0 to {self._n_vocab - 1})")
         return super().detokenize(tokens, prev_tokens, special)
 
     def __getstate__(self):

@@ -73,8 +73,8 @@ def check_kv_memory(target: TargetInfo, n_ctx: int, type_k: int, type_v: int, n_
                     offload_kqv: bool = True) -> None:
     """Refuse a context whose target KV cache alone cannot fit in this machine's free memory, where the cache lives on
     its CPU: llama.cpp zeroes the whole cache as it makes it, and past the free memory the kernel kills the process
-    without a word (-c 2000000000 did, after a minute). A lower bound (the weights and the head's cache left out, the
-    head size taken as hidden / heads), so only for architectures that cache every token in every layer."""
+    without a word (-c 2000000000 did, after a minute). A lower bound (the weights and the head's cache left out, a
+    head's K and V widths as llama.cpp reads them), so only for architectures that cache every token in every layer."""
     on_gpu = n_gpu_layers != 0 and offload_kqv and (remote or rpc.in_use() or bool(rpc.local_devices()))
     n_ctx = n_ctx or target.n_ctx_train
     if on_gpu or target.arch not in keys.FULL_KV_ARCHS or target.sliding_window or n_ctx <= 0:
@@ -85,9 +85,10 @@ def check_kv_memory(target: TargetInfo, n_ctx: int, type_k: int, type_v: int, n_
     sizes = [GGML_QUANT_SIZES.get(GGMLQuantizationType(t)) if t in _GGML_TYPES else None for t in (type_k, type_v)]
     if free is None or not max(heads) or None in sizes:  # an unknown type: llama.cpp's to refuse
         return
-    head_dim = target.n_embd // max(heads)
-    per_elt = sum(size / block for block, size in sizes)  # bytes of a K element and a V element
-    need = n_ctx * sum(kv) * head_dim * per_elt
+    width_k = target.key_length or target.n_embd // max(heads)  # llama.cpp's default for each: hidden / heads
+    width_v = target.value_length or target.n_embd // max(heads)
+    (block_k, size_k), (block_v, size_v) = sizes
+    need = n_ctx * sum(kv) * (width_k * size_k / block_k + width_v * size_v / block_v)
     if need > free:
         raise Eagle3Error(f"a context of {n_ctx} tokens needs {_gib(need)} for {target.path.name}'s KV cache alone, "
                           f"more than the {_gib(free)} this machine has free: lower -c (n_ctx)")

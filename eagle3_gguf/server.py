@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from . import rpc
+from . import keys, rpc
 from .config import COMMAND_LINE, DraftConfig
 from .errors import Eagle3Error
 
@@ -172,7 +172,8 @@ def build_app(config: ServeConfig):
     server_settings = ServerSettings(host=config.host, port=config.port, interrupt_requests=config.interrupt_requests,
                                      api_key=config.api_key)
     app = create_app_with(server_app, Eagle3LlamaProxy, server_settings, model_settings)
-    app.add_middleware(RequestCheck, parallel=config.parallel)
+    no_bos = any(kv.key == keys.KEY_ADD_BOS and kv.value is False for kv in target.tokenizer)
+    app.add_middleware(RequestCheck, parallel=config.parallel, empty_prompt_fails=no_bos)
     app.add_middleware(SpeculationReport)
     app.get("/v1/eagle3/stats", dependencies=[Depends(server_app.authenticate)])(speculation_stats)
     if config.api_key is not None:  # outermost: a request without the key reaches nothing else
@@ -448,13 +449,15 @@ def _preflight(scope) -> bool:
 class RequestCheck:
     """ASGI middleware: completion requests whose body is not JSON, does not fit llama-cpp-python's own request model,
     or asks what its completion code fails on (`refusal`) get a 400 in OpenAI's error shape (llama-cpp-python's route
-    handler answers them 500, or a stream with no error event). `parallel`: serve's slots."""
+    handler answers them 500, or a stream with no error event). `parallel`: serve's slots; `empty_prompt_fails`: the
+    target adds no BOS token, so an empty prompt leaves nothing to decode."""
 
-    def __init__(self, app, parallel: int = 1):
+    def __init__(self, app, parallel: int = 1, empty_prompt_fails: bool = False):
         from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
 
         self.app = app
         self.parallel = parallel
+        self.empty_prompt_fails = empty_prompt_fails
         self.models = {"/v1/completions": CreateCompletionRequest, "/v1/chat/completions": CreateChatCompletionRequest}
 
     async def __call__(self, scope, receive, send) -> None:
@@ -472,7 +475,7 @@ class RequestCheck:
         body = b"".join(chunks)
         error = self.check(model, body)
         if error is None:
-            error = refusal(json.loads(body), self.parallel)
+            error = refusal(json.loads(body), self.parallel, self.empty_prompt_fails)
         if error is not None:
             await self.reject(send, error)
             return
@@ -510,23 +513,28 @@ class RequestCheck:
         await send({"type": "http.response.body", "body": payload})
 
 
-def refusal(request: dict, parallel: int) -> str | None:
-    """What a valid completion request asks that llama-cpp-python's completion code fails on (a 500, or a stream
-    with no error event), said as a 400 would say it; None where nothing is."""
-    prompt = request.get("prompt", "x")
-    if prompt == "" or prompt == []:
-        return "the prompt is empty: give it some text"
-    if isinstance(prompt, list) and any(isinstance(p, str) for p in prompt):
-        return "one prompt a request: give prompt as a string (or a list of token ids)"
-    if any(not isinstance(m.get("content"), str) for m in request.get("messages", ()) if isinstance(m, dict)
-           and m.get("role") in ("system", "user")):
-        return "a system or user message's content is a string here (no content parts)"
-    bias = request.get("logit_bias") or {}
-    bad = next((k for k in bias if not k.lstrip("-").isdigit()), None) if isinstance(bias, dict) else None
-    if bad is not None:
-        return f"logit_bias keys are token ids: {bad!r} is not one"
-    if parallel > 1 and (request.get("logprobs") not in (None, False) or request.get("top_logprobs") is not None):
-        return "logprobs need serve --parallel 1 (parallel slots keep no logits for each row)"
+def refusal(request: dict, parallel: int, empty_prompt_fails: bool = False) -> str | None:
+    """What a valid completion request (a chat one where it has messages) asks that llama-cpp-python's completion code
+    fails on (a 500, or a stream with no error event), said as a 400 would say it; None where nothing is.
+    `empty_prompt_fails`: the target adds no BOS token (with one, an empty prompt is the BOS alone)."""
+    chat = "messages" in request
+    prompt = request.get("prompt", "")  # the request model's default
+    if not chat and isinstance(prompt, list) and len(prompt) > 1:  # (one string in a list: the route takes it)
+        return "one prompt a request: give prompt as a string"
+    if not chat and empty_prompt_fails and prompt in ("", [], [""]):
+        return "the prompt is empty, and this model adds no BOS token to start from: give it some text"
+    bias = request.get("logit_bias")
+    if isinstance(bias, dict) and request.get("logit_bias_type") != "tokens":  # "tokens": its keys are token texts
+        for key in bias:
+            try:
+                int(key)
+            except ValueError:
+                return f"logit_bias keys are token ids: {key!r} is not one (or set logit_bias_type to tokens)"
+    if parallel > 1:  # what llama-cpp-python hands on as logprobs needs every row's logits
+        wants = request.get("logprobs") and request.get("top_logprobs") is not None if chat else \
+            request.get("logprobs") is not None
+        if wants:
+            return "logprobs need serve --parallel 1 (parallel slots keep no logits for each row)"
     return None
 
 

@@ -10,6 +10,7 @@ import pickle
 from contextlib import closing
 
 import llama_cpp
+import numpy as np
 import pytest
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
@@ -588,6 +589,7 @@ def test_what_llama_cpp_dies_on_is_an_error(tiny_target, tiny_head):
                 llm.detokenize(ids)
             assert str(e.value) == f"token id {ids[-1]} is outside the vocabulary (0 to 49151)"
         assert llm.detokenize(llm.tokenize(b"Hello", add_bos=False)) == b"Hello"
+        assert llm.detokenize(np.asarray(llm.tokenize(b"Hello", add_bos=False))) == b"Hello"  # as plain Llama takes
         assert text_of(llm.create_completion("Hi", max_tokens=4, grammar=LlamaGrammar.from_string(
             'root ::= "yes" | "no"', verbose=False))) in ("yes", "no")
 

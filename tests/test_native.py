@@ -120,8 +120,8 @@ def test_a_failed_decode_says_what_its_rc_means(tiny_target):
         b.set([1, 2, -1], 0)
         with pytest.raises(Eagle3Error) as e:
             tc.decode(b)
-        assert str(e.value) == ("llama_decode refused the batch (rc=-1): a token id outside the vocabulary, or a "
-                                "position out of order")
+        assert str(e.value) == ("llama_decode refused the batch (rc=-1): a token id outside the vocabulary, a "
+                                "position out of order or a sequence id past the context's")
         for pos in range(0, 256, 16):
             b.set([1] * 16, pos)
             tc.decode(b)

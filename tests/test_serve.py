@@ -304,26 +304,30 @@ def test_what_llama_cpp_pythons_completions_fail_on_is_400():
     """Valid requests its completion code answers 500 (or with an empty stream) get a 400 that says why."""
     from eagle3_gguf.server import refusal
 
-    cases = [({"prompt": ""}, 1, "the prompt is empty: give it some text"),
-             ({"prompt": []}, 1, "the prompt is empty: give it some text"),
-             ({"prompt": ["a", "b"]}, 1, "one prompt a request: give prompt as a string (or a list of token ids)"),
-             ({"messages": [{"role": "user", "content": None}]}, 1,
-              "a system or user message's content is a string here (no content parts)"),
-             ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, 1,
-              "a system or user message's content is a string here (no content parts)"),
-             ({"prompt": "hi", "logit_bias": {"abc": 1}}, 1, "logit_bias keys are token ids: 'abc' is not one"),
-             ({"prompt": "hi", "logprobs": 3}, 2,
-              "logprobs need serve --parallel 1 (parallel slots keep no logits for each row)")]
+    empty = "the prompt is empty, and this model adds no BOS token to start from: give it some text"
+    logprobs = "logprobs need serve --parallel 1 (parallel slots keep no logits for each row)"
+    cases = [({"prompt": ""}, 1, empty), ({"prompt": []}, 1, empty), ({"max_tokens": 4}, 1, empty),
+             ({"prompt": ["a", "b"]}, 1, "one prompt a request: give prompt as a string"),
+             ({"prompt": "hi", "logit_bias": {"abc": 1}}, 1,
+              "logit_bias keys are token ids: 'abc' is not one (or set logit_bias_type to tokens)"),
+             ({"prompt": "hi", "logit_bias": {"\u00b2": 1}}, 1,
+              "logit_bias keys are token ids: '\u00b2' is not one (or set logit_bias_type to tokens)"),
+             ({"prompt": "hi", "logprobs": 0}, 2, logprobs),
+             ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}, 2, logprobs)]
     for request, parallel, message in cases:
-        assert refusal(request, parallel) == message, request
-    fine = [({"prompt": "hi", "logprobs": 3, "logit_bias": {"15": -100, "-1": 1}}, 1), ({"prompt": [1, 2]}, 2),
-            ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}, 2)]
-    assert [refusal(request, parallel) for request, parallel in fine] == [None] * len(fine)
+        assert refusal(request, parallel, empty_prompt_fails=True) == message, request
+    fine = [({"prompt": "hi", "logprobs": 3, "logit_bias": {"15": -100, "-1": 1}}, 1), ({"prompt": ["hi"]}, 2),
+            ({"prompt": "hi", "logit_bias": {"hello": 5}, "logit_bias_type": "tokens"}, 1),
+            ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                           {"role": "assistant", "content": None}], "logprobs": True}, 2),
+            ({"messages": [{"role": "user", "content": "hi"}], "logprobs": False, "top_logprobs": 0}, 2)]
+    assert [refusal(request, parallel, empty_prompt_fails=True) for request, parallel in fine] == [None] * len(fine)
+    assert refusal({"prompt": ""}, 1) is None  # a model that adds a BOS token decodes from it
 
 
 def test_an_empty_prompt_is_400_and_the_server_keeps_serving(server, client):
     status, answer = raw_post(server, "/v1/completions", b'{"prompt": "", "max_tokens": 4, "stream": true}')
-    assert status == 400 and b"the prompt is empty" in answer, (status, answer)
+    assert status == 400 and b"the prompt is empty, and this model adds no BOS token" in answer, (status, answer)
     got = client.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=3, temperature=0, extra_body=EXTRA)
     assert got.usage.completion_tokens == 3
 

@@ -110,8 +110,9 @@ def test_a_tree_needs_sequences_in_both_contexts(tiny_target, tiny_head):
     # llama.cpp reserves an output row per sequence, at most n_batch (itself at most n_ctx): past it, a GGML abort
     with pytest.raises(Eagle3Error) as e:
         load_pair(tiny_target, tiny_head, PairConfig(n_ctx=16, n_batch=64, n_seq_max=17))
-    assert str(e.value) == ("a context of 16 batch rows cannot serve 17 sequences (a draft tree's): raise -c and the "
-                            "batch to at least 17, or draft a smaller tree (--draft-topk, --draft-nodes)")
+    assert str(e.value) == ("a context of 16 batch rows cannot serve 17 sequences (llama.cpp reserves an output row for "
+                            "each): raise -c and the batch to at least 17, or use fewer (a draft tree's: --draft-topk, "
+                            "--draft-nodes)")
     with load_pair(tiny_target, tiny_head, PairConfig(n_ctx=256, n_batch=16, n_seq_max=16)) as pair:
         assert pair.target.n_seq_max == 16
 
