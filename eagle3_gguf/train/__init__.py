@@ -148,8 +148,6 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
     chat = prompt_chat(cfg, tgt)
     tcfg = cfg.train or TrainConfig()
     pick_device(tcfg.device)  # one that can run here, said before the data is made
-    if cfg.data_source == "sharegpt":
-        sharegpt_json(cfg)  # the package's file, or the one named, found before the run's folder is made
     teacher = None
     if cfg.online:
         if cfg.data_source != "sharegpt":
@@ -157,6 +155,8 @@ def run_training(target: str | Path, out: str | Path, cfg: PipelineConfig, on_ev
         if cfg.max_data_gb is not None:
             raise Eagle3Error("--max-data-gb: --online keeps no data on disk; leave one of them out")
         teacher = TorchTarget.from_gguf(data_target, layers, pick_device(tcfg.device))  # refused before a weight loads
+    if cfg.data_source == "sharegpt":
+        sharegpt_json(cfg)  # the package's file, or the one named, found before the run's folder is made
     try:
         out.mkdir(parents=True, exist_ok=True)  # every check above passed
     except OSError as e:
