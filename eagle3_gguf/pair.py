@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES
 
 from . import keys, rpc
 from .capture import capture_for
 from .context import Context
 from .errors import Eagle3Error
-from .gguf_file import HeadInfo, TargetInfo, read_gguf
+from .gguf_file import HeadInfo, TargetInfo, read_gguf, tensor_bytes
 from .native import Model, cache_type, default_threads, flash_attn_type, free_memory
 from .session import Eagle3Session
 from .speculator import Speculator
@@ -61,12 +61,17 @@ def default_type_v(n_gpu_layers: int, remote: bool = False, offload_kqv: bool = 
     would run on the CPU, layer by layer (ggml-metal-device.m's supports_op). Others are taken to be alike,
     unmeasured. With RPC servers in play bf16 stays: their backends are not known here. So it does where the cache and
     attention stay on the CPU with the layers on a GPU (llama-cpp-python's offload_kqv=False)."""
-    if n_gpu_layers == 0 or remote or rpc.in_use() or not offload_kqv:
-        return "bf16"
-    return "f16" if rpc.local_devices() else "bf16"
+    return "f16" if _kv_cache_on(n_gpu_layers, remote, offload_kqv) == "gpu" else "bf16"
 
 
-_GGML_TYPES = frozenset(int(t) for t in GGMLQuantizationType)
+def _kv_cache_on(n_gpu_layers: int, remote: bool, offload_kqv: bool) -> str:
+    """Where the target's KV cache (and its attention) lives: "cpu", "rpc" (servers', of unknown backends) or "gpu"
+    (this machine's)."""
+    if n_gpu_layers == 0 or not offload_kqv:
+        return "cpu"
+    if remote or rpc.in_use():
+        return "rpc"
+    return "gpu" if rpc.local_devices() else "cpu"
 
 
 def check_kv_memory(target: TargetInfo, n_ctx: int, type_k: int, type_v: int, n_gpu_layers: int, remote: bool = False,
@@ -75,20 +80,19 @@ def check_kv_memory(target: TargetInfo, n_ctx: int, type_k: int, type_v: int, n_
     its CPU: llama.cpp zeroes the whole cache as it makes it, and past the free memory the kernel kills the process
     without a word (-c 2000000000 did, after a minute). A lower bound (the weights and the head's cache left out, a
     head's K and V widths as llama.cpp reads them), so only for architectures that cache every token in every layer."""
-    on_gpu = n_gpu_layers != 0 and offload_kqv and (remote or rpc.in_use() or bool(rpc.local_devices()))
     n_ctx = n_ctx or target.n_ctx_train
-    if on_gpu or target.arch not in keys.FULL_KV_ARCHS or target.sliding_window or n_ctx <= 0:
+    if _kv_cache_on(n_gpu_layers, remote, offload_kqv) != "cpu" or target.arch not in keys.FULL_KV_ARCHS or \
+            target.sliding_window or n_ctx <= 0:
         return
     free = free_memory()
     heads = target.n_head if isinstance(target.n_head, list) else [target.n_head or 0]
     kv = target.n_head_kv if isinstance(target.n_head_kv, list) else [target.n_head_kv or 0] * target.n_layer
-    sizes = [GGML_QUANT_SIZES.get(GGMLQuantizationType(t)) if t in _GGML_TYPES else None for t in (type_k, type_v)]
-    if free is None or not max(heads) or None in sizes:  # an unknown type: llama.cpp's to refuse
-        return
+    if free is None or not max(heads) or type_k not in GGML_QUANT_SIZES or type_v not in GGML_QUANT_SIZES:
+        return  # (an unknown type: llama.cpp's to refuse)
     width_k = target.key_length or target.n_embd // max(heads)  # llama.cpp's default for each: hidden / heads
     width_v = target.value_length or target.n_embd // max(heads)
-    (block_k, size_k), (block_v, size_v) = sizes
-    need = n_ctx * sum(kv) * (width_k * size_k / block_k + width_v * size_v / block_v)
+    cells = n_ctx * sum(kv)  # K and V rows of a head, over every token and layer
+    need = tensor_bytes([cells * width_k], type_k) + tensor_bytes([cells * width_v], type_v)
     if need > free:
         raise Eagle3Error(f"a context of {n_ctx} tokens needs {_gib(need)} for {target.path.name}'s KV cache alone, "
                           f"more than the {_gib(free)} this machine has free: lower -c (n_ctx)")
