@@ -283,7 +283,7 @@ class Eagle3Llama(Llama):
     def _require_open(self) -> None:
         """One error line once this Eagle3Llama (or the Llama it is attached to: they close together) is closed:
         llama-cpp-python would hand llama.cpp the freed model or context (a segfault)."""
-        if self._e3_session is None or getattr(self._ctx, "ctx", None) is None:
+        if self._e3_session is None or _closed(self):
             raise Eagle3Error("this Eagle3Llama is closed")
 
     def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
@@ -523,6 +523,11 @@ class Eagle3Llama(Llama):
         return max(min(n_target, n_head - 1, len(prompt) - 1), 0)
 
 
+def _closed(llm: Llama) -> bool:
+    """Whether llama-cpp-python has freed the Llama's context (close(); its calls would then segfault)."""
+    return getattr(getattr(llm, "_ctx", None), "ctx", None) is None
+
+
 def _check_grammar(vocab, grammar) -> None:
     """llama.cpp's grammar parser on `grammar` first: llama-cpp-python adds the sampler it makes to its chain unchecked,
     and the NULL one a grammar that does not parse gives crashed the process at the first token (a served request
@@ -644,7 +649,7 @@ def attach_eagle3(llm: Llama, head_path: str | Path, *, draft_max: int = _LIBRAR
         raise Eagle3Error(f"attach_eagle3 needs a llama_cpp.Llama, not {type(llm).__name__}")
     if llm in _ATTACHED:
         raise Eagle3Error("this Llama already has an EAGLE-3 head: use the Eagle3Llama attach_eagle3 returned")
-    if getattr(getattr(llm, "_ctx", None), "ctx", None) is None:
+    if _closed(llm):
         raise Eagle3Error("this Llama is closed: attach the head to an open one")
     config = _draft_config(draft_config, draft_max=draft_max, draft_p_min=draft_p_min, draft_policy=draft_policy,
                            spec_sampling=spec_sampling, draft_temp_scale=draft_temp_scale, draft_lookup=draft_lookup,
