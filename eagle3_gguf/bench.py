@@ -35,7 +35,7 @@ from .config import ADAPTIVE_TREE, COMMAND_LINE, LIBRARY, MAX_DRAFT_MAX
 from .decode import GenerateConfig, Runner, Sampler
 from .errors import Eagle3Error
 from .pair import Pair, PairConfig, load_pair
-from .policy import CostCurve, cpu_model
+from .costs import CostCurve, cpu_model
 from .session import Eagle3Session
 from .stats import ExactReport, RunResult, SpecStats
 from .tokens import Message, apply_chat_template, tokenize

@@ -126,7 +126,7 @@ class Context(_Owner):
         if capture is not None:
             params.cb_eval = capture.callback
             params.cb_eval_user_data = capture.user_data
-        # what the cost of a row depends on besides the files and threads (policy.CostKey)
+        # what the cost of a row depends on besides the files and threads (costs.CostKey)
         self.kv_types = (int(params.type_k), int(params.type_v))
         self.flash_attn = int(params.flash_attn_type)
         self._owned = borrowed is None

@@ -45,7 +45,7 @@ from . import keys
 from .batch import Batch
 from .context import Context
 from .native import node_bytes, node_head, node_name, op_name
-from .policy import CostKey
+from .costs import CostKey
 
 CACHE_VERSION = 2  # 2: where a width parts
 SEED = 52  # the probe's token sequence

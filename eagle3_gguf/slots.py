@@ -44,7 +44,7 @@ from .batch import Batch
 from .context import Context
 from .errors import Eagle3Error
 from .llama import Eagle3Llama
-from .policy import DENSE_ROWS
+from .costs import DENSE_ROWS
 from .session import Eagle3Session
 from .speculator import Speculator
 from .stats import SpecStats

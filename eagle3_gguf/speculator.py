@@ -27,8 +27,8 @@ from .config import DraftConfig
 from .context import Context
 from .errors import Eagle3Error
 from .exactness import ExactWidths, load_exact, probe, save_exact
-from .policy import (DENSE_ROWS, AdaptivePolicy, CostCurve, CostKey, DraftPolicy, FixedPolicy, load_costs, measure,
-                     save_costs)
+from .costs import DENSE_ROWS, CostCurve, CostKey, load_costs, measure, save_costs
+from .policy import AdaptivePolicy, DraftPolicy, FixedPolicy
 from .lookup import Lookup, LookupIndex
 from .draft import Draft, NativeJudge
 from .session import Eagle3Session
@@ -266,7 +266,7 @@ class Speculator:
 
     def calibrate(self, k_max: int, dense_rows: int = DENSE_ROWS) -> CostCurve:
         """The cost curve from the cache, or measured now (a fraction of a second) and cached; every verify
-        size up to `dense_rows` rows timed (policy.measure)."""
+        size up to `dense_rows` rows timed (costs.measure)."""
         target, session = self.target, self.session
         session.extract.enable(True)  # verify rows as a cycle decodes them
         session.choose_in_graph(self._head_k)  # draft steps as this speculator's runs take them

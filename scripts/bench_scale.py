@@ -8,7 +8,7 @@
 
 Per shape (scripts/synthetic.py makes the pair into --work unless it is there already):
 - the physics: the target's verify cost for 1..17 rows (every size timed, warm, and what a change of width adds:
-  policy.measure), the head's draft
+  costs.measure), the head's draft
   step and catch-up (Speculator.calibrate), and the exact verify widths (the exactness probe, 1..17 rows);
 - the speed of target-only and each contender (the default adaptive policy as `generate` runs it, fixed K = 2 and
   4, a 4x4x8 tree) at each replayed acceptance profile (scripts/replay.py: the head's real draft steps run, its
@@ -68,7 +68,7 @@ from eagle3_gguf.errors import Eagle3Error  # noqa: E402
 from eagle3_gguf.gguf_file import read_gguf  # noqa: E402
 from eagle3_gguf.native import Model, enable_llama_log, install_log_callback  # noqa: E402
 from eagle3_gguf.pair import Pair, PairConfig, load_pair  # noqa: E402
-from eagle3_gguf.policy import CostCurve  # noqa: E402
+from eagle3_gguf.costs import CostCurve  # noqa: E402
 from eagle3_gguf.speculator import Speculator  # noqa: E402
 from eagle3_gguf.stats import SpecStats  # noqa: E402
 

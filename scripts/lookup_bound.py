@@ -40,7 +40,8 @@ from eagle3_gguf.decode import GenerateConfig  # noqa: E402
 from eagle3_gguf.errors import Eagle3Error  # noqa: E402
 from eagle3_gguf.lookup import LookupIndex  # noqa: E402
 from eagle3_gguf.pair import PairConfig  # noqa: E402
-from eagle3_gguf.policy import AdaptivePolicy, CostCurve, cpu_model  # noqa: E402
+from eagle3_gguf.costs import CostCurve, cpu_model  # noqa: E402
+from eagle3_gguf.policy import AdaptivePolicy  # noqa: E402
 
 DRAFTERS = ("policy", "oracle", "any source")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from eagle3_gguf.policy import CostCurve
+from eagle3_gguf.costs import CostCurve
 from eagle3_gguf.draft import Draft
 from eagle3_gguf.session import Eagle3Session
 

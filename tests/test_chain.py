@@ -11,7 +11,9 @@ from eagle3_gguf.batch import Batch
 from eagle3_gguf.draft import NativeJudge
 from eagle3_gguf.errors import Eagle3Error
 from eagle3_gguf.pair import PairConfig, load_pair
-from eagle3_gguf.policy import N_BINS, AdaptivePolicy, CostCurve, FixedPolicy
+from eagle3_gguf.acceptance import N_BINS
+from eagle3_gguf.costs import CostCurve
+from eagle3_gguf.policy import AdaptivePolicy, FixedPolicy
 from eagle3_gguf.session import Eagle3Session
 from eagle3_gguf.tokens import tokenize
 

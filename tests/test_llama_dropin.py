@@ -396,7 +396,7 @@ def test_one_cost_key_per_setup(tiny_target, tiny_head):
     so one set-up was calibrated twice), and a set-up that costs differently gets another key (a KV cache
     type; weights not repacked for the CPU kernels; n_ubatch)."""
     from eagle3_gguf.pair import PairConfig, load_pair
-    from eagle3_gguf.policy import CostKey
+    from eagle3_gguf.costs import CostKey
 
     setup = dict(n_ctx=512, n_batch=64, n_threads=2)
     with closing(Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_policy="fixed",

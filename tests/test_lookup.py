@@ -11,7 +11,8 @@ import pytest
 from eagle3_gguf.decode import GenerateConfig, Runner
 from eagle3_gguf.lookup import N_MAX, N_MIN, LookupIndex
 from eagle3_gguf.pair import PairConfig, load_pair
-from eagle3_gguf.policy import AdaptivePolicy, CostCurve
+from eagle3_gguf.costs import CostCurve
+from eagle3_gguf.policy import AdaptivePolicy
 from eagle3_gguf.session import Eagle3Session
 from eagle3_gguf.tokens import tokenize
 from oracle import CPU_ROWS, stated_costs

@@ -11,8 +11,8 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from eagle3_gguf.policy import (CHECK_MAX, CHECK_MIN, PROBE_MAX, PROBE_MIN, AdaptivePolicy, CostCurve, CostKey,
-                                FixedPolicy, load_costs, measure, save_costs)
+from eagle3_gguf.costs import CostCurve, CostKey, load_costs, measure, save_costs
+from eagle3_gguf.policy import CHECK_MAX, CHECK_MIN, PROBE_MAX, PROBE_MIN, AdaptivePolicy, FixedPolicy
 
 
 class World:
@@ -230,11 +230,11 @@ def test_a_changed_file_is_a_new_key(key, tmp_path):
 
 def test_another_cpu_model_is_a_new_key(key, tmp_path, monkeypatch):
     """A home directory that moved to another machine with the same CPU features measures again."""
-    import eagle3_gguf.policy as policy
+    import eagle3_gguf.costs as costs
 
-    assert policy.cpu_model() in key.machine
+    assert costs.cpu_model() in key.machine
     save_costs(key, CostCurve([0.01, 0.016], 0.001))
-    monkeypatch.setattr(policy, "cpu_model", lambda: "Another CPU")
+    monkeypatch.setattr(costs, "cpu_model", lambda: "Another CPU")
     other = CostKey.for_files(tmp_path / "t.gguf", tmp_path / "h.gguf", 2, "kv 1/30", 512)
     assert other.machine != key.machine and load_costs(other, 1) is None
 

@@ -21,7 +21,7 @@ import synthetic
 from eagle3_gguf.decode import GenerateConfig, Runner
 from eagle3_gguf.errors import Eagle3Error
 from eagle3_gguf.pair import PairConfig, load_pair
-from eagle3_gguf.policy import CostCurve
+from eagle3_gguf.costs import CostCurve
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM = replay.PROFILES["vllm-8b"]

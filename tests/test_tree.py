@@ -354,7 +354,8 @@ def test_fixed_trees_give_target_only_text(pair, k, topk, nodes):
 def test_the_adaptive_policy_adds_a_branch_where_its_row_pays():
     """Where rows are nearly free (a GPU) the likely runner-ups join the tree, up to the node cap; where they
     are dear (2 CPU cores) none does; a runner-up the target never takes stops being verified."""
-    from eagle3_gguf.policy import AdaptivePolicy, CostCurve
+    from eagle3_gguf.costs import CostCurve
+    from eagle3_gguf.policy import AdaptivePolicy
 
     def policy(curve):
         return AdaptivePolicy(CostCurve([0.01 * c for c in curve], 0.002, 0.002, "given"), 3, topk=2, nodes=5)
