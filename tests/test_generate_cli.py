@@ -100,6 +100,17 @@ def test_bad_flags_one_line_exit_2(tiny_target, tiny_head, flags, expected):
     one_line_error(invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), *flags), expected)
 
 
+def test_llama_cpps_head_and_draft_flags(tiny_target, tiny_head, tmp_path, monkeypatch):
+    """llama.cpp's -md / --model-draft name the head as --draft does; llama.cpp's --draft N (its --draft-max N) gets
+    one line saying so, on every command that takes a head."""
+    r = invoke("generate", "-m", str(tiny_target), "--model-draft", str(tiny_head), "-p", "hello", "-n", "2")
+    assert r.exit_code == 0, r.output
+    monkeypatch.chdir(tmp_path)  # no file named 8 here
+    hint = "--draft 8: no such file; --draft is the EAGLE-3 head's GGUF here (llama.cpp's --draft N is --draft-max 8)"
+    for command in ("generate", "bench", "serve"):
+        one_line_error(invoke(command, "-m", str(tiny_target), "--draft", "8"), hint)
+
+
 def test_a_prompt_file_that_is_no_text_is_one_line(tiny_target, tiny_head, tmp_path):
     binary = tmp_path / "prompt.txt"
     binary.write_bytes(b"\xff\xfeh\x00i\x00")  # UTF-16

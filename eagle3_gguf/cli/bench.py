@@ -15,9 +15,10 @@ import typer
 
 from ..benchmarks import WORKLOADS
 from ..errors import Eagle3Error
-from .common import (EXIT_INTERRUPTED, cache_type_k_option, cache_type_v_option, check_context_flags, ctx_option,
-                     draft_option, fail, gpu_layers_option, head_option, model_option, pair_config_from_flags,
-                     rpc_backend_option, rpc_option, setup_logging, tensor_split_option, threads_option)
+from .common import (EXIT_INTERRUPTED, cache_type_k_option, cache_type_v_option, check_context_flags, check_head_flag,
+                     ctx_option, draft_option, fail, gpu_layers_option, head_option, model_option,
+                     pair_config_from_flags, rpc_backend_option, rpc_option, setup_logging, tensor_split_option,
+                     threads_option)
 
 WORKLOADS_HELP = ("Comma-separated, of: chat (MT-bench's first turns), code (HumanEval: complete a function), edit "
                   "(a HumanEval function to edit and return whole: text that repeats the prompt), extract (copy one "
@@ -68,6 +69,7 @@ def register(app: typer.Typer) -> None:
             from .. import bench as lib
 
             _check_flags(n_predict, limit, repeat, time_limit, n_ctx, threads, plot, exact)
+            check_head_flag(draft)
             named = _names(contenders, ",".join(lib.DEFAULT_CONTENDERS))
             if not named:
                 raise Eagle3Error("--contenders names none: name one or more (e.g. default,k2), or leave it out for "

