@@ -87,7 +87,9 @@ def main() -> None:
     _build(build_dir(), [], TOOLS, [out / t for t in TOOLS])
     _build(build_dir(RPC_SERVER_FLAGS, "rpc-server"), RPC_SERVER_FLAGS, [RPC_SERVER], [rpc_server_bin()])
     _build(build_dir(RPC_MODULE_FLAGS, "rpc-module"), RPC_MODULE_FLAGS, ["ggml-rpc"], [rpc_module()])
-    print(out)
+    print(f"upstream's tools: {out}")
+    print(f"RPC server (run one on each host): {rpc_server_bin()}")
+    print(f"RPC client module (--rpc-backend): {rpc_module()}")
 
 
 if __name__ == "__main__":
