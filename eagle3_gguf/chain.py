@@ -20,7 +20,7 @@ from .batch import Batch
 from .cbuild import library
 from .context import Context, decode_failure, llama_get_embeddings_nextn_ith
 from .draft import Draft, NativeJudge
-from .errors import Eagle3Error
+from .errors import DecodeError, Eagle3Error
 from .native import require_ext
 
 _SOURCE = Path(__file__).with_name("chain.c")
@@ -179,7 +179,7 @@ class Chain:
         if rc != 0:
             if steps and judge.changed is not None:
                 judge.changed()
-            raise Eagle3Error(_failure(rc, k, n_alt, n_max))
+            raise (Eagle3Error if rc <= -100000 else DecodeError)(_failure(rc, k, n_alt, n_max))
         draft = Draft(self._tokens[:keep].tolist(), self._confs[:steps].tolist())
         if n_alt:
             a = n_alt

@@ -19,7 +19,7 @@ from llama_cpp import llama_cpp as C
 from .choice import GraphChoice
 from .choice import available as choice_available
 from .config import check_threads
-from .errors import Eagle3Error
+from .errors import DecodeError, Eagle3Error
 from .native import Model, _address_twin, _bind, _Owner, _type_name, default_threads, require_ext
 
 if TYPE_CHECKING:
@@ -218,7 +218,7 @@ class Context(_Owner):
     def decode(self, batch: "Batch") -> None:
         rc = self._run(C.llama_decode, batch.struct)
         if rc != 0:
-            raise Eagle3Error(decode_failure(rc))
+            raise DecodeError(decode_failure(rc))
 
     def process(self, kind: int, batch: "BatchExt") -> None:
         rc = self._run(C.llama_process, kind, batch._live())

@@ -12,5 +12,9 @@ class Eagle3Error(Exception):
     """A user-facing error: one line, actionable."""
 
 
+class DecodeError(Eagle3Error, RuntimeError):
+    """llama_decode failed: a RuntimeError too, as llama-cpp-python raises for it, so code that catches that still does."""
+
+
 class NativeError(Eagle3Error):
     """libllama lacks something this package needs (wrong llama-cpp-python build)."""

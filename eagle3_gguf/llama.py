@@ -83,6 +83,7 @@ INEXACT_WARNING = ("no verify batch of 2 or more rows is computed bit for bit as
                    "differently from plain Llama; exact='strict' keeps its output")
 
 
+VOCAB_ONLY = "vocab_only=True loads no weights for the head to draft from: tokenize with a plain llama_cpp.Llama"
 BUSY = ("this Eagle3Llama is generating in another thread: use one Eagle3Llama per thread, or a lock around "
         "its calls (llama_cpp.Llama is not thread-safe either)")
 SUPERSEDED = ("this generation was superseded by a newer call on the same Eagle3Llama (from another thread, or "
@@ -154,6 +155,8 @@ def _check_llama_kwargs(kwargs: dict[str, Any]) -> None:
         raise Eagle3Error(f"n_ubatch must be 0 (as n_batch) or more (got {kwargs['n_ubatch']})")
     if kwargs.get("n_ctx", 0) < 0:
         raise Eagle3Error(f"n_ctx must be 0 (the model's training context) or more (got {kwargs['n_ctx']})")
+    if kwargs.get("vocab_only"):  # llama.cpp aborts building the head's graph over a target with no weights
+        raise Eagle3Error(VOCAB_ONLY)
 
 
 def _check_chains(config: DraftConfig) -> None:
@@ -651,6 +654,8 @@ def attach_eagle3(llm: Llama, head_path: str | Path, *, draft_max: int = _LIBRAR
         raise Eagle3Error("this Llama already has an EAGLE-3 head: use the Eagle3Llama attach_eagle3 returned")
     if _closed(llm):
         raise Eagle3Error("this Llama is closed: attach the head to an open one")
+    if llm.model_params.vocab_only:
+        raise Eagle3Error(VOCAB_ONLY)
     config = _draft_config(draft_config, draft_max=draft_max, draft_p_min=draft_p_min, draft_policy=draft_policy,
                            spec_sampling=spec_sampling, draft_temp_scale=draft_temp_scale, draft_lookup=draft_lookup,
                            draft_lookup_max=draft_lookup_max, exact=exact)

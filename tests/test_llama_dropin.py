@@ -594,6 +594,34 @@ def test_what_llama_cpp_dies_on_is_an_error(tiny_target, tiny_head):
             'root ::= "yes" | "no"', verbose=False))) in ("yes", "no")
 
 
+def test_a_failed_decode_is_the_runtime_error_plain_llama_raises(plain, ours):
+    """llama_decode's failures raise RuntimeError from plain Llama; ours too (an Eagle3Error as well), so code that
+    catches them goes on catching them. Here a token-list prompt with an id outside the vocabulary (rc -1)."""
+    from eagle3_gguf.context import decode_failure
+
+    for llm in (plain, ours):
+        with pytest.raises(RuntimeError) as e:
+            llm.create_completion([1, 10**6], max_tokens=4, **GREEDY)
+        if llm is ours:
+            assert isinstance(e.value, Eagle3Error) and str(e.value) == decode_failure(-1)
+    assert text_of(ours.create_completion("Hi", max_tokens=8, **GREEDY)) == \
+        text_of(plain.create_completion("Hi", max_tokens=8, **GREEDY))  # both go on
+
+
+def test_a_vocab_only_target_is_refused(tiny_target, tiny_head):
+    """vocab_only=True loads no weights: llama.cpp aborts building the head's graph over it (GGML_ASSERT), so
+    Eagle3Llama and attach_eagle3 refuse it in one line; plain Llama tokenizes with it as before."""
+    from eagle3_gguf.llama import VOCAB_ONLY, attach_eagle3
+
+    with pytest.raises(Eagle3Error) as e:
+        Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, vocab_only=True, **KW)
+    assert str(e.value) == VOCAB_ONLY
+    with closing(llama_cpp.Llama(model_path=str(tiny_target), vocab_only=True, verbose=False)) as vocab:
+        with pytest.raises(Eagle3Error) as e:
+            attach_eagle3(vocab, tiny_head)
+        assert str(e.value) == VOCAB_ONLY and vocab.tokenize(b"Hello")
+
+
 def test_n_threads_minus_one_is_ggmls_default_as_on_plain_llama(tiny_target, tiny_head, monkeypatch, tmp_path):
     """llama-cpp-python hands n_threads=-1 on to llama.cpp (ggml's default count); the head and the exactness probe's
     contexts take it too, and the text is plain Llama's."""
