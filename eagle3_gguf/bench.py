@@ -55,7 +55,7 @@ class Contender:
     # a head session of its own, made on the loaded pair (scripts/replay.py's replayed acceptance); None: the
     # bench's session
     session: Callable[[Pair], Eagle3Session] | None = None
-    head_choice: bool = False  # the head's graph chooses its drafts' tokens (Speculator.head_choice)
+    head_choice: str = "auto"  # whether the head's graph chooses its drafts' tokens: Speculator.head_choice
     graph_picks: bool = True  # False: greedy runs read the target's logits where its graph would pick (Runner)
 
     @property

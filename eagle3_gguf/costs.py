@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-CACHE_VERSION = 3  # 3: the switch's capture apart; 2: warm verify costs and the switch; 1: sizes timed among others
+CACHE_VERSION = 4  # 4: how drafts read the head; 3: the switch's capture apart; 2: warm verify costs and the switch; 1: sizes timed among others
 EMA = 0.05  # weight of one new timing in the online cost refinement (scale, draft step, draft fixed cost)
 SEEN_EMA = 0.1  # weight of one verify in its row count's running mean (a plain mean over the first ten)
 SEEN_CAP = 16.0  # a row count's own timings outweigh the calibration at most SEEN_CAP : SEEN_PRIOR
@@ -63,6 +63,9 @@ class CostCurve:
     # at 8B's head 0.52 ms a step against 0.43 calibrated, enough to draft 3 where 2 paid more)
     step_s: float = 0.0
     step_n: float = 0.0  # drafts whose later steps were timed (capped)
+    # how the draft steps were timed reading the head: the tokens its graph chose a step (choice.py), 0 where numpy
+    # read its logits; where a run may do either, calibration times both and keeps the cheaper (Speculator)
+    head_k: int = 0
 
     def __post_init__(self) -> None:
         if len(self.seen_s) != len(self.verify_s):
@@ -130,7 +133,8 @@ class CostCurve:
         ok = lambda x: isinstance(x, float) and math.isfinite(x) and 0.0 <= x < 10.0  # noqa: E731
         return (len(self.verify_s) >= k_max + 1 and all(ok(t) and t > 0 for t in self.verify_s)
                 and ok(self.draft_step_s) and self.draft_step_s > 0 and ok(self.draft_fixed_s) and ok(self.switch_s)
-                and ok(self.capture_s) and self.capture_s <= self.switch_s)
+                and ok(self.capture_s) and self.capture_s <= self.switch_s
+                and isinstance(self.head_k, int) and self.head_k >= 0)
 
 
 @dataclass(frozen=True)
@@ -192,13 +196,13 @@ def load_costs(key: CostKey, k_max: int) -> CostCurve | None:
             return None
         curve = CostCurve([float(t) for t in data["verify_s"]], float(data["draft_step_s"]),
                           float(data["draft_fixed_s"]), "cache", switch_s=float(data["switch_s"]),
-                          capture_s=float(data["capture_s"]))
+                          capture_s=float(data["capture_s"]), head_k=data["head_k"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if not curve.valid(k_max):
         return None
     return CostCurve(curve.verify_s[:k_max + 1], curve.draft_step_s, curve.draft_fixed_s, "cache",
-                     switch_s=curve.switch_s, capture_s=curve.capture_s)
+                     switch_s=curve.switch_s, capture_s=curve.capture_s, head_k=curve.head_k)
 
 
 def save_costs(key: CostKey, curve: CostCurve) -> None:
@@ -209,7 +213,8 @@ def save_costs(key: CostKey, curve: CostCurve) -> None:
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"version": CACHE_VERSION, "key": asdict(key), "verify_s": curve.verify_s,
                                    "draft_step_s": curve.draft_step_s, "draft_fixed_s": curve.draft_fixed_s,
-                                   "switch_s": curve.switch_s, "capture_s": curve.capture_s}))
+                                   "switch_s": curve.switch_s, "capture_s": curve.capture_s,
+                                   "head_k": curve.head_k}))
         os.replace(tmp, path)
     except OSError:
         pass

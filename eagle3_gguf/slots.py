@@ -335,6 +335,7 @@ class SlotSpeculator(Speculator):
         self.joint = joint
         self.seq = seq
         self.trees = False  # the joint target's sequences are the slots
+        self.head_choice = "off"  # its costs are the Eagle3Llama's, calibrated once (a slot cannot time its own)
         self.costs = copy.deepcopy(base.costs)  # each slot's policy refines its own
         self.exact = base.exact  # the verify widths the Eagle3Llama's probe found exact (a slot's rows are its own)
         self.t_target = 0.0  # seconds of the shared decodes this slot's rows were in

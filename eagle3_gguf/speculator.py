@@ -37,6 +37,16 @@ from .stats import ExactReport, SpecStats, StageClock
 from .tokens import eog_check
 from .tree import DraftTree, TreeWalk, walk
 
+HEAD_STEPS = 4  # the draft auto's timings compare the head's two readings on (generate's --draft-max)
+
+
+@dataclass(frozen=True)
+class HeadAsk:
+    """What a speculator's runs ask of the head's graph (Speculator._choose_head)."""
+
+    k: int  # the tokens it may choose a draft step (0: numpy reads the head's logits)
+    auto: bool  # whether it chooses only where that drafted faster as the cost curve was measured
+
 
 @dataclass(slots=True)
 class Cycle:
@@ -103,11 +113,13 @@ class Speculator:
         self.costs: CostCurve | None = None
         self._adaptive: AdaptivePolicy | None = None
         self.index = LookupIndex()  # prompt + generated tokens of the last run, for lookup drafts
-        # the head's graph chooses its drafts' tokens where a run allows (choice.py, Eagle3Session.choose_in_graph):
-        # off until a lent GPU has timed it against numpy over the logits (scripts/bench_scale.py's contender)
-        self.head_choice = False
-        self._head_k = 0  # what the head's graph chooses a step in this speculator's runs (_choose_head)
-        self._costs_head_k = 0  # ... and in the runs `costs` was calibrated for (its draft steps timed so)
+        # whether the head's graph chooses its drafts' tokens where a run allows (choice.py, Eagle3Session.
+        # choose_in_graph) or numpy reads its logits: "auto", whichever drafted faster when the cost curve was
+        # measured; "on" / "off" (a benchmark's contenders, to time the two apart)
+        self.head_choice = "auto"
+        self._head_ask = HeadAsk(0, False)  # what this speculator's runs ask of the head's graph (_choose_head)
+        self._head_k = 0  # ... and what it chooses a step in them: the ask, resolved
+        self._costs_ask = HeadAsk(0, False)  # the ask `costs` was calibrated for (its draft steps timed so)
         self._costs_graph_picks = False  # whether the target's graph chose the verify rows' tokens as `costs` was timed
         # a draft tree's kept branch nodes, decoded again at the head of the next cycle's batch (tree.py), and
         # the position of the first: the target's cache holds the positions before it
@@ -180,7 +192,7 @@ class Speculator:
             return True
         k = self._drafts_max(config, self._exact_limit(config))
         costs = self.costs
-        timed_otherwise = self._costs_head_k != self._head_k or self._costs_graph_picks != self.target.greedy_sampling
+        timed_otherwise = self._costs_ask != self._head_ask or self._costs_graph_picks != self.target.greedy_sampling
         return config.draft_policy == "adaptive" and k > 0 and (
             costs is None or costs.k_max < k or (timed_otherwise and costs.source != "given"))  # a given curve stays
 
@@ -267,15 +279,15 @@ class Speculator:
     def calibrate(self, k_max: int, dense_rows: int = DENSE_ROWS) -> CostCurve:
         """The cost curve from the cache, or measured now (a fraction of a second) and cached; every verify
         size up to `dense_rows` rows timed (costs.measure)."""
-        target, session = self.target, self.session
+        target, session, ask = self.target, self.session, self._head_ask
         session.extract.enable(True)  # verify rows as a cycle decodes them
-        session.choose_in_graph(self._head_k)  # draft steps as this speculator's runs take them
-        self._costs_head_k, self._costs_graph_picks = self._head_k, target.greedy_sampling
+        self._costs_ask, self._costs_graph_picks = ask, target.greedy_sampling
         key = CostKey.for_contexts(target, session.draft_ctx, self.batch.capacity,
                                    reads=("graph" if target.greedy_sampling else "logits")
-                                   + (f", head graph {session.chooses_in_graph}" if session.chooses_in_graph else ""))
+                                   + (f", head graph {ask.k}" if ask.k else "") + (" or logits" if ask.auto else ""))
         cached = load_costs(key, k_max)
-        if cached is not None:
+        if cached is not None and cached.head_k in (0, ask.k):
+            self._use_head(cached.head_k)
             return cached
         tok = 0  # any token: the cost of a row does not depend on which
         feats = np.zeros((2, session.extract.width), np.float32)  # [2, 3 * n_embd_tgt]
@@ -309,12 +321,32 @@ class Speculator:
 
         target.clear()
         try:
+            self._use_head(self._cheaper_head(ask.k, run_draft) if ask.auto else ask.k)
             curve = measure(run_verify, run_draft, k_max, dense_rows=dense_rows)
         finally:
             target.clear()
             session.reset()
+        curve.head_k = self._head_k
         save_costs(key, curve)
         return curve
+
+    def _cheaper_head(self, k: int, run_draft: Callable[[int], float], reps: int = 4) -> int:
+        """k where the head's graph choosing k tokens a step drafts faster than numpy reading its logits, else 0
+        (where the graph cannot choose, 0): a draft of HEAD_STEPS timed each way, in two blocks of `reps` each way,
+        each after an untimed one (a change of output rebuilds the head's graph), the least of each."""
+        times: dict[int, list[float]] = {0: [], k: []}
+        for _ in range(2):
+            for mode in (0, k):
+                if self.session.choose_in_graph(mode) != (mode > 0):
+                    return 0
+                run_draft(HEAD_STEPS)
+                times[mode] += [run_draft(HEAD_STEPS) for _ in range(reps)]
+        return k if min(times[k]) < min(times[0]) else 0
+
+    def _use_head(self, k: int) -> None:
+        """Draft with the head's graph choosing k tokens a step (0: reading its logits) from now on."""
+        self.session.choose_in_graph(k)
+        self._head_k = self.session.chooses_in_graph
 
     # -- the run -----------------------------------------------------------------------------------------
     def run(self, prompt: list[int], hooks: RunHooks, config: DraftConfig | None,
@@ -339,14 +371,19 @@ class Speculator:
 
     def _choose_head(self, config: DraftConfig, rejection: RejectionSampler | None) -> None:
         """Set the tokens the head's graph chooses a draft step in this run (0: numpy reads its logits), on the
-        session now (a head context may serve several speculators: a benchmark's contenders): with head_choice on,
+        session now (a head context may serve several speculators: a benchmark's contenders). The graph may choose
         for greedy chains of sequence 0 (rejection sampling draws from the logits; a fixed tree's depths run on
-        several sequences), the argmax and the adaptive policy's runner-ups (draft_topk - 1)."""
+        several sequences): the argmax and the adaptive policy's runner-ups (draft_topk - 1). Where head_choice is
+        auto, as the cost curve was measured for this ask (the cheaper), else by the logits until it is."""
         k = 0
-        if self.head_choice and config.draft_max and rejection is None and self.seq == 0:
+        if self.head_choice != "off" and config.draft_max and rejection is None and self.seq == 0:
             k = config.draft_topk if config.draft_policy == "adaptive" else int(config.draft_topk == 1)
-        self._head_k = k
-        self.session.choose_in_graph(k)
+        ask = HeadAsk(k, self.head_choice == "auto" and k > 0)
+        self._head_ask = ask
+        if ask.auto:
+            calibrated = self.costs is not None and self._costs_ask == ask and self.costs.source != "given"
+            k = self.costs.head_k if calibrated else 0
+        self._use_head(k)
 
     def rewind(self, keep: int, speculative: bool) -> int:
         """Keep the first `keep` positions in the target's cache (and the head's, speculative), or clear

@@ -81,7 +81,9 @@ GOAL_PROFILE, GOAL_CONTENDER = "vllm-8b", "adaptive (default)"
 # the default on the physics' curve, frozen: its choices turn on acceptance alone (no timing learnt), so beside the
 # default it tells what the loop's timings made of the policy from what the replayed acceptance did
 FROZEN = f"{GOAL_CONTENDER}, curve frozen"
-IN_GRAPH = ", head's choice in its graph"  # Speculator.head_choice: to time it against numpy over the logits on a GPU
+# Speculator.head_choice "on" and "off", beside the default's "auto" (the cheaper at calibration): the head's tokens
+# chosen in its graph against numpy reading its logits
+IN_GRAPH, HEAD_LOGITS = ", head's choice in its graph", ", head's logits read"
 LLAMA_LINES = ("graph: nodes", "layers to GPU", "model buffer size", "compute buffer size", "sched copies",
                "cannot be used with preferred buffer type")
 LOGITS_READ = "target-only, logits read"
@@ -93,18 +95,20 @@ HEAD_TYPES = ("q8_0", "f16", "q4_0")  # --head-types' default: convert's --outty
 
 def contenders(n_predict: int, exact: str) -> list[Contender]:
     """The default adaptive policy as `generate` runs it (trees capped at 4 / 8), the same on the physics' curve frozen
-    (FROZEN), with the head's tokens chosen in its graph (IN_GRAPH: no logits read back, no numpy over them), and
-    reading the target's logits where its graph would pick (LOGITS_TWIN: decode.greedy_in_graph), and free to draft 8
-    (DEEPER: where verify rows cost little, generate's cap of 4 may bind), fixed chains of 2 (also IN_GRAPH) and 4
-    (p_min 0), and EAGLE-2's dynamic tree 4 deep, top-4, 8 tokens."""
+    (FROZEN), with the head's tokens chosen in its graph (IN_GRAPH: no logits read back, no numpy over them) and read
+    from its logits (HEAD_LOGITS: the default takes the cheaper at calibration), reading the target's logits where
+    its graph would pick (LOGITS_TWIN: decode.greedy_in_graph), and free to draft 8 (DEEPER: where verify rows cost
+    little, generate's cap of 4 may bind), fixed chains of 2 (also IN_GRAPH) and 4 (p_min 0), and EAGLE-2's dynamic
+    tree 4 deep, top-4, 8 tokens."""
     g = lambda **kw: GenerateConfig(n_predict=n_predict, exact=exact, **kw)  # noqa: E731
     return [Contender(GOAL_CONTENDER, g(draft_topk=4, draft_nodes=8)),
             Contender(FROZEN, g(draft_topk=4, draft_nodes=8)),
             Contender(f"{GOAL_CONTENDER}{LOGITS_TWIN}", g(draft_topk=4, draft_nodes=8), graph_picks=False),
             Contender(f"{GOAL_CONTENDER}{DEEPER}", g(draft_max=8, draft_topk=4, draft_nodes=8)),
-            Contender(f"{GOAL_CONTENDER}{IN_GRAPH}", g(draft_topk=4, draft_nodes=8), head_choice=True),
+            Contender(f"{GOAL_CONTENDER}{IN_GRAPH}", g(draft_topk=4, draft_nodes=8), head_choice="on"),
+            Contender(f"{GOAL_CONTENDER}{HEAD_LOGITS}", g(draft_topk=4, draft_nodes=8), head_choice="off"),
             Contender("fixed K=2", g(draft_policy="fixed", draft_max=2)),
-            Contender(f"fixed K=2{IN_GRAPH}", g(draft_policy="fixed", draft_max=2), head_choice=True),
+            Contender(f"fixed K=2{IN_GRAPH}", g(draft_policy="fixed", draft_max=2), head_choice="on"),
             Contender("fixed K=4", g(draft_policy="fixed", draft_max=4)),
             Contender("tree 4x4x8", g(draft_policy="fixed", draft_max=4, draft_topk=4, draft_nodes=8))]
 

@@ -434,7 +434,7 @@ def test_a_prompts_pairs_go_ahead_of_the_seed_in_a_decode_without_outputs(tiny_p
         assert s.draft_ctx.logits_ith(2) is not None  # two pairs (the third row's waits for its token) and the seed
 
 
-@pytest.mark.parametrize("head_choice", [False, True])
+@pytest.mark.parametrize("head_choice", ["off", "on"])
 def test_a_head_with_a_small_batch_drafts_after_a_long_prompt(tiny_target, tiny_head, head_choice):
     """n_batch 16 (under OUTPUT_ROWS): a prompt's queued pairs still go to the head in batches that fit, and the
     text is target-only's."""
@@ -446,7 +446,45 @@ def test_a_head_with_a_small_batch_drafts_after_a_long_prompt(tiny_target, tiny_
         base = d.generate(prompt, cfg, speculative=False)
         d.spec.head_choice = head_choice
         spec = d.generate(prompt, cfg)
-        assert spec.tokens == base.tokens and spec.stats.n_drafted > 0 and s.chooses_in_graph == int(head_choice)
+        assert spec.tokens == base.tokens and spec.stats.n_drafted > 0
+        assert s.chooses_in_graph == int(head_choice == "on")
+
+
+@pytest.mark.parametrize("graph_s, logits_s", [(1e-3, 2e-3), (2e-3, 1e-3)])
+def test_auto_keeps_the_cheaper_way_to_read_the_head(tiny_target, tiny_head, graph_s, logits_s):
+    """Speculator.head_choice auto compares drafts with the head's graph choosing k tokens a step against numpy
+    reading its logits, each way in turn, and keeps the faster (a stand-in for the draft's clock)."""
+    with load_pair(tiny_target, tiny_head, PairConfig(n_ctx=512)) as pair, \
+            Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
+        ways = []
+
+        def run_draft(steps: int) -> float:
+            ways.append(s.chooses_in_graph)
+            return graph_s if s.chooses_in_graph else logits_s
+
+        chosen = d.spec._cheaper_head(4, run_draft)
+        assert chosen == (4 if graph_s < logits_s else 0) and sorted(set(ways)) == [0, 4]
+
+
+@pytest.mark.parametrize("cheaper", [0, 1])
+def test_auto_drafts_as_the_cost_curve_was_timed(tiny_target, tiny_head, tmp_path, monkeypatch, cheaper):
+    """The default (head_choice auto): the calibration's choice of how to read the head is the cost curve's, its
+    cache brings it back to a new run, the statistics say it, and the text is target-only's either way."""
+    from eagle3_gguf.speculator import Speculator
+
+    monkeypatch.setenv("EAGLE3_GGUF_CACHE", str(tmp_path))
+    monkeypatch.setattr(Speculator, "_cheaper_head", lambda self, k, run_draft: cheaper * k)
+    cfg = GenerateConfig(n_predict=24, draft_max=4)  # adaptive, chains: the graph would choose 1 token a step
+    for source in ("measured", "cache"):
+        with load_pair(tiny_target, tiny_head, PairConfig(n_ctx=512)) as pair, \
+                Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
+            prompt = tokenize(pair.target_model, PROMPTS[0])
+            base = d.generate(prompt, cfg, speculative=False)
+            spec = d.generate(prompt, cfg)
+            assert spec.tokens == base.tokens and spec.stats.policy.cost_source == source
+            assert d.spec.costs.head_k == spec.stats.policy.head_k == s.chooses_in_graph == cheaper
+            assert ("the head's tokens chosen in its graph" if cheaper else "the head's logits read") in \
+                spec.stats.table()
 
 
 @pytest.mark.slow
@@ -470,12 +508,12 @@ def test_drafts_chosen_in_the_heads_graph_keep_target_onlys_text(smollm2_path, p
         if policy == "adaptive":
             d.spec.costs = stated_costs(GPU_ROWS, 0.02, 0.05)
         logits = d.generate(prompt, cfg)
-        d.spec.head_choice = True
+        d.spec.head_choice = "on"
         graph = d.generate(prompt, cfg)
         assert s.chooses_in_graph == cfg.draft_topk
         assert graph.tokens == logits.tokens == base.tokens and graph.stats.n_accepted >= 8, graph.stats.n_accepted
         if policy == "fixed":
             assert graph.stats.accepted_by_pos == logits.stats.accepted_by_pos
-        d.spec.head_choice = False
+        d.spec.head_choice = "off"
         d.generate(prompt, cfg)
         assert s.chooses_in_graph == 0
