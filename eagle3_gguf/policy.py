@@ -63,7 +63,7 @@ class PolicyStats:
     switch_cost: float = 0.0  # what the first two verifies of a new row count cost on top, likewise
     capture_cost: float = 0.0  # the second one's share of it, likewise
     cost_source: str = ""
-    head_k: int = 0  # the tokens the head's graph chose a draft step as the costs were timed (0: its logits read)
+    head_k: int = 0  # the tokens the head's graph chose a draft step in the run (0: its logits read)
 
     @property
     def predicted_tok_s(self) -> float:
@@ -557,7 +557,6 @@ class AdaptivePolicy:
         st.draft_fixed_cost = self.costs.draft_fixed_s / self.costs.now_s[0]
         st.switch_cost = self.costs.switch_s / self.costs.now_s[0]
         st.capture_cost = self.costs.capture_s / self.costs.now_s[0]
-        st.head_k = self.costs.head_k
         return st
 
 

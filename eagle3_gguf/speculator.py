@@ -192,7 +192,11 @@ class Speculator:
             return True
         k = self._drafts_max(config, self._exact_limit(config))
         costs = self.costs
-        timed_otherwise = self._costs_ask != self._head_ask or self._costs_graph_picks != self.target.greedy_sampling
+        # a run whose head may choose in its graph needs a curve timed for that ask (auto: its comparison made); one
+        # that reads the logits (sampled, a fixed tree) takes the curve as it is, its step price refined online, so
+        # that greedy and sampled requests in turn do not time it again at each change
+        head = self._head_ask.k > 0 and self._costs_ask != self._head_ask
+        timed_otherwise = head or self._costs_graph_picks != self.target.greedy_sampling
         return config.draft_policy == "adaptive" and k > 0 and (
             costs is None or costs.k_max < k or (timed_otherwise and costs.source != "given"))  # a given curve stays
 
@@ -281,13 +285,13 @@ class Speculator:
         size up to `dense_rows` rows timed (costs.measure)."""
         target, session, ask = self.target, self.session, self._head_ask
         session.extract.enable(True)  # verify rows as a cycle decodes them
-        self._costs_ask, self._costs_graph_picks = ask, target.greedy_sampling
         key = CostKey.for_contexts(target, session.draft_ctx, self.batch.capacity,
                                    reads=("graph" if target.greedy_sampling else "logits")
                                    + (f", head graph {ask.k}" if ask.k else "") + (" or logits" if ask.auto else ""))
         cached = load_costs(key, k_max)
         if cached is not None and cached.head_k in (0, ask.k):
             self._use_head(cached.head_k)
+            self._costs_ask, self._costs_graph_picks = ask, target.greedy_sampling
             return cached
         tok = 0  # any token: the cost of a row does not depend on which
         feats = np.zeros((2, session.extract.width), np.float32)  # [2, 3 * n_embd_tgt]
@@ -327,6 +331,7 @@ class Speculator:
             target.clear()
             session.reset()
         curve.head_k = self._head_k
+        self._costs_ask, self._costs_graph_picks = ask, target.greedy_sampling  # only once it is timed
         save_costs(key, curve)
         return curve
 
@@ -622,3 +627,4 @@ class Run:
             clock.finished()
             if policy is not None:
                 st.policy = policy.finish_stats()
+                st.policy.head_k = spec.session.chooses_in_graph  # how this run's drafts read the head

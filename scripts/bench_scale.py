@@ -259,11 +259,15 @@ def measure_physics(runner: Runner, exact: str, heads: list[HeadBeside]) -> Phys
     """The probe, and the curve for 1..ROWS rows, every size timed (calibrate interpolates past 8 by default), read
     as greedy runs read them (the target's graph picks on a GPU), on target-only's runner (the bench's session)."""
     spec = runner.spec
-    found = runner.prepare(GenerateConfig(draft_policy="fixed", draft_max=ROWS - 1, draft_lookup=False,
-                                          exact="auto" if exact == "off" else exact))
-    t = time.perf_counter()
-    curve = spec.calibrate(ROWS - 1, dense_rows=ROWS)
-    calibrate_s = time.perf_counter() - t
+    choice, spec.head_choice = spec.head_choice, "off"  # its draft step reads the head's logits (Parts times both)
+    try:
+        found = runner.prepare(GenerateConfig(draft_policy="fixed", draft_max=ROWS - 1, draft_lookup=False,
+                                              exact="auto" if exact == "off" else exact))
+        t = time.perf_counter()
+        curve = spec.calibrate(ROWS - 1, dense_rows=ROWS)
+        calibrate_s = time.perf_counter() - t
+    finally:
+        spec.head_choice = choice
     return Physics([1e3 * s for s in curve.verify_s], 1e3 * curve.draft_step_s, 1e3 * curve.draft_fixed_s,
                    1e3 * curve.switch_s, found.exact, found.probed, found.seconds, calibrate_s, time_parts(spec, heads),
                    1e3 * curve.capture_s, found.parts_at)

@@ -487,6 +487,38 @@ def test_auto_drafts_as_the_cost_curve_was_timed(tiny_target, tiny_head, tmp_pat
                 spec.stats.table()
 
 
+def test_greedy_and_sampled_runs_in_turn_time_the_curve_once(tiny_target, tiny_head, tmp_path, monkeypatch):
+    """A greedy run times the curve (auto: the head's two readings compared). Sampled runs, which read the head's
+    logits, take it as it is, and greedy runs after them keep it: requests of both kinds in turn time nothing
+    again. A calibration that fails leaves the speculator as it was."""
+    from eagle3_gguf import speculator
+
+    monkeypatch.setenv("EAGLE3_GGUF_CACHE", str(tmp_path))
+    chain, tree = GenerateConfig(n_predict=8, draft_max=4), GenerateConfig(n_predict=8, draft_max=4, draft_topk=4,
+                                                                         draft_nodes=8)
+    hot = Sampler(0.8, seed=1)
+    with load_pair(tiny_target, tiny_head, PairConfig(n_ctx=512, n_seq_max=tree.tree_sequences)) as pair, \
+            Eagle3Session(pair.target, pair.head) as s, Runner(pair.target, s) as d:
+        prompt = tokenize(pair.target_model, PROMPTS[1])
+        d.generate(prompt, chain)
+        curve = d.spec.costs
+        for sampler in (hot, None, hot, None):
+            d.generate(prompt, chain, sampler)
+            assert d.spec.costs is curve and not d.spec.needs_calibration(chain)
+        ask = d.spec._costs_ask
+
+        def fails(*args, **kw):
+            raise Eagle3Error("timing failed")
+
+        with monkeypatch.context() as m:
+            m.setattr(speculator, "measure", fails)
+            with pytest.raises(Eagle3Error, match="timing failed"):
+                d.generate(prompt, tree)  # trees ask for 4 tokens a step: timed anew, and it fails
+        assert d.spec.costs is curve and d.spec._costs_ask == ask
+        base = d.generate(prompt, tree, speculative=False)
+        assert d.generate(prompt, tree).tokens == base.tokens
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
 def test_drafts_chosen_in_the_heads_graph_keep_target_onlys_text(smollm2_path, policy):
