@@ -179,7 +179,7 @@ class Chain:
         if rc != 0:
             if steps and judge.changed is not None:
                 judge.changed()
-            raise (Eagle3Error if rc <= -100000 else DecodeError)(_failure(rc, k, n_alt, n_max))
+            raise _failure(rc, k, n_alt, n_max)
         draft = Draft(self._tokens[:keep].tolist(), self._confs[:steps].tolist())
         if n_alt:
             a = n_alt
@@ -191,13 +191,15 @@ class Chain:
         return draft, run.t_steps
 
 
-def _failure(rc: int, k: int, n_alt: int, n_max: int) -> str:
+def _failure(rc: int, k: int, n_alt: int, n_max: int) -> Eagle3Error:
+    """What eagle3_chain_draft's nonzero rc means: its own codes, else llama_decode's."""
     if rc <= -400000:
-        return f"draft step {-400000 - rc}'s confidence is not a probability (NaN or out of [0, 1])"
+        return Eagle3Error(f"draft step {-400000 - rc}'s confidence is not a probability (NaN or out of [0, 1])")
     if rc <= -300000:
-        return f"no pre-norm hidden state for batch row {-300000 - rc}"
+        return Eagle3Error(f"no pre-norm hidden state for batch row {-300000 - rc}")
     if rc <= -200000:
-        return f"chain.c refused a draft of up to {n_max} steps, {k} tokens chosen a step, {n_alt} runner-ups"
+        return Eagle3Error(f"chain.c refused a draft of up to {n_max} steps, {k} tokens chosen a step, {n_alt} "
+                           "runner-ups")
     if rc <= -100000:
-        return f"no tokens chosen in the graph for batch row {-100000 - rc}"
-    return decode_failure(rc)
+        return Eagle3Error(f"no tokens chosen in the graph for batch row {-100000 - rc}")
+    return DecodeError(decode_failure(rc))

@@ -155,8 +155,6 @@ def _check_llama_kwargs(kwargs: dict[str, Any]) -> None:
         raise Eagle3Error(f"n_ubatch must be 0 (as n_batch) or more (got {kwargs['n_ubatch']})")
     if kwargs.get("n_ctx", 0) < 0:
         raise Eagle3Error(f"n_ctx must be 0 (the model's training context) or more (got {kwargs['n_ctx']})")
-    if kwargs.get("vocab_only"):  # llama.cpp aborts building the head's graph over a target with no weights
-        raise Eagle3Error(VOCAB_ONLY)
 
 
 def _check_chains(config: DraftConfig) -> None:
@@ -231,6 +229,8 @@ class Eagle3Llama(Llama):
             raise Eagle3Error("this Llama already has a draft_model (prompt lookup); create it without one")
         if self.context_params.embeddings:
             raise Eagle3Error("an EAGLE-3 head needs a generation context: create the Llama with embedding=False")
+        if self.model_params.vocab_only:  # llama.cpp aborts building the head's graph over a target with no weights
+            raise Eagle3Error(VOCAB_ONLY)
         if self._is_recurrent or self._is_hybrid:
             raise Eagle3Error(f"{Path(self.model_path).name}: recurrent/hybrid targets cannot roll back rejected drafts")
         cp = self.context_params
@@ -654,8 +654,6 @@ def attach_eagle3(llm: Llama, head_path: str | Path, *, draft_max: int = _LIBRAR
         raise Eagle3Error("this Llama already has an EAGLE-3 head: use the Eagle3Llama attach_eagle3 returned")
     if _closed(llm):
         raise Eagle3Error("this Llama is closed: attach the head to an open one")
-    if llm.model_params.vocab_only:
-        raise Eagle3Error(VOCAB_ONLY)
     config = _draft_config(draft_config, draft_max=draft_max, draft_p_min=draft_p_min, draft_policy=draft_policy,
                            spec_sampling=spec_sampling, draft_temp_scale=draft_temp_scale, draft_lookup=draft_lookup,
                            draft_lookup_max=draft_lookup_max, exact=exact)
