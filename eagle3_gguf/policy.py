@@ -66,6 +66,14 @@ class PolicyStats:
     head_k: int = 0  # the tokens the head's graph chose a draft step in the run (0: its logits read)
 
     @property
+    def head_reads(self) -> str:
+        """How the run's drafts read the head, in words."""
+        if not self.head_k:
+            return "the head's logits read"
+        return "the head's tokens chosen in its graph" + (f", {self.head_k - 1} runner-ups a step" if self.head_k > 1
+                                                          else "")
+
+    @property
     def predicted_tok_s(self) -> float:
         return self.predicted_tokens / self.predicted_s if self.predicted_s > 0 else 0.0
 

@@ -118,7 +118,6 @@ class Speculator:
         # measured; "on" / "off" (a benchmark's contenders, to time the two apart)
         self.head_choice = "auto"
         self._head_ask = HeadAsk(0, False)  # what this speculator's runs ask of the head's graph (_choose_head)
-        self._head_k = 0  # ... and what it chooses a step in them: the ask, resolved
         self._costs_ask = HeadAsk(0, False)  # the ask `costs` was calibrated for (its draft steps timed so)
         self._costs_graph_picks = False  # whether the target's graph chose the verify rows' tokens as `costs` was timed
         # a draft tree's kept branch nodes, decoded again at the head of the next cycle's batch (tree.py), and
@@ -290,7 +289,7 @@ class Speculator:
                                    + (f", head graph {ask.k}" if ask.k else "") + (" or logits" if ask.auto else ""))
         cached = load_costs(key, k_max)
         if cached is not None and cached.head_k in (0, ask.k):
-            self._use_head(cached.head_k)
+            session.choose_in_graph(cached.head_k)
             self._costs_ask, self._costs_graph_picks = ask, target.greedy_sampling
             return cached
         tok = 0  # any token: the cost of a row does not depend on which
@@ -325,12 +324,12 @@ class Speculator:
 
         target.clear()
         try:
-            self._use_head(self._cheaper_head(ask.k, run_draft) if ask.auto else ask.k)
+            session.choose_in_graph(self._cheaper_head(ask.k, run_draft) if ask.auto else ask.k)
             curve = measure(run_verify, run_draft, k_max, dense_rows=dense_rows)
         finally:
             target.clear()
             session.reset()
-        curve.head_k = self._head_k
+        curve.head_k = session.chooses_in_graph
         self._costs_ask, self._costs_graph_picks = ask, target.greedy_sampling  # only once it is timed
         save_costs(key, curve)
         return curve
@@ -347,11 +346,6 @@ class Speculator:
                 run_draft(HEAD_STEPS)
                 times[mode] += [run_draft(HEAD_STEPS) for _ in range(reps)]
         return k if min(times[k]) < min(times[0]) else 0
-
-    def _use_head(self, k: int) -> None:
-        """Draft with the head's graph choosing k tokens a step (0: reading its logits) from now on."""
-        self.session.choose_in_graph(k)
-        self._head_k = self.session.chooses_in_graph
 
     # -- the run -----------------------------------------------------------------------------------------
     def run(self, prompt: list[int], hooks: RunHooks, config: DraftConfig | None,
@@ -388,7 +382,7 @@ class Speculator:
         if ask.auto:
             calibrated = self.costs is not None and self._costs_ask == ask and self.costs.source != "given"
             k = self.costs.head_k if calibrated else 0
-        self._use_head(k)
+        self.session.choose_in_graph(k)
 
     def rewind(self, keep: int, speculative: bool) -> int:
         """Keep the first `keep` positions in the target's cache (and the head's, speculative), or clear

@@ -178,10 +178,7 @@ class SpecStats:
                  + f" x one row, +{p.switch_cost:.2f} where the row count changes"
                  + (f" ({p.capture_cost:.2f} of it on its second verify)" if p.capture_cost else "")
                  + f"; draft {p.draft_fixed_cost:.2f} + "
-                 f"{p.draft_step_cost:.2f}/step ({p.cost_source}; "
-                 + ("the head's tokens chosen in its graph" + (f", {p.head_k - 1} runner-ups a step" if p.head_k > 1
-                                                               else "") if p.head_k else "the head's logits read")
-                 + ")"),
+                 f"{p.draft_step_cost:.2f}/step ({p.cost_source}; {p.head_reads})"),
                 ("predicted / realised", f"{p.predicted_tok_s:.1f} / {self.tokens_per_second:.1f} tok/s"),
             ]
         return rows
