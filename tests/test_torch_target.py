@@ -48,13 +48,18 @@ def _both(target: Path, records: TokenRecords, layers: list[int], tmp_path: Path
     return disk, online
 
 
+def _cosines(disk, batch) -> np.ndarray:
+    """The cosine between each pair of feature rows.  # [n_rows]"""
+    a, b = disk.feats.astype(np.float32), batch.feats
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
 def _agreement(disk, batch) -> tuple[float, float, float, float]:
     """The smallest cosine between the two sets of feature rows; the share of rows whose greedy next token is
     the same; where it is not, how far (in nats, by the torch target's top-k) llama.cpp's choice lies below the
     torch target's: the largest such gap (a near-tie when small; 99 outside the top-k); where it is, the largest
     difference of its log-probability."""
-    a, b = disk.feats.astype(np.float32), batch.feats
-    cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+    cos = _cosines(disk, batch)
     choice = disk.topk_ids[:, 0]
     same = batch.topk_ids[:, 0] == choice
     gaps = [float(batch.topk_logp[i, 0] - batch.topk_logp[i, list(batch.topk_ids[i]).index(choice[i])])
@@ -113,8 +118,12 @@ def test_torch_target_scales_rope_as_llama_3s_factors(tmp_path, smollm2_path):
 def test_torch_target_gives_llama_cpps_rows_on_smollm2(tmp_path, smollm2_path):
     """SmolLM2 Q4_1, as the shipped head reads it (layers 2, 15, 27), on real text (the openings of two of this
     package's modules, frozen in tests/texts: the bounds below hold for this text, and an edit of the modules moved
-    a near-tie past them): cos > 0.998 on every row, the same greedy next token on >= 90% of rows (Python source: the
-    target is often torn), and where not a near-tie (llama.cpp's choice within 0.5 nats of the torch target's best)."""
+    a near-tie past them): cos > 0.9995 on the median row and > 0.995 on every row, the same greedy next token on
+    >= 90% of rows (Python source: the target is often torn), and where not a near-tie (llama.cpp's choice within
+    1 nat of the torch target's best). ggml-cpu's kernels differ by instruction set: on a 2-core AVX2 EPYC the least
+    row (layer 27 of the fifth token) read 0.99784 and the widest near-tie 0.494 nats, where the AVX-512 hosts before
+    had kept above 0.998 and under 0.5; a wrong forward parts far more (the tiny target's RoPE factors left out: a
+    least row of 0.82, 58% of tokens the same)."""
     from eagle3_gguf.native import Model
     from eagle3_gguf.tokens import tokenize
 
@@ -127,7 +136,8 @@ def test_torch_target_gives_llama_cpps_rows_on_smollm2(tmp_path, smollm2_path):
     disk, online = _both(smollm2_path, records, [2, 15, 27], tmp_path, topk=8)
     batch, _ = online.select([0, 1])
     cos, same, gap, logp = _agreement(disk, batch)
-    assert cos > 0.998 and same >= 0.9 and gap < 0.5 and logp < 0.5, (cos, same, gap, logp)
+    median = float(np.median(_cosines(disk, batch)))
+    assert median > 0.9995 and cos > 0.995 and same >= 0.9 and gap < 1.0 and logp < 0.5, (median, cos, same, gap, logp)
 
 
 def test_torch_target_computes_an_untied_output(tmp_path):
