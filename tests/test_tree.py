@@ -198,7 +198,9 @@ class SecondChoice(Eagle3Session):
     truth: list[int] = []
 
     def _next_true(self, depth: int) -> int:
-        return self.truth[self.pending_pos + self.shift + 1 + depth]  # id_last sits at pending_pos + shift + 1
+        i = self.pending_pos + self.shift + 1 + depth  # id_last sits at pending_pos + shift + 1
+        # past the end-of-generation token (where the target ends its text within n_predict) no draft is kept
+        return self.truth[i] if i < len(self.truth) else 0
 
     def draft(self, id_last, n_max, judge=None, p_min=0.0, sampler=None, n_alt=0, native=None) -> Draft:
         real = super().draft(id_last, n_max, judge, p_min, sampler, n_alt, native)
