@@ -62,3 +62,22 @@ def test_cli_shows_llama_cpp_log_only_with_v(tiny_target, tiny_head):
     loud = subprocess.run([*cmd, "-v"], capture_output=True, text=True, timeout=120)
     assert quiet.returncode == loud.returncode == 0, quiet.stderr + loud.stderr
     assert "llama_model_loader" not in quiet.stderr and "llama_model_loader" in loud.stderr
+
+
+def test_the_cli_says_what_a_first_run_measures_and_a_cached_one_does_not(tiny_target, tiny_head, tmp_path):
+    """Where the cache holds no answer for the set-up, the exactness probe and the cost curve take seconds (a minute
+    or more at 8B on a CPU) before any text: stderr says so first; a run that finds both cached says nothing of it."""
+    import os
+
+    cmd = [sys.executable, "-m", "eagle3_gguf.cli.main", "generate", "-m", str(tiny_target), "--draft", str(tiny_head),
+           "-p", "Hello", "-n", "2", "-c", "256"]
+    env = {**os.environ, "EAGLE3_GGUF_CACHE": str(tmp_path)}
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert first.returncode == again.returncode == 0, first.stderr + again.stderr
+    said = [line for line in first.stderr.splitlines() if line.startswith("measuring ")]
+    assert said == ["measuring which verify batch widths compute exactly as lone rows here (once for this set-up, "
+                    "then cached)",
+                    "measuring what verify rows and draft steps cost here (once for this set-up, then cached)"]
+    assert first.stderr.index(said[-1]) < first.stderr.index("ran on")  # before the run, not after
+    assert "measuring" not in again.stderr

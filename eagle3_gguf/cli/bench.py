@@ -132,7 +132,6 @@ def _run(model, draft, pair_config, contenders, prompts, n_predict, repeat, dead
     with Bench(model or smollm2_path(), draft or default_head_path(), pair_config, contenders) as bench:
         bench.tokenize(prompts)
         progress = Progress(len(prompts) * bench.runs_per_prompt(repeat), bench.runs_per_prompt(repeat))
-        progress.note("probing exact verify widths and calibrating costs (cached per set-up)")
         setup = bench.prepare(n_predict)
         try:
             for run in bench.measure(prompts, repeat, n_predict, deadline):
@@ -169,9 +168,6 @@ class Progress:
         self.t0 = time.monotonic()
         self.tty = sys.stderr.isatty()
         self.speeds: dict[str, float] = {}  # this prompt's fastest run per contender, tok/s
-
-    def note(self, text: str) -> None:
-        typer.echo(f"bench: {text}", err=True)
 
     def update(self, run) -> None:
         self.n += 1

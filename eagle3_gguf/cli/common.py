@@ -18,7 +18,8 @@ from ..errors import Eagle3Error
 
 
 def setup_logging(verbose: bool) -> None:
-    """Quiet by default; -v shows our debug lines and llama.cpp's own log.
+    """Quiet by default but for what is measured at load where nothing is cached; -v shows our debug lines and
+    llama.cpp's own log.
 
     Only the CLI routes llama.cpp's process-wide log callback through Python logging: importing
     eagle3_gguf leaves llama-cpp-python's callback in place."""
@@ -26,6 +27,8 @@ def setup_logging(verbose: bool) -> None:
 
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(message)s",
                         stream=sys.stderr)
+    # what a first run measures, and so why it waits
+    logging.getLogger("eagle3_gguf.speculator").setLevel(logging.DEBUG if verbose else logging.INFO)
     install_log_callback()
     enable_llama_log(verbose)
 
