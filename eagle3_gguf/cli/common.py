@@ -17,6 +17,23 @@ import typer
 from ..errors import Eagle3Error
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler writing to sys.stderr as it is when a line comes, not as it was when logging was set up: a caller
+    that runs several commands in one process (typer's CliRunner swaps sys.stderr for each) gets each line where
+    its command's other output goes."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _stream) -> None:
+        pass
+
+
 def setup_logging(verbose: bool) -> None:
     """Quiet by default but for what is measured at load where nothing is cached; -v shows our debug lines and
     llama.cpp's own log.
@@ -26,7 +43,8 @@ def setup_logging(verbose: bool) -> None:
     from ..native import enable_llama_log, install_log_callback
 
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(message)s",
-                        stream=sys.stderr)
+                        handlers=[_Stderr()])
+    logging.getLogger().setLevel(logging.DEBUG if verbose else logging.WARNING)  # where logging was set up before
     # what a first run measures, and so why it waits
     logging.getLogger("eagle3_gguf.speculator").setLevel(logging.DEBUG if verbose else logging.INFO)
     install_log_callback()
