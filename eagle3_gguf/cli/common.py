@@ -42,9 +42,8 @@ def setup_logging(verbose: bool) -> None:
     eagle3_gguf leaves llama-cpp-python's callback in place."""
     from ..native import enable_llama_log, install_log_callback
 
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(message)s",
-                        handlers=[_Stderr()])
-    logging.getLogger().setLevel(logging.DEBUG if verbose else logging.WARNING)  # where logging was set up before
+    logging.basicConfig(format="%(message)s", handlers=[_Stderr()])  # (where no handler is set up yet)
+    logging.getLogger().setLevel(logging.DEBUG if verbose else logging.WARNING)
     # what a first run measures, and so why it waits
     logging.getLogger("eagle3_gguf.speculator").setLevel(logging.DEBUG if verbose else logging.INFO)
     install_log_callback()
