@@ -235,8 +235,7 @@ class Speculator:
         key = CostKey.for_contexts(self.target, session.draft_ctx, self.batch.capacity)
         found = load_exact(key, rows)
         if found is None:
-            log.info("measuring which verify batch widths compute exactly as lone rows here (once for this set-up, "
-                     "then cached)")
+            log.info("measuring which verify batch widths compute exactly as lone rows here (cached for later runs)")
             session.reset()
             found = probe(self.target, session.extract.enable, rows, self.batch)
             save_exact(key, found)
@@ -298,7 +297,7 @@ class Speculator:
             session.choose_in_graph(cached.head_k)
             self._costs_ask, self._costs_graph_picks = ask, target.greedy_sampling
             return cached
-        log.info("measuring what verify rows and draft steps cost here (once for this set-up, then cached)")
+        log.info("measuring what verify rows and draft steps cost here (cached for later runs)")
         tok = 0  # any token: the cost of a row does not depend on which
         feats = np.zeros((2, session.extract.width), np.float32)  # [2, 3 * n_embd_tgt]
 

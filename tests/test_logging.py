@@ -76,8 +76,7 @@ def test_the_cli_says_what_a_first_run_measures_and_a_cached_one_does_not(tiny_t
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert first.returncode == again.returncode == 0, first.stderr + again.stderr
     said = [line for line in first.stderr.splitlines() if line.startswith("measuring ")]
-    assert said == ["measuring which verify batch widths compute exactly as lone rows here (once for this set-up, "
-                    "then cached)",
-                    "measuring what verify rows and draft steps cost here (once for this set-up, then cached)"]
+    assert said == ["measuring which verify batch widths compute exactly as lone rows here (cached for later runs)",
+                    "measuring what verify rows and draft steps cost here (cached for later runs)"]
     assert first.stderr.index(said[-1]) < first.stderr.index("ran on")  # before the run, not after
     assert "measuring" not in again.stderr
