@@ -41,6 +41,8 @@ from .tree import DraftTree, TreeWalk, walk
 # what is measured at load where the cache has no answer (seconds at 135M on 2 cores, a minute or more at 8B): the CLI
 # shows these INFO lines, so that a first run's wait says what it is
 log = logging.getLogger(__name__)
+MEASURING_EXACT = "measuring which verify batch widths compute exactly as lone rows here (cached for later runs)"
+MEASURING_COSTS = "measuring what verify rows and draft steps cost here (cached for later runs)"
 HEAD_STEPS = 4  # the draft auto's timings compare the head's two readings on (generate's --draft-max)
 
 
@@ -235,7 +237,7 @@ class Speculator:
         key = CostKey.for_contexts(self.target, session.draft_ctx, self.batch.capacity)
         found = load_exact(key, rows)
         if found is None:
-            log.info("measuring which verify batch widths compute exactly as lone rows here (cached for later runs)")
+            log.info(MEASURING_EXACT)
             session.reset()
             found = probe(self.target, session.extract.enable, rows, self.batch)
             save_exact(key, found)
@@ -297,7 +299,7 @@ class Speculator:
             session.choose_in_graph(cached.head_k)
             self._costs_ask, self._costs_graph_picks = ask, target.greedy_sampling
             return cached
-        log.info("measuring what verify rows and draft steps cost here (cached for later runs)")
+        log.info(MEASURING_COSTS)
         tok = 0  # any token: the cost of a row does not depend on which
         feats = np.zeros((2, session.extract.width), np.float32)  # [2, 3 * n_embd_tgt]
 

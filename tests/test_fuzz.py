@@ -28,6 +28,7 @@ from checkpoints import write_checkpoint
 from eagle3_gguf import keys
 from eagle3_gguf.cli.main import app
 from eagle3_gguf.gguf_file import KeyValue, read_gguf_metadata
+from eagle3_gguf.speculator import MEASURING_COSTS, MEASURING_EXACT
 from model_factory import HeadSpec, rewrite_gguf, write_random_head
 
 SEED = 18
@@ -139,9 +140,6 @@ def gguf_mutants(raw: bytes, n: int, rng: random.Random) -> list[tuple[str, byte
 # Checks
 # ------------------------------------------------------------------------------------------------
 
-MEASURING = ("measuring which verify batch widths compute exactly", "measuring what verify rows and draft steps cost")
-
-
 def check_result(case: str, exit_code: int, stderr: str, output: str, leftovers: list[Path]) -> str:
     """'ok' or 'error' for a well-behaved outcome; an AssertionError naming the case otherwise."""
     assert "Traceback" not in output + stderr, f"{case}: traceback\n{output}{stderr}"
@@ -149,7 +147,7 @@ def check_result(case: str, exit_code: int, stderr: str, output: str, leftovers:
         return "ok"
     assert exit_code == 2, f"{case}: exit {exit_code}\n{output}{stderr}"
     # what a first run measures is said before it (a head that fails there: the error follows the note)
-    lines = [line for line in stderr.strip().splitlines() if not line.startswith(MEASURING)]
+    lines = [line for line in stderr.strip().splitlines() if line not in (MEASURING_EXACT, MEASURING_COSTS)]
     assert len(lines) == 1 and lines[0].startswith("error: "), f"{case}: not one error line: {stderr!r}"
     assert not leftovers, f"{case}: left {leftovers}"
     return "error"
