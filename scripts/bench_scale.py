@@ -684,7 +684,7 @@ def bench_shape(made: synthetic.Made, args, results: list[ShapeResult], deadline
             results.append(res)
             emulation = None
             if args.emulate:
-                emulation = emulate.parse(args.emulate)
+                emulation = emulate.parse(args.emulate, args.emulate_slowdown)
                 emulation.attach(pair.target, pair.head)
                 res.emulated = emulation.source
             heads = heads_beside(pair, made, config)
@@ -885,6 +885,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--emulate", metavar="RESULTS.json:SHAPE:TYPE", help="pad the pair's llama.cpp calls to the "
                     "prices a GPU measured for that shape (emulate.py), e.g. bench/scale-gpu/results.json:llama-8b:"
                     "q4_k_m: a CPU weighs the contenders at a GPU's costs")
+    ap.add_argument("--emulate-slowdown", type=float, default=1.0, metavar="S", help="--emulate's prices times S: a "
+                    "CPU slower than the GPU host's (its tiny head's graph outlasts the GPU's: the table's overruns) "
+                    "emulates it in slow motion (default 1)")
     ap.add_argument("-v", "--verbose", action="store_true", help="let llama.cpp's log through (stderr)")
     args = ap.parse_args(argv)
     if args.tiny:
@@ -921,7 +924,9 @@ def check_args(args) -> str | None:
         for p in args.profiles.split(","):
             replay.parse_profile(p)
         if args.emulate:
-            emulate.parse(args.emulate)
+            emulate.parse(args.emulate, args.emulate_slowdown)
+        elif args.emulate_slowdown != 1.0:
+            return "--emulate-slowdown scales --emulate's prices: give --emulate too"
     except ValueError:
         return f"-ngl {args.ngl}: a number or 'all'"
     except Eagle3Error as e:
@@ -941,8 +946,10 @@ def main(argv: list[str] | None = None) -> int:
         enable_llama_log(True)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench-scale-"))
     work.mkdir(parents=True, exist_ok=True)
-    # cost curves and probes measured here (every size of the curve timed), not a run's from the user's cache
-    os.environ["EAGLE3_GGUF_CACHE"] = str(work / "cache")
+    # cost curves and probes measured here (every size of the curve timed), not a run's from the user's cache; an
+    # emulated run's in a folder of its own, removed after: the cache keys know the files, not the prices emulated
+    cache = Path(tempfile.mkdtemp(prefix="cache-emulated-", dir=work)) if args.emulate else work / "cache"
+    os.environ["EAGLE3_GGUF_CACHE"] = str(cache)
     results: list[ShapeResult] = []
     deadline = time.monotonic() + args.budget if args.budget else None
     try:
@@ -973,6 +980,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
+        elif args.emulate:
+            shutil.rmtree(cache, ignore_errors=True)
     return 0
 
 

@@ -13,11 +13,15 @@ the GPU's prices, at the tiny shape's acceptance (the replay's profile).
 
 It emulates the graphs, not what a GPU machine's Python and copies cost around them: against the H200's own run it
 read about 13% fast for every contender alike (bench/NOTES.md, "emulated-h200"). Compare contenders within one run.
+A CPU slower than the GPU host's (its tiny head's graph alone outlasting the GPU's) emulates it in slow motion: every
+price times `slowdown`, the host's Python slower about as much. The spin counts as the context's native time, so that
+the statistics' Python is this host's own.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +39,11 @@ class Prices:
     head_encode_ms: float  # its encoder
     head_switch_ms: float  # either, after a call of another shape, on top
     capture_ms: float = 0.0  # the target's second call of a shape in a row, on top (ggml-cuda captures it)
+
+    def scaled(self, factor: float) -> "Prices":
+        """Every price times `factor` (a slower machine of the same physics)."""
+        return Prices([factor * t for t in self.verify_ms], factor * self.first_ms, factor * self.head_decode_ms,
+                      factor * self.head_encode_ms, factor * self.head_switch_ms, factor * self.capture_ms)
 
     def target(self, n: int) -> float:
         """A warm target decode of n rows (a prompt past the curve: along its last slope)."""
@@ -73,6 +82,7 @@ class Runner:
 
     prices: Prices
     is_target: bool
+    ctx: object = None  # the context.Context whose calls these are: the spin is its native time (None: a test's)
     last: tuple[str, int] = ("", 0)  # the previous call's graph and rows
     run: int = 0  # calls of that shape in a row, the previous one included
     calls: int = 0
@@ -82,10 +92,13 @@ class Runner:
         t0 = time.perf_counter()
         rc = call(graph, *args)
         end = t0 + self.price(getattr(graph, "__name__", str(graph)), args[-1].n_tokens) / 1e3  # the batch: last
-        if time.perf_counter() > end:
+        now = time.perf_counter()
+        if now > end:
             self.over += 1
-        while time.perf_counter() < end:
+        while (t := time.perf_counter()) < end:
             pass
+        if self.ctx is not None and t > now:
+            self.ctx.t_native += t - now  # the GPU's time, not this host's Python
         return rc
 
     def price(self, graph: str, n: int) -> float:
@@ -108,7 +121,7 @@ class Emulation:
     def attach(self, target, head) -> None:
         """Emulate the prices on these contexts (context.Context) from now on."""
         for ctx, is_target in ((target, True), (head, False)):
-            r = Runner(self.prices, is_target)
+            r = Runner(self.prices, is_target, ctx)
             ctx.runner = r
             self.runners.append(r)
 
@@ -117,10 +130,14 @@ class Emulation:
         return ", ".join(f"{'target' if r.is_target else 'head'} {r.over} of {r.calls}" for r in self.runners)
 
 
-def parse(spec: str) -> Emulation:
-    """--emulate RESULTS.json:SHAPE:TYPE"""
+def parse(spec: str, slowdown: float = 1.0) -> Emulation:
+    """--emulate RESULTS.json:SHAPE:TYPE, every price times `slowdown` (--emulate-slowdown)."""
     path, _, shape = spec.partition(":")
     if not shape or ":" not in shape:
         raise Eagle3Error(f"--emulate {spec}: give RESULTS.json:SHAPE:TYPE, e.g. bench/scale-gpu/results.json:"
                           "llama-8b:q4_k_m")
-    return Emulation(prices_of(Path(path), shape), spec)
+    if not (math.isfinite(slowdown) and slowdown >= 1.0):
+        raise Eagle3Error(f"--emulate-slowdown {slowdown}: a factor of at least 1 (the emulated GPU host slower)")
+    prices = prices_of(Path(path), shape)
+    return Emulation(prices.scaled(slowdown) if slowdown != 1.0 else prices,
+                     spec + (f" x{slowdown:g}" if slowdown != 1.0 else ""))

@@ -74,6 +74,22 @@ def test_a_bad_emulation_is_one_line(spec):
     assert str(e.value).startswith("--emulate") and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("slowdown", [0.5, 0.0, float("nan"), float("inf")])
+def test_a_bad_slowdown_is_one_line(slowdown):
+    with pytest.raises(Eagle3Error) as e:
+        emulate.parse(f"{H200}:llama-8b:q4_k_m", slowdown)
+    assert str(e.value).startswith("--emulate-slowdown") and "\n" not in str(e.value)
+
+
+def test_a_slowdown_scales_every_price_and_says_so():
+    """A host slower than the GPU's emulates it in slow motion: each price (warm rows, switch, capture, the head's
+    graphs) times the factor, and the source names it."""
+    p, slow = emulate.prices_of(H200, "llama-8b:q4_k_m"), emulate.parse(f"{H200}:llama-8b:q4_k_m", 2.5)
+    assert slow.prices == emulate.Prices([2.5 * t for t in p.verify_ms], 2.5 * p.first_ms, 2.5 * p.head_decode_ms,
+                                         2.5 * p.head_encode_ms, 2.5 * p.head_switch_ms, 2.5 * p.capture_ms)
+    assert slow.source.endswith(" x2.5") and emulate.parse(f"{H200}:llama-8b:q4_k_m").prices == p
+
+
 def test_each_call_is_priced_as_the_gpu_ran_it():
     """A call of the shape before it costs the warm price; another shape (rows, or graph) adds the switch, and the
     target's second call of a shape in a row the capture."""
@@ -99,9 +115,28 @@ def test_a_call_spins_to_its_price():
     assert 1e3 * (time.perf_counter() - t) >= 5.0 and ran == [1] and run.calls == 1
 
 
+def test_the_spin_is_the_contexts_native_time():
+    """The wait stands for the GPU's time: it goes to the context's native seconds beside the real call's, so that
+    the statistics' Python (wall time less native) is this host's own, not the padding."""
+    ctx = SimpleNamespace(t_native=0.0)
+
+    def call(graph, *args) -> int:  # Context._call: the real call, timed into t_native
+        t = time.perf_counter()
+        rc = graph(*args)
+        ctx.t_native += time.perf_counter() - t
+        return rc
+    run = emulate.Runner(emulate.Prices([2.0], 3.0, 0.5, 0.25, 1.0), is_target=True, ctx=ctx)
+    t = time.perf_counter()
+    run(call, lambda *a: 0, "ctx", SimpleNamespace(n_tokens=1))
+    wall = time.perf_counter() - t
+    assert 4.5e-3 <= ctx.t_native <= wall and wall - ctx.t_native < 1e-3  # 5 ms priced, as good as all of it native
+
+
 def test_bench_scale_emulates_the_gpu_on_this_cpu(tmp_path, smollm2_path):
     """--emulate: the tiny pair's calls at the H200's 8B prices: the curve it measures is at least the H200's (the
-    spin only adds time), the table says what it emulated, and the run keeps target-only's text."""
+    spin only adds time), the table says what it emulated, and the run keeps target-only's text. What it measured
+    stays out of --work's cache, whose keys know the files and not the prices (a later run at other prices, or none,
+    would price its policy by them)."""
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_scale.py"), "--tiny", "--profiles", "vllm-8b",
                         "--emulate", f"{H200}:llama-8b:q4_k_m", "--budget", "0.001", "--work", str(tmp_path / "work"),
                         "--tokenizer", str(smollm2_path), "--out", str(tmp_path / "out")],
@@ -114,3 +149,5 @@ def test_bench_scale_emulates_the_gpu_on_this_cpu(tmp_path, smollm2_path):
     assert shape["emulated"].startswith(f"{H200}:llama-8b:q4_k_m; real calls past the emulated time: target ")
     assert "emulating" in (tmp_path / "out" / "results.md").read_text()
     assert all(o["identical"] == 1 for o in shape["outcomes"] if "--exact off" not in o["contender"])
+    work = tmp_path / "work"
+    assert not (work / "cache" / "costs").exists() and not list(work.glob("cache-emulated-*"))

@@ -217,7 +217,8 @@ def test_the_benchmark_drafts_with_the_head_type_convert_writes():
 def test_bench_scale_refuses_bad_inputs_in_one_line():
     for argv in (["--shapes", "huge:q4_k_m"], ["--target", "x.gguf"], ["--profiles", "0.5/2"], ["-n", "2"],
                  ["--head-types", "q8_0,q8_0"], ["--head-types", "q5_1"], ["--emulate", "results.json"],
-                 ["--emulate", "bench/scale-gpu/results.json:tiny:q4_0"]):
+                 ["--emulate", "bench/scale-gpu/results.json:tiny:q4_0"], ["--emulate-slowdown", "2"],
+                 ["--emulate", "bench/scale-gpu/results.json:llama-8b:q4_0", "--emulate-slowdown", "0.5"]):
         r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_scale.py"), *argv],
                            capture_output=True, text=True)
         assert r.returncode == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
