@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from eagle3_gguf.errors import Eagle3Error
@@ -42,8 +42,8 @@ class Prices:
 
     def scaled(self, factor: float) -> "Prices":
         """Every price times `factor` (a slower machine of the same physics)."""
-        return Prices([factor * t for t in self.verify_ms], factor * self.first_ms, factor * self.head_decode_ms,
-                      factor * self.head_encode_ms, factor * self.head_switch_ms, factor * self.capture_ms)
+        return Prices(**{f.name: [factor * t for t in v] if isinstance(v := getattr(self, f.name), list) else factor * v
+                         for f in fields(self)})
 
     def target(self, n: int) -> float:
         """A warm target decode of n rows (a prompt past the curve: along its last slope)."""
@@ -138,6 +138,5 @@ def parse(spec: str, slowdown: float = 1.0) -> Emulation:
                           "llama-8b:q4_k_m")
     if not (math.isfinite(slowdown) and slowdown >= 1.0):
         raise Eagle3Error(f"--emulate-slowdown {slowdown}: a factor of at least 1 (the emulated GPU host slower)")
-    prices = prices_of(Path(path), shape)
-    return Emulation(prices.scaled(slowdown) if slowdown != 1.0 else prices,
+    return Emulation(prices_of(Path(path), shape).scaled(slowdown),
                      spec + (f" x{slowdown:g}" if slowdown != 1.0 else ""))
