@@ -1,6 +1,6 @@
-"""The package's few lines of C (capture.c, choice.c, chain.c), each built once per source version and machine with the
-system C compiler into the cache (EAGLE3_GGUF_CACHE or ~/.cache/eagle3-gguf). They call ggml through function
-pointers the caller puts in their structs, so they link against nothing and need no build step at install."""
+"""The package's few lines of C (capture.c, choice.c, chain.c, logfilter.c), each built once per source version and
+machine with the system C compiler into the cache (EAGLE3_GGUF_CACHE or ~/.cache/eagle3-gguf). They call ggml through
+function pointers the caller puts in their structs, so they link against nothing and need no build step at install."""
 
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ from gguf import GGMLQuantizationType
 from llama_cpp import llama_cpp as C
 
 from . import keys
+from .cbuild import library
 from .errors import Eagle3Error, NativeError
 
 _lib = C._lib
@@ -238,15 +239,34 @@ def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
         log.log(_log_state["level"], "%s", line)
 
 
+class _LogFilter(ctypes.Structure):
+    """logfilter.c's `struct logfilter`."""
+
+    _fields_ = [("forward", C.llama_log_callback), ("debug", ctypes.c_int32), ("dropping", ctypes.c_int32)]
+
+
+_LOG_FILTER_SOURCE = Path(__file__).with_name("logfilter.c")
+_log_filter = _LogFilter(forward=_log_callback)  # the C callback's user_data, alive as long as the module
+
+
 def install_log_callback() -> None:
-    """Route llama.cpp's (and ggml's) log into the `eagle3_gguf.llama_cpp` logger."""
-    C.llama_log_set(_log_callback, ctypes.c_void_p(0))
+    """Route llama.cpp's (and ggml's) log into the `eagle3_gguf.llama_cpp` logger. Its DEBUG lines reach Python only
+    once enable_llama_log() asks for them: logfilter.c drops them before they cost a call into Python (a few a
+    decode on CUDA). Where logfilter.c cannot be built (no C compiler) every line comes through Python."""
+    try:
+        fn = library(_LOG_FILTER_SOURCE, "filtering llama.cpp's log", _LogFilter).eagle3_logfilter
+    except Eagle3Error:
+        C.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        return
+    C.llama_log_set(C.llama_log_callback(ctypes.cast(fn, ctypes.c_void_p).value),
+                    ctypes.cast(ctypes.pointer(_log_filter), ctypes.c_void_p))
 
 
 def enable_llama_log(enabled: bool = True) -> None:
-    """Let llama.cpp's log through to the application's handlers (the CLI's `-v`)."""
+    """Let llama.cpp's log through to the application's handlers (the CLI's `-v`), its DEBUG lines too."""
     log.propagate = enabled
     log.setLevel(logging.DEBUG if enabled else logging.CRITICAL)
+    _log_filter.debug = int(enabled)
 
 
 def free_memory() -> int | None:

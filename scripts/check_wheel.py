@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "eagle3_gguf"
 SUBPACKAGE_DIRS = {"convert": f"{PACKAGE}.convert"}  # pyproject's package-dir: top-level folder -> package
-DATA = ("heads/*.gguf", "heads/*.md", "capture.c", "choice.c", "chain.c")  # pyproject's package-data
+DATA = ("heads/*.gguf", "heads/*.md", "capture.c", "choice.c", "chain.c", "logfilter.c")  # pyproject's package-data
 NOT_SOURCE = (".git", ".venv", "venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "vendor", "runs",
               "_work")
 

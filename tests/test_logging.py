@@ -36,10 +36,74 @@ import eagle3_gguf.cli.main
 print(current() == theirs)
 from eagle3_gguf.cli.common import setup_logging
 setup_logging(False)
-from eagle3_gguf.native import _log_callback
-print(current() == address(_log_callback))
+print(current() != theirs)
 """)
     assert r.stdout.split() == ["True", "True"]  # untouched by imports; ours once the CLI asks
+
+
+LINES = """
+import logging
+from eagle3_gguf.native import enable_llama_log, install_log_callback, sibling_library
+
+ggml = sibling_library("ggml-base")
+seen = []
+
+class Keep(logging.Handler):
+    def emit(self, record):
+        seen.append((record.levelname, record.getMessage()))
+
+logger = logging.getLogger("eagle3_gguf.llama_cpp")
+logger.addHandler(Keep())
+logger.setLevel(logging.DEBUG)  # every line that reaches Python is kept, verbose or not
+
+def say(level, *pieces):  # ggml_log_internal(level, "%s", piece): what GGML_LOG_DEBUG / GGML_LOG_CONT do
+    for i, piece in enumerate(pieces):
+        ggml.ggml_log_internal(level if i == 0 else 5, b"%s", piece.encode())
+
+install_log_callback()
+"""
+
+
+def test_llama_cpps_debug_lines_reach_python_only_when_asked_for():
+    """ggml-cuda logs a few DEBUG lines a decode ("CUDA Graph id N reused"): the CLI's callback drops them, and the
+    CONT pieces that continue them, before Python, unless -v asks for llama.cpp's log; other lines always come."""
+    r = python(LINES + """
+say(4, "CUDA Graph id 7 reused\\n")
+say(1, "load_tensors: offloaded ", "33/33 layers\\n")
+say(4, "a debug line ", "in two pieces\\n")
+say(2, "a warning\\n")
+print(seen)
+seen.clear()
+enable_llama_log(True)
+say(4, "CUDA Graph id 7 reused\\n")
+say(4, "a debug line ", "in two pieces\\n")
+say(1, "an info line\\n")
+enable_llama_log(False)
+say(4, "dropped again\\n")
+print(seen)
+""")
+    quiet, loud = (eval(line) for line in r.stdout.splitlines())
+    assert quiet == [("INFO", "load_tensors: offloaded 33/33 layers"), ("WARNING", "a warning")]
+    assert loud == [("DEBUG", "CUDA Graph id 7 reused"), ("DEBUG", "a debug line in two pieces"),
+                    ("INFO", "an info line")]
+
+
+def test_without_a_c_compiler_every_line_comes_through_python(tmp_path):
+    """logfilter.c is built once with the system compiler; where there is none the CLI still logs, through Python."""
+    import os
+
+    env = {**os.environ, "CC": "/nonexistent/cc", "EAGLE3_GGUF_CACHE": str(tmp_path)}  # nothing built
+    r = subprocess.run([sys.executable, "-c", CALLBACK + LINES + """
+from eagle3_gguf.native import _log_callback
+print(current() == address(_log_callback))
+say(4, "a debug line\\n")
+say(1, "an info line\\n")
+print(seen)
+"""], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    same, lines = r.stdout.splitlines()
+    assert same == "True"
+    assert eval(lines) == [("DEBUG", "a debug line"), ("INFO", "an info line")]
 
 
 def test_llama_verbose_behaves_as_before_after_import(tiny_target):
