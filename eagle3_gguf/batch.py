@@ -188,6 +188,16 @@ class Batch(_Owner):
         self._logits[:n] = 1
         self._point("both", n)
 
+    def point_embd(self, n: int) -> None:
+        """n rows of embedding rows of sequence 0, for C to fill (chain.c's seed: the encoder's input)."""
+        self._fit(n)
+        self._point("embd", n)
+
+    def point_both(self, n: int) -> None:
+        """n rows of token + embedding entries of sequence 0, for C to fill (chain.c's seed: the decoder's)."""
+        self._fit(n)
+        self._point("both", n)
+
     def set_embd_one(self, row: np.ndarray, pos: int, token: int) -> None:
         """One token + embedding entry at `pos`, an output: set_embd(row[None], [pos], [token]) for a draft
         step, without the arrays made per call.  # row: [n_embd]"""

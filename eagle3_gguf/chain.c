@@ -6,6 +6,7 @@
  * place as the Python judge does.
  * Built once by eagle3_gguf/chain.py with the system C compiler (cbuild.py); it calls llama.cpp through the function
  * pointers `struct chain` holds, so it links against nothing. */
+#include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -32,8 +33,26 @@ struct chain {
     uint32_t (*sampled_probs_count)(struct llama_context *, int32_t);                /* ..._probs_count_ith */
     int32_t * (*sampled_candidates)(struct llama_context *, int32_t);                /* ..._candidates_ith */
     uint32_t (*sampled_candidates_count)(struct llama_context *, int32_t);           /* ..._candidates_count_ith */
+    int32_t (*encode)(struct llama_context *, llama_batch);                          /* llama_encode */
+    void * (*get_memory)(struct llama_context *);                                    /* llama_get_memory */
+    bool (*seq_rm)(void *, int32_t, int32_t, int32_t);                               /* llama_memory_seq_rm */
+    int32_t (*seq_pos_max)(void *, int32_t);                                         /* llama_memory_seq_pos_max */
     float * (*nextn_ith)(struct llama_context *, int32_t);                           /* llama_get_embeddings_nextn_ith */
+    float * (*nextn)(struct llama_context *);                                        /* llama_get_embeddings_nextn */
     int32_t n_embd;                                                                  /* the head's */
+    int32_t n_feat;                                                                  /* its encoder's input: 3 layers */
+};
+
+/* Eagle3Session._seed_aside's: the rows set aside, encoded straight into the decoder batch behind the deferred pair
+ * (o = 1) and before the seed step, all one run of positions from pos0. */
+struct chain_seed {
+    const float * feats;     /* [n, n_feat]: the rows set aside */
+    const int32_t * tokens;  /* [o + n]: token[p + 1] at each position p, id_last at the seed's */
+    const float * pending_g; /* [n_embd]: the deferred pair's g (o = 1) */
+    float * seed_g;          /* [n_embd] out: the seed step's g (the next pending_g) */
+    int32_t n;
+    int32_t o;
+    int32_t pos0;            /* the decoder batch's first position */
 };
 
 /* The judge between steps. kind 0: judge_p_min. kind 1: AdaptivePolicy.judge, over Acceptance's arrays. */
@@ -64,7 +83,8 @@ struct chain_run { /* the buffers a draft writes, and what it says */
     int32_t * alt_tokens; /* [n_max, n_alt] out, the likeliest first */
     double * alt_probs;   /* [n_max, n_alt] out */
     int32_t steps;      /* out: steps run */
-    int32_t decoded;    /* out: whether a decode succeeded (its outputs are there to read) */
+    int32_t decoded;    /* out: whether a graph succeeded (its outputs are there to read) */
+    int32_t seeded;     /* out: the seed's batch was filled and the head's cache cut after its position */
     int32_t keep;       /* out: drafts to verify */
     double t_native;    /* out: seconds in decode + synchronize */
     double t_steps;     /* out: seconds from the second step's start to the end */
@@ -73,6 +93,7 @@ struct chain_run { /* the buffers a draft writes, and what it says */
 size_t eagle3_chain_size(void) { return sizeof(struct chain); } /* checked against ctypes' */
 size_t eagle3_chain_judge_size(void) { return sizeof(struct judge); }
 size_t eagle3_chain_run_size(void) { return sizeof(struct chain_run); }
+size_t eagle3_chain_seed_size(void) { return sizeof(struct chain_seed); }
 
 static double now(void) {
     struct timespec t;
@@ -161,28 +182,34 @@ static int chosen(const struct chain * api, struct llama_context * ctx, const st
     return 0;
 }
 
-/* A draft of up to n_max steps from the seed's decode on (the batch holds it at `row`, head position `pos`), the graph
- * choosing k tokens a step. Returns 0; a decode's nonzero rc; -100000 - row where the graph chose nothing for that
- * row; -200000 for settings it cannot take (chain.py checks them first); -300000 - row where no pre-norm row came
- * back; -400000 - step where a confidence the judge would see is not a probability (a bin's index out of range). */
-int32_t eagle3_chain_draft(const struct chain * api, struct llama_context * ctx, llama_batch * batch,
-                           struct chain_run * run, struct judge * j, int32_t row, int32_t pos, int32_t n_max,
-                           int32_t k, int32_t n_alt) {
-    double t_later = 0.0;
-    run->k = k, run->n_alt = n_alt;
-    run->steps = 0, run->decoded = 0, run->keep = 0, run->t_native = 0.0, run->t_steps = 0.0;
-    if (k > CHOICE_MAX || n_alt >= k || (j->kind == 1 && n_max > j->k_max)) {
-        return -200000;
+/* Timed into run->t_native: a graph call and llama_synchronize. */
+static int32_t run_graph(const struct chain * api, struct llama_context * ctx, struct chain_run * run,
+                         int32_t (*graph)(struct llama_context *, llama_batch), llama_batch * batch) {
+    double t0 = now();
+    int32_t rc = graph(ctx, *batch);
+    api->synchronize(ctx);
+    run->t_native += now() - t0;
+    if (rc == 0) {
+        run->decoded = 1;
     }
+    return rc;
+}
+
+static int start(struct chain_run * run, const struct judge * j, int32_t n_max, int32_t k, int32_t n_alt) {
+    run->k = k, run->n_alt = n_alt;
+    run->steps = 0, run->decoded = 0, run->seeded = 0, run->keep = 0, run->t_native = 0.0, run->t_steps = 0.0;
+    return k <= CHOICE_MAX && n_alt < k && (j->kind != 1 || n_max <= j->k_max);
+}
+
+/* The steps from the seed's decode on (the batch holds it at `row`, head position `pos`). */
+static int32_t steps(const struct chain * api, struct llama_context * ctx, llama_batch * batch, struct chain_run * run,
+                     struct judge * j, int32_t row, int32_t pos, int32_t n_max) {
+    double t_later = 0.0;
     for (;;) {
-        double t0 = now();
-        int32_t rc = api->decode(ctx, *batch);
-        api->synchronize(ctx);
-        run->t_native += now() - t0;
+        int32_t rc = run_graph(api, ctx, run, api->decode, batch);
         if (rc != 0) {
             return rc;
         }
-        run->decoded = 1;
         const int step = run->steps;
         if (chosen(api, ctx, run, row, step) != 0) {
             return -100000 - row;
@@ -214,4 +241,62 @@ int32_t eagle3_chain_draft(const struct chain * api, struct llama_context * ctx,
         batch->n_tokens = 1;
         row = 0;
     }
+}
+
+/* A draft of up to n_max steps from the seed's decode on (the batch holds it at `row`, head position `pos`), the graph
+ * choosing k tokens a step. Returns 0; a decode's nonzero rc; -100000 - row where the graph chose nothing for that
+ * row; -200000 for settings it cannot take (chain.py checks them first); -300000 - row where no pre-norm row came
+ * back; -400000 - step where a confidence the judge would see is not a probability (a bin's index out of range). */
+int32_t eagle3_chain_draft(const struct chain * api, struct llama_context * ctx, llama_batch * batch,
+                           struct chain_run * run, struct judge * j, int32_t row, int32_t pos, int32_t n_max,
+                           int32_t k, int32_t n_alt) {
+    if (!start(run, j, n_max, k, n_alt)) {
+        return -200000;
+    }
+    return steps(api, ctx, batch, run, j, row, pos, n_max);
+}
+
+/* eagle3_chain_draft after the seed's batch is made here (Eagle3Session._seed_aside): the encoder on the rows set aside
+ * (the encoder batch `enc`, pointed at embedding rows), its g written into the decoder batch (pointed at tokens and
+ * embedding rows), the head's cache cut after the seed's position. The same returns; an encode's nonzero rc before
+ * run->decoded is set. */
+int32_t eagle3_chain_seed_draft(const struct chain * api, struct llama_context * ctx, llama_batch * enc,
+                                llama_batch * batch, const struct chain_seed * seed, struct chain_run * run,
+                                struct judge * j, int32_t n_max, int32_t k, int32_t n_alt) {
+    if (!start(run, j, n_max, k, n_alt)) {
+        return -200000;
+    }
+    const int n = seed->n, o = seed->o, m = o + seed->n;
+    const size_t n_embd = (size_t) api->n_embd;
+    void * mem = api->get_memory(ctx);
+    const int32_t enc_pos = api->seq_pos_max(mem, 0) + 1; /* the encoder ignores positions; llama.cpp wants them after
+                                                            * the KV */
+    memcpy(enc->embd, seed->feats, sizeof(float) * (size_t) n * (size_t) api->n_feat);
+    for (int i = 0; i < n; i++) {
+        enc->pos[i] = enc_pos + i;
+        enc->logits[i] = 1;
+    }
+    enc->n_tokens = n;
+    int32_t rc = run_graph(api, ctx, run, api->encode, enc);
+    if (rc != 0) {
+        return rc;
+    }
+    const float * g = api->nextn(ctx); /* [n, n_embd] */
+    if (g == NULL) {
+        return -300000;
+    }
+    if (o) {
+        memcpy(batch->embd, seed->pending_g, sizeof(float) * n_embd);
+    }
+    memcpy(batch->embd + (size_t) o * n_embd, g, sizeof(float) * (size_t) n * n_embd);
+    memcpy(seed->seed_g, g + (size_t) (n - 1) * n_embd, sizeof(float) * n_embd);
+    for (int i = 0; i < m; i++) {
+        batch->token[i] = seed->tokens[i];
+        batch->pos[i] = seed->pos0 + i;
+        batch->logits[i] = 1;
+    }
+    batch->n_tokens = m;
+    api->seq_rm(mem, 0, seed->pos0 + m - 1, -1);
+    run->seeded = 1;
+    return steps(api, ctx, batch, run, j, m - 1, seed->pos0 + m - 1, n_max);
 }

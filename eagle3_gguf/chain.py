@@ -18,7 +18,7 @@ from llama_cpp import llama_cpp as C
 
 from .batch import Batch
 from .cbuild import library
-from .context import Context, decode_failure, llama_get_embeddings_nextn_ith
+from .context import Context, decode_failure, llama_get_embeddings_nextn, llama_get_embeddings_nextn_ith
 from .draft import Draft, NativeJudge
 from .errors import DecodeError, Eagle3Error
 from .native import require_ext
@@ -26,14 +26,16 @@ from .native import require_ext
 _SOURCE = Path(__file__).with_name("chain.c")
 CHOICE_MAX = 64  # the most tokens the graph may choose a step for chain.c (its CHOICE_MAX); more draft in Python
 _LLAMA = ("decode", "synchronize", "get_sampled_token_ith", "get_sampled_probs_ith", "get_sampled_probs_count_ith",
-          "get_sampled_candidates_ith", "get_sampled_candidates_count_ith")
+          "get_sampled_candidates_ith", "get_sampled_candidates_count_ith", "encode", "get_memory", "memory_seq_rm",
+          "memory_seq_pos_max")
 _p = ctypes.c_void_p
 
 
 class _Chain(ctypes.Structure):
     """chain.c's `struct chain`: llama.cpp's entry points and the head's width."""
 
-    _fields_ = [*((name, _p) for name in _LLAMA), ("nextn_ith", _p), ("n_embd", ctypes.c_int32)]
+    _fields_ = [*((name, _p) for name in _LLAMA), ("nextn_ith", _p), ("nextn", _p), ("n_embd", ctypes.c_int32),
+                ("n_feat", ctypes.c_int32)]
 
 
 class _Judge(ctypes.Structure):
@@ -50,8 +52,16 @@ class _Run(ctypes.Structure):
     """chain.c's `struct chain_run`."""
 
     _fields_ = [("k", ctypes.c_int32), ("n_alt", ctypes.c_int32), ("tokens", _p), ("confs", _p), ("alt_tokens", _p),
-                ("alt_probs", _p), ("steps", ctypes.c_int32), ("decoded", ctypes.c_int32), ("keep", ctypes.c_int32),
+                ("alt_probs", _p), ("steps", ctypes.c_int32), ("decoded", ctypes.c_int32), ("seeded", ctypes.c_int32),
+                ("keep", ctypes.c_int32),
                 ("t_native", ctypes.c_double), ("t_steps", ctypes.c_double)]
+
+
+class _Seed(ctypes.Structure):
+    """chain.c's `struct chain_seed`."""
+
+    _fields_ = [("feats", _p), ("tokens", _p), ("pending_g", _p), ("seed_g", _p), ("n", ctypes.c_int32),
+                ("o", ctypes.c_int32), ("pos0", ctypes.c_int32)]
 
 
 _unavailable: str | None = None  # why chain.c cannot be built or loaded in this process, once found
@@ -72,13 +82,20 @@ def available() -> bool:
 
 
 def _compiled() -> ctypes.CDLL:
-    lib = library(_SOURCE, "drafting in one call", _Chain, (("judge", _Judge), ("run", _Run)))
+    lib = library(_SOURCE, "drafting in one call", _Chain, (("judge", _Judge), ("run", _Run), ("seed", _Seed)))
     # int32_t eagle3_chain_draft(const struct chain *, struct llama_context *, llama_batch *, struct chain_run *,
     #                            struct judge *, int32_t row, int32_t pos, int32_t n_max, int32_t k, int32_t n_alt)
     i32 = ctypes.c_int32
     lib.eagle3_chain_draft.argtypes = [ctypes.POINTER(_Chain), _p, ctypes.POINTER(C.llama_batch), ctypes.POINTER(_Run),
                                        ctypes.POINTER(_Judge), i32, i32, i32, i32, i32]
     lib.eagle3_chain_draft.restype = ctypes.c_int32
+    # int32_t eagle3_chain_seed_draft(const struct chain *, struct llama_context *, llama_batch * enc, llama_batch *,
+    #                                 const struct chain_seed *, struct chain_run *, struct judge *, int32_t n_max,
+    #                                 int32_t k, int32_t n_alt)
+    lib.eagle3_chain_seed_draft.argtypes = [ctypes.POINTER(_Chain), _p, ctypes.POINTER(C.llama_batch),
+                                            ctypes.POINTER(C.llama_batch), ctypes.POINTER(_Seed), ctypes.POINTER(_Run),
+                                            ctypes.POINTER(_Judge), i32, i32, i32]
+    lib.eagle3_chain_seed_draft.restype = ctypes.c_int32
     return lib
 
 
@@ -87,18 +104,27 @@ class Chain:
     the longest draft) and the call's arguments, made once. A draft's Python around the call runs cache-cold after the
     graphs, ~1 us an attribute, so the judge's struct is set only where its judge, tables or settings changed."""
 
-    def __init__(self, ctx: Context, batch: Batch):
+    def __init__(self, ctx: Context, batch: Batch, enc_batch: Batch):
+        """ctx: the head's context; batch: its decoder batch; enc_batch: its encoder batch (seed_draft)."""
         if not available():
             raise Eagle3Error(f"drafts cannot run in one call here: {_unavailable}")
-        self._fn = _compiled().eagle3_chain_draft
+        lib = _compiled()
+        self._fn, self._seed_fn = lib.eagle3_chain_draft, lib.eagle3_chain_seed_draft
         self._ctx = ctx
-        self._api = _Chain(n_embd=ctx.model.n_embd, nextn_ith=ctypes.cast(llama_get_embeddings_nextn_ith, _p))
+        self._batch, self._enc_batch = batch, enc_batch
+        self._api = _Chain(n_embd=ctx.model.n_embd, n_feat=enc_batch.n_embd,
+                           nextn_ith=ctypes.cast(llama_get_embeddings_nextn_ith, _p),
+                           nextn=ctypes.cast(llama_get_embeddings_nextn, _p))
         for name in _LLAMA:
             setattr(self._api, name, ctypes.cast(getattr(C._lib, f"llama_{name}"), _p))
         self._run = _Run()
         self._judge = _Judge()
+        self._seed = _Seed()
         self._args = (ctypes.byref(self._api), ctypes.c_void_p(ctx.ptr), ctypes.byref(batch.struct),
                       ctypes.byref(self._run), ctypes.byref(self._judge))
+        self._seed_args = (ctypes.byref(self._api), ctypes.c_void_p(ctx.ptr), ctypes.byref(enc_batch.struct),
+                           ctypes.byref(batch.struct), ctypes.byref(self._seed), ctypes.byref(self._run),
+                           ctypes.byref(self._judge))
         self._size = (0, 0)
         self._grow(8, 0)
         self._judged: tuple = ()  # what the judge struct was set from: (judge, n_max, seen, its tables)
@@ -171,11 +197,37 @@ class Chain:
         prepare() set it: the Draft and the seconds of its steps after the first. The judge's arrays (the adaptive
         policy's) are updated in place; judge.done is told what it decided (judge.changed, where a draft failed after
         some steps had moved them)."""
-        ctx, run = self._ctx, self._run
-        ctx._live()  # raises where the context was closed (the struct holds its raw pointer)
-        rc = self._fn(*self._args, row, pos, n_max, k, n_alt)
+        self._ctx._live()  # raises where the context was closed (the struct holds its raw pointer)
+        return self._outcome(self._fn(*self._args, row, pos, n_max, k, n_alt), n_max, k, n_alt, judge)
+
+    def seed_draft(self, feats: int, n: int, tokens: int, pending_g: int, seed_g: int, o: int, pos0: int, n_max: int,
+                   k: int, n_alt: int, judge: NativeJudge) -> tuple[Draft, float]:
+        """draft() after the seed's batch is made in C as Eagle3Session._seed_aside makes it: the head's encoder on the n
+        rows at `feats` (the rows set aside), their g behind pending_g's (o = 1) in the decoder batch from head position
+        pos0, with the o + n `tokens`, the head's cache cut after the seed's position; `seed_g` receives the seed step's
+        g. `seeded` says afterwards, failed or not, whether the seed's batch was made (the session's state then moves).
+        Addresses, not arrays: the session holds the buffers.
+        # feats: [n, 3 * n_embd_tgt] float32; tokens: [o + n] int32; pending_g, seed_g: [n_embd] float32"""
+        self._ctx._live()
+        self._enc_batch.point_embd(n)
+        self._batch.point_both(o + n)
+        sd = self._seed
+        sd.feats, sd.tokens, sd.pending_g, sd.seed_g, sd.n, sd.o, sd.pos0 = feats, tokens, pending_g, seed_g, n, o, pos0
+        rc = self._seed_fn(*self._seed_args, n_max, k, n_alt)
+        if rc > -100000 and rc != 0 and not self._run.decoded:  # the encoder's own failure, before any step
+            self._ctx.ran(self._run.t_native, False)
+            raise Eagle3Error(f"llama_encode failed (rc={rc})")
+        return self._outcome(rc, n_max, k, n_alt, judge)
+
+    @property
+    def seeded(self) -> bool:
+        """Whether the last seed_draft made the seed's batch (and cut the head's cache)."""
+        return bool(self._run.seeded)
+
+    def _outcome(self, rc: int, n_max: int, k: int, n_alt: int, judge: NativeJudge) -> tuple[Draft, float]:
+        run = self._run
         steps, keep = run.steps, run.keep
-        ctx.ran(run.t_native, bool(run.decoded))
+        self._ctx.ran(run.t_native, bool(run.decoded))
         if rc != 0:
             if steps and judge.changed is not None:
                 judge.changed()

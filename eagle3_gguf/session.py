@@ -81,6 +81,11 @@ class RowsAside:
     def feats(self) -> np.ndarray:
         return self.feat[self.start:self.end]  # [n, 3 * n_embd_tgt]
 
+    @property
+    def feats_addr(self) -> int:
+        """The address of feats' first row (rows follow contiguously)."""
+        return self._addr + self.start * self._row_bytes
+
     def extend(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Room for n more rows at the end: their token and feature slots, to be filled.
         # -> [n], [n, 3 * n_embd_tgt]"""
@@ -166,6 +171,12 @@ class Eagle3Session:
         self._q_pos = np.zeros(0, np.int32)  # [n_q]
         self._q_g = np.zeros((0, self.n_embd), np.float32)  # [n_q, n_embd]
         self._seed_tok = np.zeros(min(n_ub, OUTPUT_ROWS), np.int32)  # [rows]: _seed_aside's tokens
+        # chain.c's seed writes the seed step's g into these in turn (the other may be pending_g, which it reads), by
+        # address: after the graphs each numpy array's .ctypes costs ~5 us
+        self._seed_g = np.zeros((2, self.n_embd), np.float32)  # [2, n_embd]
+        self._seed_g_addr = (self._seed_g[0].ctypes.data, self._seed_g[1].ctypes.data)
+        self._seed_tok_addr = self._seed_tok.ctypes.data
+        self._seed_turn = 0
         self._vocab: np.ndarray | None = None  # draft-vocab ids inside the full logits row, once known
         self._chain: chain.Chain | None = None  # drafts in one C call (choose_in_graph makes it)
 
@@ -197,7 +208,7 @@ class Eagle3Session:
         EAGLE-3 head's draft steps can run in one C call (chain.py; built here, once, not in a timed draft)."""
         chooses = self.draft_ctx.set_graph_choice(k, probs=True)
         if chooses and self._chain is None and self.norms is None and chain.available():
-            self._chain = chain.Chain(self.draft_ctx, self.dec_batch)
+            self._chain = chain.Chain(self.draft_ctx, self.dec_batch, self.enc_batch)
         return chooses
 
     @property
@@ -485,6 +496,30 @@ class Eagle3Session:
         batch.fill_embd(o + n, pos0, tok)
         return o + n - 1
 
+    def _seed_draft_in_c(self, id_last: int, n: int, o: int, n_max: int, k: int, n_alt: int,
+                         judge: NativeJudge) -> tuple[Draft, float]:
+        """_seed_aside and the draft's steps in one C call (chain.c's seed_draft): the encoder's graph, the seed's batch
+        and the steps without coming back to Python between them (each return from a graph into Python costs ~40 us
+        cache-cold: bench/NOTES.md "verify-in-c"). The session's state moves as _seed_aside moves it, failed or not,
+        once the seed's batch is made."""
+        aside = self.aside
+        pos0 = aside.pos0 - o
+        tok = self._seed_tok[:o + n]  # [o + n]: token[p + 1] at each position p, id_last at the seed's
+        tok[:-1] = aside.tokens[1 - o:]
+        tok[-1] = id_last
+        t = self._seed_turn = 1 - self._seed_turn
+        pending = np.ascontiguousarray(self.pending_g, np.float32) if o else None  # [n_embd], held through the call
+        try:
+            return self._chain.seed_draft(aside.feats_addr, n, self._seed_tok_addr,
+                                          pending.ctypes.data if o else 0, self._seed_g_addr[t], o,
+                                          pos0, n_max, k, n_alt, judge)
+        finally:
+            if self._chain.seeded:
+                self.pending_g = self._seed_g[t]
+                self.pending_pos = pos0 + o + n - 1
+                self._open = False  # the seed step writes the deferred pair
+                self._drop_rows()
+
     def _feedback(self, row: int) -> np.ndarray:
         """The next step's g from the decoder's row: its pre-norm hidden state (EAGLE 3.1 norm_output: the
         output norm of it), where EAGLE-3 a view of llama.cpp's buffer (copy it to keep it past the next graph).
@@ -526,6 +561,13 @@ class Eagle3Session:
         if steps_in_c:
             native_judge = native()
             self._chain.prepare(n_max, k, n_alt, native_judge, self.judge_sees)
+            n = len(self.aside)
+            if n and not len(self._q_tok):  # _seed_aside's case (every cycle's): the seed too in the one C call
+                o = int(self._open and self.pending_pos + 1 == self.aside.pos0)
+                if o + n <= len(self._seed_tok):
+                    out, t_steps = self._seed_draft_in_c(id_last, n, o, n_max, k, n_alt, native_judge)
+                    self.t_steps += t_steps
+                    return out
         row = self._seed(id_last)
         if steps_in_c:
             out, t_steps = self._chain.draft(row, self.pending_pos, n_max, k, n_alt, native_judge)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import copy
+import ctypes
 
 import pytest
+from llama_cpp import llama_cpp as C
 
 from eagle3_gguf import chain
 from eagle3_gguf.batch import Batch
 from eagle3_gguf.draft import NativeJudge
-from eagle3_gguf.errors import Eagle3Error
+from eagle3_gguf.errors import DecodeError, Eagle3Error
 from eagle3_gguf.pair import PairConfig, load_pair
 from eagle3_gguf.acceptance import N_BINS
 from eagle3_gguf.costs import CostCurve
@@ -152,3 +154,68 @@ def test_a_draft_chain_c_refuses_leaves_the_head_as_it_was(pairs):
         s.accept(0)
         seen[1] = 0.1  # in place: the judge sees it
         assert len(s.draft(17, 3, native=lambda: NativeJudge(p_min=0.5)).tokens) == 1
+
+
+def seeded_from_rows_aside(pair, native: bool, deferred: bool, n_rows: int = 3):
+    """A draft seeded from rows set aside (every cycle's case), by the Python loop or in one C call with its seed, from
+    the same fresh state: the draft, the session's seed state after it and the next draft, after rows set aside again.
+    deferred: the prompt's pairs flushed first, so the deferred pair leads the seed's batch (o = 1)."""
+    policy = FixedPolicy(4, 0.0)
+    judge = policy.native_judge if native else None
+    with Eagle3Session(pair.target, pair.head) as s, Batch(64) as b:
+        assert s.choose_in_graph(4)
+        feed_prompt(pair, s, b)
+        pos = pair.target.pos_max() + 1
+        if deferred:
+            s.flush()
+        else:
+            s.draft(17, 1)  # the prompt's pairs go with this seed
+            s.accept(0)
+        out = []
+        for _ in range(2):
+            rows = [23, 29, 31, 37][:n_rows]
+            b.set(rows, pos, logits="all")
+            pair.target.decode(b)
+            s.keep(rows, pos)
+            steps0 = s.draft_ctx.t_native
+            d = s.draft(41, 4, policy.judge, n_alt=2, native=judge)
+            assert s.draft_ctx.t_native > steps0
+            out.append((d.tokens, d.confs, d.alt_tokens, d.alt_probs, s.pending_pos, s.pending_g.tolist(),
+                        s.draft_ctx.pos_max(), len(s.aside)))
+            s.accept(len(d.tokens))
+            pos += n_rows
+            deferred = False
+        return out
+
+
+@pytest.mark.parametrize("head", ["tiny_head", "tiny_head_d2t"])
+@pytest.mark.parametrize("deferred", [False, True], ids=["o=0", "o=1"])
+def test_a_draft_seeded_in_c_from_rows_aside_is_the_python_seeds(pairs, head, deferred):
+    """chain.c's seed (the encoder on the rows set aside, their g into the decoder batch, the cache cut) then its
+    steps: the same drafts, seed state (pending_g, pending_pos), head cache and rows aside as _seed_aside's, twice."""
+    py = seeded_from_rows_aside(pairs[head], native=False, deferred=deferred)
+    c = seeded_from_rows_aside(pairs[head], native=True, deferred=deferred)
+    assert c == py
+    assert all(len(d[0]) == 4 and d[7] == 0 for d in c)  # four drafts each time, nothing left aside
+
+
+def test_a_seed_in_c_that_fails_moves_the_session_as_the_python_seed(pairs, monkeypatch):
+    """A decode failing after chain.c made the seed's batch: the same DecodeError, and the session's seed state moved as
+    _seed_aside moves it before its decode (the rows aside gone into the seed)."""
+    pair = pairs["tiny_head"]
+    with Eagle3Session(pair.target, pair.head) as s, Batch(64) as b:
+        assert s.choose_in_graph(1)
+        feed_prompt(pair, s, b)
+        s.draft(17, 1)
+        s.accept(0)
+        pos = pair.target.pos_max() + 1
+        b.set([23, 29], pos, logits="all")
+        pair.target.decode(b)
+        s.keep([23, 29], pos)
+        p0 = s.aside.pos0
+        bad = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, C.llama_batch)(lambda ctx, batch: 1)  # "KV cache full"
+        monkeypatch.setattr(s._chain._api, "decode", ctypes.cast(bad, ctypes.c_void_p).value)
+        with pytest.raises(DecodeError):
+            s.draft(41, 4, native=NativeJudge)
+        assert len(s.aside) == 0 and s.pending_pos == p0 + 1 and not s._open
+        assert s.draft_ctx.pos_max() == p0 - 1  # cut after the seed's position, as _seed_aside cuts it
