@@ -285,7 +285,7 @@ int32_t eagle3_chain_seed_draft(const struct chain * api, struct llama_context *
     if (g == NULL) {
         return -300000;
     }
-    if (o) {
+    if (o) { /* before seed_g is written: the session may pass one buffer as both */
         memcpy(batch->embd, seed->pending_g, sizeof(float) * n_embd);
     }
     memcpy(batch->embd + (size_t) o * n_embd, g, sizeof(float) * (size_t) n * n_embd);

@@ -208,6 +208,7 @@ class Chain:
         g. `seeded` says afterwards, failed or not, whether the seed's batch was made (the session's state then moves).
         Addresses, not arrays: the session holds the buffers.
         # feats: [n, 3 * n_embd_tgt] float32; tokens: [o + n] int32; pending_g, seed_g: [n_embd] float32"""
+        self._run.seeded = 0  # (not the last draft's, where this raises before the call)
         self._ctx._live()
         self._enc_batch.point_embd(n)
         self._batch.point_both(o + n)

@@ -5,7 +5,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-enum { LEVEL_DEBUG = 4, LEVEL_CONT = 5 }; /* enum ggml_log_level */
+enum { LEVEL_DEBUG = 1, LEVEL_CONT = 5 }; /* enum ggml_log_level (ggml.h) */
 
 struct logfilter {
     void (*forward)(int32_t level, const char * text, void * user_data); /* the Python callback */

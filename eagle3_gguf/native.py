@@ -223,9 +223,8 @@ log = logging.getLogger("eagle3_gguf.llama_cpp")
 log.addHandler(logging.NullHandler())
 log.propagate = False  # silent by default; enable_llama_log() opts in
 
-# enum ggml_log_level { NONE = 0, INFO = 1, WARN = 2, ERROR = 3, DEBUG = 4, CONT = 5 };
-_GGML_TO_LOGGING = {0: logging.CRITICAL, 1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR,
-                    4: logging.DEBUG}
+# enum ggml_log_level (ggml.h at the pin) { NONE = 0, DEBUG = 1, INFO = 2, WARN = 3, ERROR = 4, CONT = 5 }
+_GGML_TO_LOGGING = {0: logging.CRITICAL, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
 _log_state = {"level": logging.INFO, "line": ""}
 
 
@@ -266,7 +265,15 @@ def enable_llama_log(enabled: bool = True) -> None:
     """Let llama.cpp's log through to the application's handlers (the CLI's `-v`), its DEBUG lines too."""
     log.propagate = enabled
     log.setLevel(logging.DEBUG if enabled else logging.CRITICAL)
+    pass_llama_debug(enabled)
+
+
+def pass_llama_debug(enabled: bool) -> bool:
+    """Let llama.cpp's DEBUG lines reach the `eagle3_gguf.llama_cpp` logger (logfilter.c drops them otherwise), e.g.
+    while a benchmark reads which buffers a load chose; returns the setting before."""
+    before = bool(_log_filter.debug)
     _log_filter.debug = int(enabled)
+    return before
 
 
 def free_memory() -> int | None:

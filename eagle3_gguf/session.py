@@ -515,7 +515,7 @@ class Eagle3Session:
                                           pos0, n_max, k, n_alt, judge)
         finally:
             if self._chain.seeded:
-                self.pending_g = self._seed_g[t]
+                self.pending_g = self._seed_g[t]  # a view, written again two seeds on (its readers here copy it)
                 self.pending_pos = pos0 + o + n - 1
                 self._open = False  # the seed step writes the deferred pair
                 self._drop_rows()

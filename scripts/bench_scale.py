@@ -66,7 +66,7 @@ from eagle3_gguf.context import Context  # noqa: E402
 from eagle3_gguf.decode import GenerateConfig, Runner  # noqa: E402
 from eagle3_gguf.errors import Eagle3Error  # noqa: E402
 from eagle3_gguf.gguf_file import read_gguf  # noqa: E402
-from eagle3_gguf.native import Model, enable_llama_log, install_log_callback  # noqa: E402
+from eagle3_gguf.native import Model, enable_llama_log, install_log_callback, pass_llama_debug  # noqa: E402
 from eagle3_gguf.pair import Pair, PairConfig, load_pair  # noqa: E402
 from eagle3_gguf.costs import CostCurve  # noqa: E402
 from eagle3_gguf.speculator import Speculator  # noqa: E402
@@ -409,14 +409,16 @@ class LlamaLines(logging.Handler):
 
     def __enter__(self) -> "LlamaLines":
         self.level = self.logger.level
-        if not self.logger.isEnabledFor(logging.INFO):
-            self.logger.setLevel(logging.INFO)
+        if not self.logger.isEnabledFor(logging.DEBUG):  # "cannot be used with preferred buffer type" is a DEBUG line
+            self.logger.setLevel(logging.DEBUG)
+        self.debug = pass_llama_debug(True)
         self.logger.addHandler(self)
         return self
 
     def __exit__(self, *exc) -> None:
         self.logger.removeHandler(self)
         self.logger.setLevel(self.level)
+        pass_llama_debug(self.debug)
 
 
 class Resync:

@@ -36,7 +36,9 @@ import eagle3_gguf.cli.main
 print(current() == theirs)
 from eagle3_gguf.cli.common import setup_logging
 setup_logging(False)
-print(current() != theirs)
+from eagle3_gguf import native
+ours = {address(native._log_callback), address(native.library(native._LOG_FILTER_SOURCE, "", native._LogFilter).eagle3_logfilter)}
+print(current() in ours)
 """)
     assert r.stdout.split() == ["True", "True"]  # untouched by imports; ours once the CLI asks
 
@@ -66,26 +68,49 @@ install_log_callback()
 
 def test_llama_cpps_debug_lines_reach_python_only_when_asked_for():
     """ggml-cuda logs a few DEBUG lines a decode ("CUDA Graph id N reused"): the CLI's callback drops them, and the
-    CONT pieces that continue them, before Python, unless -v asks for llama.cpp's log; other lines always come."""
+    CONT pieces that continue them, before Python, unless -v asks for llama.cpp's log; other lines always come, each
+    at its own level (ggml.h: DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5)."""
     r = python(LINES + """
-say(4, "CUDA Graph id 7 reused\\n")
-say(1, "load_tensors: offloaded ", "33/33 layers\\n")
-say(4, "a debug line ", "in two pieces\\n")
-say(2, "a warning\\n")
+say(1, "CUDA Graph id 7 reused\\n")
+say(2, "load_tensors: offloaded ", "33/33 layers\\n")
+say(1, "a debug line ", "in two pieces\\n")
+say(3, "a warning\\n")
+say(4, "an error\\n")
 print(seen)
 seen.clear()
 enable_llama_log(True)
-say(4, "CUDA Graph id 7 reused\\n")
-say(4, "a debug line ", "in two pieces\\n")
-say(1, "an info line\\n")
+say(1, "CUDA Graph id 7 reused\\n")
+say(1, "a debug line ", "in two pieces\\n")
+say(2, "an info line\\n")
 enable_llama_log(False)
-say(4, "dropped again\\n")
+say(1, "dropped again\\n")
 print(seen)
 """)
     quiet, loud = (eval(line) for line in r.stdout.splitlines())
-    assert quiet == [("INFO", "load_tensors: offloaded 33/33 layers"), ("WARNING", "a warning")]
+    assert quiet == [("INFO", "load_tensors: offloaded 33/33 layers"), ("WARNING", "a warning"), ("ERROR", "an error")]
     assert loud == [("DEBUG", "CUDA Graph id 7 reused"), ("DEBUG", "a debug line in two pieces"),
                     ("INFO", "an info line")]
+
+
+def test_a_models_load_logs_its_debug_lines_only_when_asked_for(tiny_target):
+    """llama.cpp's own lines, as a load emits them: its INFO lines (llama_model_loader) come either way, its DEBUG
+    lines (the tokenizer's) only with enable_llama_log(True)."""
+    r = python(LINES + """
+import sys
+def load():
+    llama_cpp.llama_model_free(llama_cpp.llama_model_load_from_file(sys.argv[1].encode(),
+                                                                     llama_cpp.llama_model_default_params()))
+    levels = sorted({level for level, _ in seen})
+    seen.clear()
+    return levels
+load()  # (the first load also logs the backends' registration)
+print(load())
+enable_llama_log(True)
+print(load())
+""", str(tiny_target))
+    quiet, loud = (eval(line) for line in r.stdout.splitlines())
+    assert "INFO" in quiet and "DEBUG" not in quiet
+    assert "INFO" in loud and "DEBUG" in loud
 
 
 def test_without_a_c_compiler_every_line_comes_through_python(tmp_path):
@@ -96,8 +121,8 @@ def test_without_a_c_compiler_every_line_comes_through_python(tmp_path):
     r = subprocess.run([sys.executable, "-c", CALLBACK + LINES + """
 from eagle3_gguf.native import _log_callback
 print(current() == address(_log_callback))
-say(4, "a debug line\\n")
-say(1, "an info line\\n")
+say(1, "a debug line\\n")
+say(2, "an info line\\n")
 print(seen)
 """], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr
