@@ -2,13 +2,15 @@
 """Build llama-cpp-python's CUDA wheel for the lent card on this CPU machine, so that issue 54's lent call unpacks
 it in seconds instead of building for 250 of its 900 device seconds.
 
-    python scripts/cuda_wheel.py            # ~20 min on 2 cores; again: incremental (the build folder is kept)
+    python scripts/cuda_wheel.py            # ~20-40 min on 2 cores; again: seconds (kept), or incremental
 
 It downloads the CUDA 13.0 toolkit's pip wheels (TOOLKIT: nvcc, the runtime and cuBLAS, CCCL's headers, NVVM), the
 versions of the image's nvcc 13.0 (.library/device/KINDS.md), unpacks them into .gpu/cuda/toolkit as a toolkit
 folder (lib64, the unversioned .so links CMake looks for, and a stub libcuda.so: the driver is the lent machine's),
 and builds the pinned sdist with CUDA for sm_90 (H100, H200) into .gpu/cuda/. The wheel, as pip would install it,
-goes into TREE there (pack_tree: a 138 MiB wheel, 19.7 MiB packed), beside a BUILT line.
+goes into TREE there (pack_tree: a 138 MiB wheel, 19.7 MiB packed), beside a BUILT line. Both are kept outside the
+clone too (kept(): the pin's cache folder, keyed by this script's bytes, which hold every input but the pin), so a
+later clone or session on this machine copies them instead of building: .gpu/ is a clone's, the cache is the home's.
 The CPU backend is built for AVX2 machines, not -march=native: the lent machine's CPU is not this one.
 scripts/pack_scale.py carries TREE when it is there; scripts/gpu_scale.sh unpacks it, checks that it loads and
 offloads, and builds from the sdist as before where it does not.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -47,6 +50,41 @@ TREE = "llama_cpp_python-cuda.tar.xz"  # the installed package (llama_cpp/ and i
 
 class WheelError(Exception):
     """A one-line reason the wheel cannot be built (exit 2)."""
+
+
+def kept() -> Path:
+    """Where a finished build's TREE and BUILT are kept: under the pin's cache folder, keyed by this file (the
+    toolkit's versions, the architecture, the CMake flags and pack_tree's format are all in it)."""
+    key = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    return read_pin().cache_dir / f"cuda-{key}"
+
+
+def restore() -> bool:
+    """Copy a kept build into OUT (True), where one is kept for this script and pin."""
+    keep = kept()
+    if not all((keep / name).is_file() for name in (TREE, BUILT)):
+        return False
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name in (TREE, BUILT):
+        shutil.copy2(keep / name, OUT / f".{name}.part")
+    for name in (TREE, BUILT):
+        (OUT / f".{name}.part").replace(OUT / name)
+    return True
+
+
+def keep_build() -> Path:
+    """Copy OUT's TREE and BUILT to kept() (written aside, then renamed: a cut copy is never taken for one)."""
+    keep = kept()
+    keep.mkdir(parents=True, exist_ok=True)
+    for name in (TREE, BUILT):
+        shutil.copy2(OUT / name, keep / f".{name}.part")
+    for name in (TREE, BUILT):
+        (keep / f".{name}.part").replace(keep / name)
+    return keep
+
+
+def shown(path: Path) -> Path:
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
 
 
 def run(cmd: list[str], what: str, **kw) -> None:
@@ -145,13 +183,22 @@ def main() -> int:
         print("error: cuda_wheel.py takes no arguments (see its docstring)", file=sys.stderr)
         return 2
     try:
+        if restore():
+            tree = OUT / TREE
+            print(f"{shown(tree)}: {tree.stat().st_size / 2**20:.1f} MiB, the build kept in {kept()} "
+                  f"({(OUT / BUILT).read_text().strip()}); python scripts/pack_scale.py carries it")
+            return 0
         wheel = build(toolkit())
         tree = pack_tree(wheel)
     except (WheelError, OSError, zipfile.BadZipFile, tarfile.TarError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{wheel.relative_to(ROOT)}: {wheel.stat().st_size / 2**20:.1f} MiB, as installed {tree.relative_to(ROOT)} "
-          f"{tree.stat().st_size / 2**20:.1f} MiB; python scripts/pack_scale.py carries the latter")
+    try:
+        kept_in = f"kept in {keep_build()}"
+    except OSError as e:  # the build in OUT stands; only a later clone's shortcut is lost
+        kept_in = f"not kept ({e}: a later clone builds again)"
+    print(f"{shown(wheel)}: {wheel.stat().st_size / 2**20:.1f} MiB, as installed {shown(tree)} "
+          f"{tree.stat().st_size / 2**20:.1f} MiB, {kept_in}; python scripts/pack_scale.py carries the latter")
     return 0
 
 

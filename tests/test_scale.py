@@ -302,6 +302,48 @@ def test_the_cuda_build_travels_with_each_library_once(tmp_path, monkeypatch):
     assert (site / "llama_cpp" / "lib" / "libllama.so.0.5.0").read_bytes() == other
 
 
+def test_a_built_cuda_wheel_is_kept_for_the_next_clone(tmp_path, monkeypatch, capsys):
+    """cuda_wheel.py keeps its TREE and BUILT in the pin's cache folder once built; a later run (another clone's .gpu,
+    empty) copies them instead of building, byte for byte, and a run of a changed script does not take them."""
+    import zipfile
+
+    import cuda_wheel
+
+    monkeypatch.setenv("EAGLE3_GGUF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(sys, "argv", ["cuda_wheel.py"])
+    monkeypatch.setattr(cuda_wheel, "OUT", tmp_path / "clone1")
+    builds = []
+
+    def build(_cu):
+        builds.append(cuda_wheel.OUT)
+        cuda_wheel.OUT.mkdir()
+        wheel = cuda_wheel.OUT / "llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl"
+        with zipfile.ZipFile(wheel, "w") as z:
+            z.writestr("llama_cpp/lib/libggml-cuda.so", os.urandom(2048))
+        (cuda_wheel.OUT / cuda_wheel.BUILT).write_text("the pin, CUDA 13.0.88, sm_90-real\n")
+        return wheel
+
+    monkeypatch.setattr(cuda_wheel, "toolkit", lambda: tmp_path)
+    monkeypatch.setattr(cuda_wheel, "build", build)
+    assert cuda_wheel.main() == 0
+    assert "kept in" in capsys.readouterr().out
+    tree = (tmp_path / "clone1" / cuda_wheel.TREE).read_bytes()
+    assert (cuda_wheel.kept() / cuda_wheel.TREE).read_bytes() == tree
+    assert not list(cuda_wheel.kept().glob(".*.part"))
+
+    monkeypatch.setattr(cuda_wheel, "OUT", tmp_path / "clone2")
+    assert cuda_wheel.main() == 0
+    assert builds == [tmp_path / "clone1"]  # the second clone built nothing
+    assert (tmp_path / "clone2" / cuda_wheel.TREE).read_bytes() == tree
+    assert (tmp_path / "clone2" / cuda_wheel.BUILT).read_text() == "the pin, CUDA 13.0.88, sm_90-real\n"
+    assert "the build kept in" in capsys.readouterr().out
+
+    script = tmp_path / "cuda_wheel.py"  # the same script, one byte changed: another recipe, another key
+    script.write_bytes(Path(cuda_wheel.__file__).read_bytes() + b"\n")
+    monkeypatch.setattr(cuda_wheel, "__file__", str(script))
+    assert not cuda_wheel.restore()
+
+
 def test_the_lent_calls_dry_run(tmp_path, smollm2_path):
     """The GPU call's very script on this CPU: it makes the tiny models, runs the benchmark and writes results.md and
     results.json: a cost curve of 17 rows, the exact widths, every text target-only's, drafts kept at the profile."""
