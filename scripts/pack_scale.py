@@ -10,8 +10,8 @@ carries at most 64 MiB with the working tree (~19 MiB; pack_scale prints the sum
   (vendor/llama.cpp/models/*.gguf, 74 MB unpacked), no docs, benches or media (the build reads none of them);
 - the wheels of what the machine's image lacks (WHEELS: gguf, and llama-cpp-python's diskcache; pure Python), at the
   versions installed here;
-- the CUDA build scripts/cuda_wheel.py made here (cuda_wheel.TREE, with its BUILT line), in cuda/ where it is there:
-  the call unpacks it in seconds, and builds from the sdist only where it does not load;
+- the CUDA build scripts/cuda_wheel.py made here (cuda_wheel.TREE, with its BUILT line), in cuda/ where it is there
+  or kept from an earlier clone: the call unpacks it in seconds, and builds from the sdist only where it does not load;
 - SmolLM2's tokenizer alone (synthetic.write_vocab: the synthetic targets pad it), not the 94 MiB model: its
   exactness probe would take three calls of parts (scripts/pack_gpu.py's way), and the synthetic pairs' probes
   come with the benchmark;
@@ -110,6 +110,8 @@ def pack() -> None:
     synthetic.write_vocab(PACK / VOCAB, synthetic.default_tokenizer())
     files = [PACK / SDIST, *wheels, PACK / VOCAB]
     built = [cuda_wheel.OUT / cuda_wheel.TREE, cuda_wheel.OUT / cuda_wheel.BUILT]
+    if not all(f.exists() for f in built):
+        cuda_wheel.restore()  # a build an earlier clone made and kept: this clone's .gpu is new
     if all(f.exists() for f in built) and pin.sdist in built[1].read_text():  # a build of the pinned version
         (PACK / "cuda").mkdir()
         files += [Path(shutil.copy2(f, PACK / "cuda" / f.name)) for f in built]
