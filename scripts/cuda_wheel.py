@@ -59,27 +59,28 @@ def kept() -> Path:
     return read_pin().cache_dir / f"cuda-{key}"
 
 
-def restore() -> bool:
-    """Copy a kept build into OUT (True), where one is kept for this script and pin."""
+def _copy_build(src: Path, dst: Path) -> None:
+    """TREE and BUILT from src into dst, each written aside and then renamed: a cut copy is never taken for one."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in (TREE, BUILT):
+        shutil.copy2(src / name, dst / f".{name}.part")
+    for name in (TREE, BUILT):
+        (dst / f".{name}.part").replace(dst / name)
+
+
+def restore() -> Path | None:
+    """Copy a kept build into OUT, where one is kept for this script and pin: where it was kept (None: none is)."""
     keep = kept()
     if not all((keep / name).is_file() for name in (TREE, BUILT)):
-        return False
-    OUT.mkdir(parents=True, exist_ok=True)
-    for name in (TREE, BUILT):
-        shutil.copy2(keep / name, OUT / f".{name}.part")
-    for name in (TREE, BUILT):
-        (OUT / f".{name}.part").replace(OUT / name)
-    return True
+        return None
+    _copy_build(keep, OUT)
+    return keep
 
 
 def keep_build() -> Path:
-    """Copy OUT's TREE and BUILT to kept() (written aside, then renamed: a cut copy is never taken for one)."""
+    """Copy OUT's TREE and BUILT to kept(): where they are kept."""
     keep = kept()
-    keep.mkdir(parents=True, exist_ok=True)
-    for name in (TREE, BUILT):
-        shutil.copy2(OUT / name, keep / f".{name}.part")
-    for name in (TREE, BUILT):
-        (keep / f".{name}.part").replace(keep / name)
+    _copy_build(OUT, keep)
     return keep
 
 
@@ -183,9 +184,10 @@ def main() -> int:
         print("error: cuda_wheel.py takes no arguments (see its docstring)", file=sys.stderr)
         return 2
     try:
-        if restore():
+        keep = restore()
+        if keep is not None:
             tree = OUT / TREE
-            print(f"{shown(tree)}: {tree.stat().st_size / 2**20:.1f} MiB, the build kept in {kept()} "
+            print(f"{shown(tree)}: {tree.stat().st_size / 2**20:.1f} MiB, the build kept in {keep} "
                   f"({(OUT / BUILT).read_text().strip()}); python scripts/pack_scale.py carries it")
             return 0
         wheel = build(toolkit())

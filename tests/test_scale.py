@@ -341,7 +341,7 @@ def test_a_built_cuda_wheel_is_kept_for_the_next_clone(tmp_path, monkeypatch, ca
     script = tmp_path / "cuda_wheel.py"  # the same script, one byte changed: another recipe, another key
     script.write_bytes(Path(cuda_wheel.__file__).read_bytes() + b"\n")
     monkeypatch.setattr(cuda_wheel, "__file__", str(script))
-    assert not cuda_wheel.restore()
+    assert cuda_wheel.restore() is None
 
 
 def test_the_lent_calls_dry_run(tmp_path, smollm2_path):
