@@ -22,7 +22,8 @@ Per shape (scripts/synthetic.py makes the pair into --work unless it is there al
   tokens x t(1 row) / sum over cycles of (t(verify rows) + steps x draft step + catch-up); achieved/ceiling is the
   share of it the run kept (the rest is Python, cold caches, the sampler).
 Where a goal is missed (the default policy at the 3.09 profile: 2x target-only, 80% of the ceiling, Python at most
-3% of a cycle; stated for 8B on an H100/H200), the table says which part of a cycle took the time.
+3% of a cycle; stated for 8B on an H100/H200), the table says which part of a cycle took the time; beside the goals,
+the bound the curve alone sets at the goal's profile (the best chain were drafting free, and at the head's prices).
 
 A table (markdown) on stdout; --out DIR writes results.md and results.json after every shape, so that a run cut
 short keeps what finished. Prompts are seeded token ids (the synthetic text is noise; acceptance is replayed).
@@ -741,11 +742,38 @@ def goals(res: ShapeResult) -> list[str]:
                f"{o.median / ceiling:.0%} of {ceiling:.2f}x" if ceiling else "no ceiling"),
               (f"Python <= {GOAL_PYTHON:.0%} of a cycle", share <= GOAL_PYTHON, f"{share:.1%}")]
     out = [f"{'met' if ok else 'MISSED'}: {what} ({got})" for what, ok, got in checks]
+    b = bound(res.physics, replay.PROFILES[GOAL_PROFILE])
+    out.append(f"the curve bounds any chain at {GOAL_PROFILE} to {b.free:.2f}x (K={b.free_k}) with drafting free, "
+               f"{b.head:.2f}x (K={b.head_k}) at the head's step and catch-up"
+               + (f": {GOAL_SPEEDUP:g}x needs a flatter verify curve on this device and type"
+                  if b.free < GOAL_SPEEDUP else ""))
     if not all(ok for _, ok, _ in checks):
         ms = o.per_cycle_ms()
         out.append("a cycle's time (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in ms.items())
                    + f"; one verify row on the curve {res.physics.verify_ms[0]:.3f}")
     return out
+
+
+@dataclass
+class Bound:
+    """The best speed any chain of drafts can reach at a profile on the physics' curve (against target-only at one
+    row's price a token), were nothing but the verify rows to cost (free) or the verify rows and the head's step and
+    catch-up (head): what the device's curve allows, whatever the loop around it does."""
+
+    free: float
+    free_k: int
+    head: float
+    head_k: int
+
+
+def bound(ph: Physics, profile: replay.Profile) -> Bound:
+    """Bound over chains of 0..ROWS-1 drafts: tau(k) x t(1 row) / (t(k + 1 rows) [+ k x step + catch-up])."""
+    t1 = ph.verify_ms[0]
+    free = [(profile.tau(k) * t1 / ph.verify_ms[k], k) for k in range(len(ph.verify_ms))]
+    head = [(profile.tau(k) * t1 / (ph.verify_ms[k] + (k * ph.draft_step_ms + ph.catch_up_ms if k else 0.0)), k)
+            for k in range(len(ph.verify_ms))]
+    (f, fk), (h, hk) = max(free), max(head)
+    return Bound(f, fk, h, hk)
 
 
 def physics_lines(ph: Physics) -> str:

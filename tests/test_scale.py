@@ -207,6 +207,17 @@ def test_the_frozen_default_prices_cycles_as_the_physics_measured():
     assert curve.verify(2) == 0.005
 
 
+def test_the_bound_is_the_best_chain_on_the_curve():
+    """At vllm-8b (tau 1.8 at K=1, 2.4 at K=2) on a 4 / 5 / 6 ms curve: free, K=2 gives 2.4 x 4 / 6; at a 0.5 ms
+    step and a 0.25 ms catch-up, 2.4 x 4 / 7.25 beats K=1's 1.8 x 4 / 5.75."""
+    ph = bench_scale.Physics([4.0, 5.0, 6.0], 0.5, 0.25, 1.0, 1, 3, 0.1, 0.2)
+    b = bench_scale.bound(ph, VLLM)
+    assert (b.free_k, b.head_k) == (2, 2)
+    assert abs(b.free - 2.4 * 4 / 6) < 1e-9 and abs(b.head - 2.4 * 4 / 7.25) < 1e-9
+    dear = bench_scale.bound(bench_scale.Physics([4.0, 8.0, 12.0], 0.5, 0.25, 1.0, 1, 3, 0.1, 0.2), VLLM)
+    assert (dear.free, dear.free_k, dear.head, dear.head_k) == (1.0, 0, 1.0, 0)  # no draft pays: target-only
+
+
 def test_the_benchmark_drafts_with_the_head_type_convert_writes():
     from eagle3_gguf.convert.convert import DEFAULT_OUTTYPE
 
@@ -390,5 +401,6 @@ def test_the_lent_calls_dry_run(tmp_path, smollm2_path):
             assert len(runs["vllm-8b", "adaptive (default), --exact off"]["speedup"]) == n
         k2 = runs["vllm-8b", f"fixed K=2{bench_scale.IN_GRAPH}"]  # the head's tokens chosen in its graph
         assert ("vllm-8b", f"{bench_scale.GOAL_CONTENDER}{bench_scale.IN_GRAPH}") in runs and k2["tau"] > 1.5
+        assert any(g.startswith("the curve bounds any chain at vllm-8b to ") for g in s["goals"])
         k4 = runs["vllm-8b", "fixed K=4"]
         assert abs(k4["acceptance"][0] - VLLM.p(0)) < 0.2 and k4["tau"] > 2.0 and k4["ceiling"] > 0
