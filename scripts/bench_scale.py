@@ -51,7 +51,7 @@ from typing import Callable
 
 # llama.cpp's library before numpy, gguf and the rest: on the lent GPU's image a process that had loaded numpy (or
 # sentencepiece, or tokenizers) first segfaulted in llama.cpp's tokenizer set-up at model load (bench/NOTES.md)
-import llama_cpp  # noqa: F401,I001
+import llama_cpp  # noqa: I001
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
@@ -164,6 +164,11 @@ class Parts:
     draft_graph1_ms: float = 0.0
     draft_logits4_ms: float = 0.0
     draft_graph4_ms: float = 0.0
+    # the 5-row verify split where the loop waits: llama_decode's return (the host's work: graph build, launches)
+    # and then llama_synchronize's wait (the device finishing). On a CPU the graph runs inside llama_decode, so the
+    # wait is ~0; where it is not, Python placed between the two runs free, hidden behind the device.
+    target_verify5_return_ms: float = 0.0
+    target_verify5_wait_ms: float = 0.0
 
 
 @dataclass
@@ -331,6 +336,23 @@ def time_parts(spec: Speculator, heads: list[HeadBeside]) -> Parts:
         five.set([0] * 5, 5 * i, logits="all")
         target.decode(five)
 
+    def verify5_split() -> tuple[float, float]:
+        """Medians of llama_decode's return and then llama_synchronize's wait, the 5-row verify each time."""
+        ret, wait = [], []
+        for i in range(PART_RUNS):
+            five.set([0] * 5, 5 * i, logits="all")
+            t0 = time.perf_counter()
+            rc = llama_cpp.llama_decode(target.ptr, five.struct)
+            t1 = time.perf_counter()
+            llama_cpp.llama_synchronize(target.ptr)
+            t2 = time.perf_counter()
+            if rc != 0:
+                raise Eagle3Error(f"a 5-row verify failed (rc={rc})")
+            ret.append(t1 - t0)
+            wait.append(t2 - t1)
+        target.clear()
+        return 1e3 * statistics.median(ret), 1e3 * statistics.median(wait)
+
     def one_step_draft(n_alt: int) -> Callable[[int], None]:
         def run(i: int) -> None:  # the seed step again at the same position: the same graph each time
             session.draft(0, 1, lambda confs, n_max: 1, n_alt=n_alt)
@@ -360,6 +382,7 @@ def time_parts(spec: Speculator, heads: list[HeadBeside]) -> Parts:
         row = median_ms(target_row, target.clear)
         row_after = median_ms(target_row_after, target.clear, target_pair)
         verify5 = median_ms(target_verify5, target.clear)
+        split = verify5_split()
         extract.enable(False)
         plain = median_ms(target_row, target.clear)
         types = time_head_types(heads, session.n_embd)
@@ -369,7 +392,7 @@ def time_parts(spec: Speculator, heads: list[HeadBeside]) -> Parts:
         session.reset()
         for b in (dec, enc, one, two, pair, five):
             b.close()
-    return Parts(step, fc, row, plain, step_after, row_after, verify5, types, *reads)
+    return Parts(step, fc, row, plain, step_after, row_after, verify5, types, *reads, *split)
 
 
 def time_head_types(heads: list[HeadBeside], n_embd: int) -> list[HeadTypeCost]:
@@ -793,7 +816,9 @@ def physics_lines(ph: Physics) -> str:
                          f"- the same 1-row graphs right after one of 2 rows (a cycle's order): the head's "
                          f"{ph.parts.head_decode_after_ms:.3f} ms, the target's {ph.parts.target_row_after_ms:.3f} ms",
                          f"- a 5-row target verify repeated: {ph.parts.target_verify5_ms:.3f} ms (median; the curve's, "
-                         f"the least of its repeated runs: {ph.verify_ms[4]:.3f} ms)",
+                         f"the least of its repeated runs: {ph.verify_ms[4]:.3f} ms); llama_decode returns after "
+                         f"{ph.parts.target_verify5_return_ms:.3f} ms, then llama_synchronize waits "
+                         f"{ph.parts.target_verify5_wait_ms:.3f} ms (what Python between the two would run hidden)",
                          f"- a one-step draft, its token read from the logits / chosen in the head's graph: "
                          f"{ph.parts.draft_logits1_ms:.3f} / {ph.parts.draft_graph1_ms:.3f} ms; with 3 runner-ups "
                          f"{ph.parts.draft_logits4_ms:.3f} / {ph.parts.draft_graph4_ms:.3f} ms"]
