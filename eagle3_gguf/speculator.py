@@ -457,21 +457,25 @@ class Speculator:
             # out of the caches, so it touches as little as it can (each step here costs microseconds).
             rows = [id_last]
             self.batch.set_one(id_last, pos)
+            native0 = self.target.t_native
             t = time.perf_counter()
             self.decode(self.batch)
             out = [pick(rows, pos, 0)]
             t_verify = time.perf_counter() - t
             st.t_target += t_verify
+            st.t_target_native += self.target.t_native - native0
             st.n_target_forwards += 1
             st.record_rows(1)
             if session is not None:
                 st.accept_hist[0] += 1  # st.record_cycle(0, 0)
+                native0 = self.native_time()
                 t = time.perf_counter()
                 if policy.keep_rows or seedless:
                     session.keep(rows, pos)
                 else:
                     session.skip(rows, pos)
                 st.t_process += time.perf_counter() - t
+                st.t_process_native += self.native_time() - native0
                 policy.observe_plain(t_verify)
             return Cycle(pos, rows, out, 0)
         draft, tree = None, None
@@ -498,6 +502,7 @@ class Speculator:
             st.t_draft_native += session.draft_ctx.t_native - native0
             t_draft -= session.t_aside - aside0  # what the policy learns from: the head's time alone
         drafts = draft.tokens if draft is not None else []
+        native0 = self.target.t_native
         t = time.perf_counter()
         o = len(redo)  # rows before id_last: the last tree cycle's kept branch
         pos0 = pos - o
@@ -526,6 +531,7 @@ class Speculator:
             policy.observe_tree(tree, w.path)
         t_verify = time.perf_counter() - t
         st.t_target += t_verify
+        st.t_target_native += self.target.t_native - native0
         st.n_target_forwards += 1
         n_rows = o + 1 + (tree.n_nodes if tree is not None else len(drafts))
         st.record_rows(n_rows)
@@ -533,6 +539,7 @@ class Speculator:
             st.record_cycle(len(drafts) if tree is None else max(tree.depths), n_acc)  # a tree: the depths drafted
             if tree is not None:
                 st.record_tree(tree.n_nodes, on_chain < n_acc)
+            native0 = self.native_time()
             t = time.perf_counter()
             if draft is not None and found is None:  # the head ran: its speculative entries go
                 session.accept(n_acc)
@@ -542,6 +549,7 @@ class Speculator:
             else:
                 session.skip(kept, pos)
             st.t_process += time.perf_counter() - t
+            st.t_process_native += self.native_time() - native0
             if found is not None:
                 st.record_lookup(len(drafts), n_acc)
                 policy.observe_lookup(found.n, len(drafts), n_acc, t_verify, len(out), n_rows)

@@ -68,10 +68,12 @@ class SpecStats:
     verify_rows: list[int] = field(default_factory=list)  # [rows_max + 1]: verify cycles by the rows decoded (1: plain)
     t_prefill: float = 0.0
     t_target: float = 0.0  # verify decodes + choosing tokens
+    t_target_native: float = 0.0  # of t_target: inside llama.cpp (the verify graphs)
     t_draft: float = 0.0  # Eagle3Session.draft
     t_draft_native: float = 0.0  # of t_draft: inside llama.cpp (the head's graphs; the rest is choosing tokens)
     t_lookup: float = 0.0  # lookup proposals and the policy's choice over them
     t_process: float = 0.0  # Eagle3Session.accept + process (encoder + decoder on kept rows)
+    t_process_native: float = 0.0  # of t_process: inside llama.cpp
     t_total: float = 0.0  # generation after the prompt, everything included
     t_native: float = 0.0  # of t_total: inside llama.cpp (target + draft decodes and encodes)
     stop_reason: str = ""
@@ -166,6 +168,15 @@ class SpecStats:
         """Of t_python, the part inside drafting: choosing each draft step's token from the head's logits."""
         return max(self.t_draft - self.t_draft_native, 0.0)
 
+    @property
+    def python_by_stage(self) -> dict[str, float]:
+        """t_python by the cycle's stage, in ms a cycle: drafting, verifying (choosing the target's tokens), processing
+        the kept rows, and the rest (the policy, the statistics, the loop and its caller)."""
+        stages = {"drafting": self.t_draft_python, "verifying": max(self.t_target - self.t_target_native, 0.0),
+                  "processing": max(self.t_process - self.t_process_native, 0.0)}
+        stages["the rest"] = max(self.t_python - sum(stages.values()), 0.0)
+        return {name: self.per_cycle_ms(t) for name, t in stages.items()}
+
     def policy_rows(self) -> list[tuple[str, str]]:
         p = self.policy
         rows = [("draft policy", p.name),
@@ -190,7 +201,7 @@ class SpecStats:
         d = asdict(self)
         d.update(acceptance_rate=self.acceptance_rate, tau=self.tau, tokens_per_second=self.tokens_per_second,
                  t_overhead=self.t_overhead, t_python=self.t_python, python_per_cycle_ms=self.python_per_cycle_ms,
-                 t_draft_python=self.t_draft_python,
+                 t_draft_python=self.t_draft_python, python_by_stage=self.python_by_stage,
                  acceptance_by_pos=self.acceptance_by_pos())
         return d
 
@@ -226,9 +237,8 @@ class SpecStats:
             ("time: target / draft / process / other",
              f"{self.t_target:.2f}s {self.t_draft:.2f}s {self.t_process:.2f}s {self.t_overhead:.2f}s "
              f"({self.t_target / t:.0%} {self.t_draft / t:.0%} {self.t_process / t:.0%} {self.t_overhead / t:.0%})"),
-            ("python per cycle", f"{self.python_per_cycle_ms:.2f} ms (outside llama.cpp"
-             + (f"; {self.per_cycle_ms(self.t_draft_python):.2f} ms of it drafting)"
-                if self.t_draft else ")")),
+            ("python per cycle", f"{self.python_per_cycle_ms:.2f} ms (outside llama.cpp: "
+             + ", ".join(f"{name} {ms:.2f}" for name, ms in self.python_by_stage.items()) + ")"),
             ("prompt time", f"{self.t_prefill:.2f}s"),
             ("speed", f"{self.tokens_per_second:.1f} tok/s"),
             ("stopped by", self.stop_reason),

@@ -203,6 +203,8 @@ class Outcome:
     t_process: float = 0.0
     t_python: float = 0.0
     t_draft_python: float = 0.0  # of t_python: choosing the drafts' tokens (the replay's own left out)
+    t_verify_python: float = 0.0  # of t_python: around the verify graphs (choosing the target's tokens)
+    t_process_python: float = 0.0  # of t_python: around processing the kept rows
     curve_s: float = 0.0  # what the cycles cost at the curve's prices
     head_runs: int = 0  # the head's decoder runs: draft steps and catch-ups (the replayed sessions')
 
@@ -230,6 +232,10 @@ class Outcome:
         return {"verify": 1e3 * self.t_target / n, "draft": 1e3 * self.t_draft / n,
                 "process": 1e3 * self.t_process / n, "other": 1e3 * max(other, 0.0) / n,
                 "python": 1e3 * self.t_python / n, "python drafting": 1e3 * self.t_draft_python / n,
+                "python verifying": 1e3 * self.t_verify_python / n,
+                "python processing": 1e3 * self.t_process_python / n,
+                "python, the rest": 1e3 * max(self.t_python - self.t_draft_python - self.t_verify_python
+                                              - self.t_process_python, 0.0) / n,
                 "draft per head run": 1e3 * self.t_draft / self.head_runs if self.head_runs else 0.0}
 
 
@@ -637,6 +643,8 @@ def _add(o: Outcome, r: ScaleRun, ratio: float, identical: bool, verify_s: list[
     o.t_process += st.t_process
     o.t_python += max(st.t_python - r.t_aside, 0.0)
     o.t_draft_python += max(st.t_draft_python - r.t_aside, 0.0)
+    o.t_verify_python += max(st.t_target - st.t_target_native, 0.0)
+    o.t_process_python += max(st.t_process - st.t_process_native, 0.0)
     o.curve_s += sum(c * verify_s[min(n, len(verify_s)) - 1] for n, c in enumerate(st.verify_rows) if c) \
         + r.steps * step_s + r.cycles * catch_s
     o.head_runs += r.steps + r.cycles
@@ -844,7 +852,8 @@ def table(results: list[ShapeResult]) -> str:
         lines.append(f"- prompts measured: {res.prompts}" + (f" ({res.stopped})" if res.stopped else ""))
         lines += ["", "| profile | contender | tok/s | speedup, median (min) | tau | kept by position, conditional "
                   "| identical | resyncs | ceiling | achieved / ceiling | Python ms / cycle (share) "
-                  "| of it drafting | per cycle ms: verify / draft / process / other | draft ms per head run |",
+                  "| of it: drafting / verifying / processing / the rest "
+                  "| per cycle ms: verify / draft / process / other | draft ms per head run |",
                   "|" + "---|" * 14]
         t1 = ph.verify_ms[0] / 1e3 if ph else 0.0
         n = len(res.outcomes[0].speedup) if res.outcomes else 0
@@ -857,7 +866,8 @@ def table(results: list[ShapeResult]) -> str:
                 f"{' '.join(f'{a:.2f}' for a in o.acceptance())} | {o.identical}/{n} | {o.resyncs} | "
                 + (f"{ceil:.2f}x | {o.median / ceil:.0%}" if ceil else " | ")
                 + f" | {ms['python']:.3f} ({o.t_python / o.t_total if o.t_total else 0:.1%}) | "
-                f"{ms['python drafting']:.3f} | "
+                f"{ms['python drafting']:.3f} / {ms['python verifying']:.3f} / {ms['python processing']:.3f} / "
+                f"{ms['python, the rest']:.3f} | "
                 f"{ms['verify']:.2f} / {ms['draft']:.2f} / {ms['process']:.2f} / {ms['other']:.2f} | "
                 f"{ms['draft per head run']:.3f} |")
         if res.goals:

@@ -108,6 +108,11 @@ def test_cli_generate_accepts_drafts(count_text):
     assert st["n_drafted"] > 0 and st["n_accepted"] > 0 and st["tau"] > 1.0, st
     assert st["n_generated"] == N == st["n_target_forwards"] + st["n_accepted"]
     assert st["n_accepted"] == sum(st["accepted_by_pos"])
+    # the loop's Python by stage: every graph of a cycle timed inside its stage, so the stages add up to the whole
+    stages = st["python_by_stage"]
+    assert list(stages) == ["drafting", "verifying", "processing", "the rest"] and min(stages.values()) >= 0, stages
+    assert stages["drafting"] > 0 and stages["verifying"] > 0
+    assert abs(sum(stages.values()) - st["python_per_cycle_ms"]) < 1e-6, stages
     base = d["baseline"]
     assert base["n_accepted"] == 0 and base["n_target_forwards"] == base["n_generated"] == N
     assert d["identical"] is True
