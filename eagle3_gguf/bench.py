@@ -135,15 +135,24 @@ def zip_longest_skip(sets: list[list]) -> Iterator[list]:
         yield [s[i] for s in sets if i < len(s)]
 
 
+def read_prompt_file(path: Path, what: str = "") -> str:
+    """-f's file as UTF-8 text: a file, or a pipe (`-f <(...)`); `what`: what its lines hold, for the error."""
+    if path.is_dir():
+        raise Eagle3Error(f"{path} is a directory: -f takes a text file")
+    if not path.exists():
+        raise Eagle3Error(f"{path}: no such prompt file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise Eagle3Error(f"{path}: not UTF-8 text{what}") from None
+    except OSError as e:
+        raise Eagle3Error(f"{path}: cannot read it ({e.strerror})") from None
+
+
 def load_jsonl(path: Path, limit: int | None = None) -> list[BenchPrompt]:
     """A user's prompts: one per line, a JSON object with "text" (and optionally "id"; default: the line's number)
     or a JSON string. The workload is named for the file."""
-    if not path.is_file():
-        raise Eagle3Error(f"{path}: no such prompt file")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise Eagle3Error(f"{path}: not UTF-8 text (one JSON object or string a line)") from None
+    lines = read_prompt_file(path, " (one JSON object or string a line)").splitlines()
     out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():

@@ -149,6 +149,11 @@ class Runner:
         target.set_greedy_sampling(sampler.temperature <= 0.0 and target.owned and self.graph_picks
                                    and greedy_in_graph(target))
 
+    def check_prompt(self, prompt: list[int]) -> None:
+        """That the prompt leaves the context room for a token (stream checks it; a caller can before prepare)."""
+        if len(prompt) >= self.target.n_ctx:
+            raise Eagle3Error(f"the prompt has {len(prompt)} tokens, the context only {self.target.n_ctx}: raise -c")
+
     def prepare(self, config: GenerateConfig, sampler: Sampler | None = None) -> ExactReport:
         """Speculator.prepare for runs with `sampler` (default: greedy): the exactness probe and the cost curve now,
         the verify rows read as those runs will read them."""
@@ -158,8 +163,7 @@ class Runner:
     def stream(self, prompt: list[int], config: GenerateConfig, sampler: Sampler,
                speculative: bool = True) -> Iterator[list[int]]:
         """Yield the new tokens of each cycle; `self.stats` is up to date after every yield."""
-        if len(prompt) >= self.target.n_ctx:
-            raise Eagle3Error(f"the prompt has {len(prompt)} tokens, the context only {self.target.n_ctx}: raise -c")
+        self.check_prompt(prompt)
         speculative = speculative and self.session is not None and config.draft_max > 0
         target = self.target
         self._choose(sampler)

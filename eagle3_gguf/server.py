@@ -66,6 +66,8 @@ class ServeConfig:
     parallel: int = 1  # requests served at once (slots.SlotPool), n_ctx split among them; 1: one at a time
     n_gpu_layers: int = 0  # the target's layers on the GPU (< 0: all), llama-cpp-python's n_gpu_layers
     n_gpu_layers_draft: int | None = None  # the head's; None: as the target's
+    cache_type_k: str = "f16"  # the target's KV cache (native.CACHE_TYPES), llama.cpp's -ctk
+    cache_type_v: str = "auto"  # -ctv; auto: pair.default_type_v (bf16 on a CPU, for exactness)
     api_key: str | None = None  # requests must send it (Authorization: Bearer KEY); None: none asked
     rpc_servers: tuple[str, ...] = ()  # rpc-server hosts for the target's offloaded layers (eagle3_gguf.rpc)
     rpc_backend: str | None = None  # the RPC client module, where llama-cpp-python has none built in
@@ -113,7 +115,7 @@ def build_app(config: ServeConfig):
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
     from .llama import attach_eagle3
-    from .native import CACHE_TYPES
+    from .native import CACHE_TYPES, cache_type
     from .pair import check_kv_memory, default_type_v, read_pair
 
     target, _ = read_pair(config.model, config.draft)  # a mismatched pair fails here with one line, before loading
@@ -121,7 +123,11 @@ def build_app(config: ServeConfig):
         rpc.connect(config.rpc_servers, config.rpc_backend)
 
     def load(settings):
-        llm = LlamaProxy.load_llama_from_model_settings(settings)
+        try:
+            llm = LlamaProxy.load_llama_from_model_settings(settings)
+        except ValueError as e:  # llama-cpp-python's "Failed to create llama_context" and the like
+            raise Eagle3Error(f"{config.model}: {e} (n_ctx={settings.n_ctx}, KV cache {config.cache_type_k}/"
+                              f"{config.cache_type_v}; -v shows llama.cpp's reason)") from None
         try:
             return attach_eagle3(llm, config.draft, draft_config=config.drafting,
                                  n_gpu_layers_draft=config.n_gpu_layers_draft)
@@ -164,11 +170,13 @@ def build_app(config: ServeConfig):
     n_ctx = config.n_ctx // config.parallel
     if config.parallel > 1:
         extra["logits_all"] = False
-    type_v = CACHE_TYPES[default_type_v(config.n_gpu_layers, bool(config.rpc_servers))]  # EXACTNESS (llama.py)
-    check_kv_memory(target, config.n_ctx, CACHE_TYPES["f16"], type_v, config.n_gpu_layers, bool(config.rpc_servers))
+    type_k = cache_type(config.cache_type_k)
+    type_v = CACHE_TYPES[default_type_v(config.n_gpu_layers, bool(config.rpc_servers))] \
+        if config.cache_type_v == "auto" else cache_type(config.cache_type_v)  # EXACTNESS (llama.py)
+    check_kv_memory(target, config.n_ctx, type_k, type_v, config.n_gpu_layers, bool(config.rpc_servers))
     model_settings = ModelSettings(model=str(config.model), model_alias=config.model_alias, n_ctx=n_ctx,
-                                   n_gpu_layers=config.n_gpu_layers, flash_attn=True, type_v=type_v, verbose=False,
-                                   **extra)
+                                   n_gpu_layers=config.n_gpu_layers, flash_attn=True, type_k=type_k, type_v=type_v,
+                                   verbose=False, **extra)
     server_settings = ServerSettings(host=config.host, port=config.port, interrupt_requests=config.interrupt_requests,
                                      api_key=config.api_key)
     app = create_app_with(server_app, Eagle3LlamaProxy, server_settings, model_settings)

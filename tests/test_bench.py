@@ -102,6 +102,7 @@ def test_bad_flags_and_files_are_one_line_exit_2(tmp_path, tiny_target):
                    "--contenders names none: name one or more (e.g. default,k2), or leave it out for the defaults")
     missing = tmp_path / "missing.jsonl"
     one_line_error(invoke("-f", str(missing)), f"{missing}: no such prompt file")
+    one_line_error(invoke("-f", str(tmp_path)), f"{tmp_path} is a directory: -f takes a text file")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": \n')
     one_line_error(invoke("-f", str(bad)), f"{bad}:2: not JSON (one object with \"text\", or a string, a line)")

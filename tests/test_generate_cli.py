@@ -119,6 +119,24 @@ def test_a_prompt_file_that_is_no_text_is_one_line(tiny_target, tiny_head, tmp_p
         one_line_error(invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-f", str(path)), expected)
 
 
+
+def test_a_prompt_from_a_pipe_is_read(tiny_target, tiny_head):
+    """-f <(...) hands a pipe (/dev/fd/N), not a file: its text is the prompt, as -p's."""
+    import os
+
+    args = ("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-n", "6", "--json")
+    r, w = os.pipe()
+    os.write(w, b"The capital of France is")
+    os.close(w)
+    try:
+        piped = invoke(*args, "-f", f"/dev/fd/{r}")
+    finally:
+        os.close(r)
+    typed = invoke(*args, "-p", "The capital of France is")
+    assert piped.exit_code == typed.exit_code == 0, piped.output
+    assert json.loads(piped.stdout)["text"] == json.loads(typed.stdout)["text"]
+
+
 def test_a_head_with_nan_weights_is_one_line(tiny_target, tiny_head, tmp_path):
     """A head whose weights hold NaN (convert refuses such checkpoints; a file from elsewhere may not): its draft
     steps give no probability, and generate says so in one line where the policy failed on a NaN deep inside."""
@@ -152,10 +170,13 @@ def test_a_context_past_the_free_memory_is_one_line(tiny_target, tiny_head, monk
                    "this machine has free: lower -c (n_ctx)")
 
 
-def test_prompt_longer_than_context(tiny_target, tiny_head):
+def test_prompt_longer_than_context(tiny_target, tiny_head, tmp_path, monkeypatch):
+    """Said before the exactness probe and the cost curve are measured (seconds on a new set-up, and two lines)."""
+    monkeypatch.setenv("EAGLE3_GGUF_CACHE", str(tmp_path))  # a new set-up: nothing measured yet
     one_line_error(invoke("generate", "-m", str(tiny_target), "--draft", str(tiny_head), "-c", "256",
                           "-p", "word " * 400),
                    "the prompt has 401 tokens, the context only 256: raise -c")  # 400 words + the trailing space
+    assert not (tmp_path / "exact").exists() and not (tmp_path / "costs").exists()
 
 
 def test_generate_json_with_baseline(tiny_target, tiny_head):

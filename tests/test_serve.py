@@ -154,7 +154,8 @@ def test_api_key(tiny_target, tiny_head, plain, tmp_path):
                                             extra_body=EXTRA)
         assert "".join(chunk.choices[0].text for chunk in streamed) == want
         assert status_of(port, "GET", "/v1/eagle3/stats", right)[0] == 200
-    assert "requests need the API key" in banner[0] and not any("warning" in line for line in banner)
+    serving_line = next(line for line in banner if line.startswith("serving "))  # after any first-run measuring
+    assert "requests need the API key" in serving_line and not any("warning" in line for line in banner)
 
 
 def test_the_key_guards_what_llama_cpp_python_guards():
@@ -203,7 +204,8 @@ def test_an_open_host_without_a_key_is_warned_about(tiny_target, tiny_head):
     banner: list[str] = []
     with serving(tiny_target, tiny_head, "--host", "0.0.0.0", banner=banner):
         pass
-    assert banner[0] == "warning: serving on 0.0.0.0 without --api-key: anyone who reaches this port can use the model"
+    warned = [line for line in banner if not line.startswith("measuring ")]  # a first run measures before it
+    assert warned[0] == "warning: serving on 0.0.0.0 without --api-key: anyone who reaches this port can use the model"
 
 
 def test_lists_the_model(client):
@@ -241,6 +243,39 @@ def test_completion_and_stop(client, plain):
                                     extra_body=EXTRA)
     want = plain.create_completion(PROMPT, max_tokens=30, stop=[stop], **PLAIN)
     assert (got.choices[0].text, got.choices[0].finish_reason) == (want["choices"][0]["text"], "stop")
+
+
+def test_the_kv_cache_types_are_llama_cpps_flags(tiny_target, tiny_head, tmp_path):
+    """-ctk / -ctv as generate's and llama-server's: the served target's cache holds them, and its greedy text is a
+    plain Llama's with the same cache."""
+    port, log = free_port(), tmp_path / "serve.log"
+    with open(log, "w") as err:  # -v's llama.cpp log: a file, where a pipe nobody reads would fill and stall it
+        proc = subprocess.Popen([sys.executable, "-m", "eagle3_gguf.cli.main", "serve", "-m", str(tiny_target),
+                                 "--draft", str(tiny_head), "--port", str(port), "-c", str(N_CTX), "--alias", ALIAS,
+                                 "-t", "2", "-ctk", "bf16", "-ctv", "f16", "-v"], stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            wait_ready(proc, port)
+            got = openai_client(port).completions.create(model=ALIAS, prompt=PROMPT, max_tokens=20, temperature=0,
+                                                         extra_body=EXTRA)
+        finally:
+            stop(proc, timeout=20)
+    banner = log.read_text().splitlines()
+    with closing(llama_cpp.Llama(model_path=str(tiny_target), n_ctx=N_CTX, flash_attn=True, type_k=CACHE_TYPES["bf16"],
+                                 type_v=CACHE_TYPES["f16"], verbose=False)) as plain_same:
+        want = plain_same.create_completion(PROMPT, max_tokens=20, **PLAIN)
+    assert got.choices[0].text == want["choices"][0]["text"]
+    kv = [line for line in banner if "llama_kv_cache: size" in line]
+    # the target's cache as asked (its default: K f16, V bf16); the head's keeps its own
+    assert any("K (bf16)" in line and "V (f16)" in line for line in kv) and not any("V (bf16)" in x for x in kv), kv
+
+
+def test_a_cache_type_llama_cpp_refuses_is_one_line(tiny_target, tiny_head):
+    """q8_0's blocks of 32 do not divide the tiny target's head size of 16: llama.cpp makes no context."""
+    r = subprocess.run([sys.executable, "-m", "eagle3_gguf.cli.main", "serve", "-m", str(tiny_target), "--draft",
+                        str(tiny_head), "-ctk", "q8_0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [f"error: {tiny_target}: Failed to create llama_context (n_ctx=4096, KV "
+                                             "cache q8_0/auto; -v shows llama.cpp's reason)"]
 
 
 def test_unknown_model_gets_the_models_answer(client, plain):
@@ -380,6 +415,11 @@ def test_an_address_it_cannot_listen_on_is_one_line_before_loading(tiny_target, 
     (["--api-key", "clé"], "the API key must be printable ASCII (what an HTTP Authorization header carries)"),
     (["--api-key-file", "TMP/missing"], "TMP/missing: cannot read the API key (No such file or directory)"),
     (["-ngl", "some"], "-ngl must be a number of layers, 'auto' or 'all' (got some)"),
+    (["-ctv", "foo"], "unknown KV cache type 'foo' for -ctv (one of: auto, f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, "
+                      "q5_0, q5_1)"),
+    (["-ctk", "auto"], "unknown KV cache type 'auto' (one of: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1)"),
+    (["-ts", "head"], "serve places the target's layers as llama-cpp-python does (-ngl, --rpc): --tensor-split is "
+                      "generate's and bench's"),
     (["--parallel", "4", "--interrupt-requests"],
      "--interrupt-requests ends one running stream for the next request: use it with --parallel 1"),
     (["--parallel", "2", "--draft-max", "0"],

@@ -134,6 +134,8 @@ def test_train_bad_numbers_paths_and_devices_are_one_line_before_any_data(tmp_pa
             (["--lr", "inf"], "--lr must be a number, 0 or more (got inf)"),
             (["--max-data-gb", "nan"], "--max-data-gb must be a positive number (got nan)"),
             (["--prompts", "-5"], "--prompts must be at least 1 (got -5)"),
+            (["--prompts", "100000001"], "--prompts must be at most 100000 of our prompts (got 100000001); for more "
+                                         "text, --data-source sharegpt"),
             (["--parallel", "0"], "--parallel must be at least 1 (got 0)"),
             (["--ffn", "-3"], "--ffn must be at least 1 (got -3)"),
             (["--draft-vocab", "0"], "--draft-vocab must be at least 1 (got 0)"),

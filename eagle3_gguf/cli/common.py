@@ -189,19 +189,25 @@ def cache_type_v_option():
                         "are on a GPU (whose flash attention would convert bf16 to f16 on every decode).")
 
 
+def check_cache_types(cache_type_k: str, cache_type_v: str) -> None:
+    """-ctk and -ctv name KV cache types (-ctv may be auto)."""
+    from ..native import CACHE_TYPES, cache_type
+
+    cache_type(cache_type_k)
+    if cache_type_v != "auto" and cache_type_v not in CACHE_TYPES:
+        raise Eagle3Error(f"unknown KV cache type '{cache_type_v}' for -ctv (one of: auto, {', '.join(CACHE_TYPES)})")
+
+
 def pair_config_from_flags(n_ctx: int, threads: int | None, cache_type_k: str, cache_type_v: str, n_seq_max: int,
                 n_gpu_layers: str, n_gpu_layers_draft: str, rpc: str | None = None, rpc_backend=None,
                 tensor_split: str | None = None):
     """The PairConfig of the set-up flags `generate` and `bench` share (-c, -t, -ctk/-ctv, -ngl/-ngld, --rpc,
     --rpc-backend, --tensor-split), each bad value one error line before anything loads."""
-    from ..native import CACHE_TYPES, cache_type
     from ..pair import PairConfig
 
     ngl, ngld = gpu_layers(n_gpu_layers, "-ngl"), gpu_layers(n_gpu_layers_draft, "-ngld")
     servers, split = rpc_servers(rpc, rpc_backend), split_from_flag(tensor_split)
-    cache_type(cache_type_k)
-    if cache_type_v != "auto" and cache_type_v not in CACHE_TYPES:
-        raise Eagle3Error(f"unknown KV cache type '{cache_type_v}' for -ctv (one of: auto, {', '.join(CACHE_TYPES)})")
+    check_cache_types(cache_type_k, cache_type_v)
     return PairConfig(n_ctx=n_ctx, n_threads=threads, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
                       n_seq_max=n_seq_max, n_gpu_layers=ngl, n_gpu_layers_draft=ngld, rpc_servers=servers,
                       rpc_backend=str(rpc_backend) if rpc_backend else None, tensor_split=split)

@@ -77,20 +77,6 @@ def register(app: typer.Typer) -> None:
             fail(str(e))
 
 
-def read_prompt(path: Path) -> str:
-    """-f's prompt: the file's UTF-8 text."""
-    if path.is_dir():
-        raise Eagle3Error(f"{path} is a directory: -f takes a text file")
-    if not path.is_file():
-        raise Eagle3Error(f"{path}: no such prompt file")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise Eagle3Error(f"{path}: not UTF-8 text") from None
-    except OSError as e:
-        raise Eagle3Error(f"{path}: cannot read it ({e.strerror})") from None
-
-
 def _check_flags(prompt, file, n_predict, n_ctx, threads, temp, seed) -> None:
     if prompt is not None and file is not None:
         raise Eagle3Error("give the prompt with -p or -f, not both")
@@ -111,6 +97,7 @@ INEXACT_NOTE = ("note: on this set-up no verify batch of 2 or more rows is compu
 def _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, baseline, as_json, rpc_timeout) -> None:
     from .. import rpc
     from ..assets import default_head_path, smollm2_path
+    from ..bench import read_prompt_file
     from ..decode import PartialResult, Runner, Sampler
     from ..pair import load_pair
     from ..session import Eagle3Session
@@ -118,7 +105,7 @@ def _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, base
     from ..tokens import Detokenizer, chat_tokens, tokenize
 
     if file is not None:
-        prompt = read_prompt(file)
+        prompt = read_prompt_file(file)
     demo = prompt is None
     if demo:
         prompt, chat = DEMO_PROMPT, True
@@ -131,6 +118,7 @@ def _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, base
             if pair_config.rpc_servers else None
         with Eagle3Session(pair.target, pair.head) as session, Runner(pair.target, session) as decoder:
             detok = Detokenizer(pair.target_model)
+            decoder.check_prompt(tokens)  # before the measurements below, which take seconds on a new set-up
             if config.draft_max > 0:  # the exactness probe and the cost curve, before the text streams
                 report = decoder.prepare(config, Sampler(temp, seed))
                 if report.mode == "auto" and not report.kept:

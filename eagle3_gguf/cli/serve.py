@@ -11,9 +11,10 @@ import typer
 
 from ..errors import Eagle3Error
 from ..server import ServeConfig, build_app, configure_heap
-from .common import (HEAD_FLAGS, SERVE_RPC_TIMEOUT_HELP, TERMINATION, check_context_flags, check_head_flag,
-                     check_rpc_timeout, ctx_option, draft_option, drafting_from_flags, fail, gpu_layers,
-                     gpu_layers_option, rpc_backend_option, rpc_option, rpc_servers, rpc_stalled, setup_logging)
+from .common import (HEAD_FLAGS, SERVE_RPC_TIMEOUT_HELP, TERMINATION, cache_type_k_option, cache_type_v_option,
+                     check_cache_types, check_context_flags, check_head_flag, check_rpc_timeout, ctx_option,
+                     draft_option, drafting_from_flags, fail, gpu_layers, gpu_layers_option, rpc_backend_option,
+                     rpc_option, rpc_servers, rpc_stalled, setup_logging)
 
 
 MAX_PARALLEL = 64
@@ -82,6 +83,8 @@ def register(app: typer.Typer) -> None:
         draft_p_min: float = draft_option("draft_p_min"),
         n_ctx: int = ctx_option(),
         threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads."),
+        cache_type_k: str = cache_type_k_option(),
+        cache_type_v: str = cache_type_v_option(),
         n_gpu_layers: str = gpu_layers_option("The target", "-ngl", "--n-gpu-layers", "--gpu-layers"),
         n_gpu_layers_draft: str = gpu_layers_option("The head", "-ngld", "--n-gpu-layers-draft", "--gpu-layers-draft"),
         rpc: Optional[str] = rpc_option(),
@@ -100,6 +103,8 @@ def register(app: typer.Typer) -> None:
         api_key: Optional[str] = typer.Option(None, "--api-key", help="Requests must send this key (Authorization: Bearer KEY), as llama-server's and llama-cpp-python's --api-key; the rest get 401."),
         api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", help="Read the key from this file's first line (kept out of the process list)."),
         verbose: bool = typer.Option(False, "-v", "--verbose", help="Show llama.cpp's log and every request."),
+        # generate's and bench's, refused by name (else click reads -ts as -t s)
+        tensor_split: Optional[str] = typer.Option(None, "--tensor-split", "-ts", hidden=True),
     ) -> None:
         """Serve the target with the head through llama-cpp-python's OpenAI-compatible server (/v1/...)."""
         setup_logging(verbose)
@@ -108,12 +113,17 @@ def register(app: typer.Typer) -> None:
             drafting = drafting_from_flags(draft_max, draft_p_min, draft_policy, spec_sampling, draft_temp_scale,
                                            draft_lookup, draft_lookup_max, exact=exact)
             check_context_flags(n_ctx, threads)
+            if tensor_split is not None:
+                raise Eagle3Error("serve places the target's layers as llama-cpp-python does (-ngl, --rpc): "
+                                  "--tensor-split is generate's and bench's")
+            check_cache_types(cache_type_k, cache_type_v)
             check_head_flag(draft)
             config = ServeConfig(model=model, draft=draft, drafting=drafting, host=host, port=port, n_ctx=n_ctx,
                                  n_threads=threads, alias=alias, strict_model=strict_model,
                                  interrupt_requests=interrupt_requests, parallel=parallel,
                                  n_gpu_layers=gpu_layers(n_gpu_layers, "-ngl"),
                                  n_gpu_layers_draft=gpu_layers(n_gpu_layers_draft, "-ngld"),
+                                 cache_type_k=cache_type_k, cache_type_v=cache_type_v,
                                  api_key=read_api_key(api_key, api_key_file), rpc_servers=rpc_servers(rpc, rpc_backend),
                                  rpc_backend=str(rpc_backend) if rpc_backend else None, rpc_timeout=rpc_timeout,
                                  on_stall=rpc_stalled)

@@ -31,6 +31,7 @@ from ..errors import Eagle3Error
 
 DATA_SOURCES = ("self", "sharegpt")
 PROMPT_FORMATS = ("auto", "chat", "raw")  # auto: chat where the target's GGUF has a chat template, else raw
+MAX_PROMPTS = 100_000  # "self": our prompts are built up front, in memory (2 s for this many; days of answers)
 
 
 @dataclass
@@ -68,6 +69,9 @@ class PipelineConfig:
                                  ("--max-tokens", self.max_tokens)),
                      positive=(("--max-data-gb", self.max_data_gb), ("data_minutes", self.data_minutes)))
         check_threads(self.n_threads)
+        if self.data_source == "self" and self.n_prompts > MAX_PROMPTS:
+            raise Eagle3Error(f"--prompts must be at most {MAX_PROMPTS} of our prompts (got {self.n_prompts}); "
+                              "for more text, --data-source sharegpt")
 
 
 def check_values(at_least_1: tuple[tuple[str, int | None], ...] = (),
