@@ -457,13 +457,13 @@ class Speculator:
             # out of the caches, so it touches as little as it can (each step here costs microseconds).
             rows = [id_last]
             self.batch.set_one(id_last, pos)
-            native0 = self.target.t_native
+            native0 = self.native_time()  # a slot's: its share of the joint decodes (slots.py)
             t = time.perf_counter()
             self.decode(self.batch)
             out = [pick(rows, pos, 0)]
             t_verify = time.perf_counter() - t
             st.t_target += t_verify
-            st.t_target_native += self.target.t_native - native0
+            st.t_target_native += self.native_time() - native0
             st.n_target_forwards += 1
             st.record_rows(1)
             if session is not None:
@@ -502,7 +502,7 @@ class Speculator:
             st.t_draft_native += session.draft_ctx.t_native - native0
             t_draft -= session.t_aside - aside0  # what the policy learns from: the head's time alone
         drafts = draft.tokens if draft is not None else []
-        native0 = self.target.t_native
+        native0 = self.native_time()
         t = time.perf_counter()
         o = len(redo)  # rows before id_last: the last tree cycle's kept branch
         pos0 = pos - o
@@ -531,7 +531,7 @@ class Speculator:
             policy.observe_tree(tree, w.path)
         t_verify = time.perf_counter() - t
         st.t_target += t_verify
-        st.t_target_native += self.target.t_native - native0
+        st.t_target_native += self.native_time() - native0
         st.n_target_forwards += 1
         n_rows = o + 1 + (tree.n_nodes if tree is not None else len(drafts))
         st.record_rows(n_rows)
