@@ -169,11 +169,21 @@ class SpecStats:
         return max(self.t_draft - self.t_draft_native, 0.0)
 
     @property
+    def t_verify_python(self) -> float:
+        """Of t_python, the part around the verify graphs: choosing the target's tokens."""
+        return max(self.t_target - self.t_target_native, 0.0)
+
+    @property
+    def t_process_python(self) -> float:
+        """Of t_python, the part around processing the kept rows."""
+        return max(self.t_process - self.t_process_native, 0.0)
+
+    @property
     def python_by_stage(self) -> dict[str, float]:
         """t_python by the cycle's stage, in ms a cycle: drafting, verifying (choosing the target's tokens), processing
         the kept rows, and the rest (the policy, the statistics, the loop and its caller)."""
-        stages = {"drafting": self.t_draft_python, "verifying": max(self.t_target - self.t_target_native, 0.0),
-                  "processing": max(self.t_process - self.t_process_native, 0.0)}
+        stages = {"drafting": self.t_draft_python, "verifying": self.t_verify_python,
+                  "processing": self.t_process_python}
         stages["the rest"] = max(self.t_python - sum(stages.values()), 0.0)
         return {name: self.per_cycle_ms(t) for name, t in stages.items()}
 

@@ -643,8 +643,8 @@ def _add(o: Outcome, r: ScaleRun, ratio: float, identical: bool, verify_s: list[
     o.t_process += st.t_process
     o.t_python += max(st.t_python - r.t_aside, 0.0)
     o.t_draft_python += max(st.t_draft_python - r.t_aside, 0.0)
-    o.t_verify_python += max(st.t_target - st.t_target_native, 0.0)
-    o.t_process_python += max(st.t_process - st.t_process_native, 0.0)
+    o.t_verify_python += st.t_verify_python
+    o.t_process_python += st.t_process_python
     o.curve_s += sum(c * verify_s[min(n, len(verify_s)) - 1] for n, c in enumerate(st.verify_rows) if c) \
         + r.steps * step_s + r.cycles * catch_s
     o.head_runs += r.steps + r.cycles
