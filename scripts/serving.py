@@ -1,5 +1,5 @@
-"""Run `eagle3-gguf serve` as a child process: a free port, waiting until it answers, stopping it; and the
-pinned tree's ggml-rpc-server on loopback. Shared by scripts/soak.py, scripts/bench_rpc.py and the tests
+"""Run `eagle3-gguf serve` as a child process: a free port, its log in a file, waiting until it answers, stopping
+it; and the pinned tree's ggml-rpc-server on loopback. Shared by scripts/soak.py, scripts/bench_rpc.py and the tests
 (tests/conftest.py puts scripts/ on the path)."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import signal
 import socket
 import subprocess
 import time
-from contextlib import closing
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 
@@ -20,14 +21,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(proc: subprocess.Popen, port: int, timeout: float = 120.0, headers: dict | None = None) -> None:
+def wait_ready(proc: subprocess.Popen, port: int, timeout: float = 120.0, headers: dict | None = None,
+               log: Path | None = None) -> None:
     """Until GET /v1/models (sent with `headers`: an API key) answers 200; RuntimeError if the server exits first
-    (with its stderr where that is a pipe) or does not come up within `timeout` seconds."""
+    or does not come up within `timeout` seconds, with the end of its stderr where it writes it to `log`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            detail = f": {proc.stderr.read()}" if proc.stderr is not None else ""
-            raise RuntimeError(f"the server exited with {proc.returncode}{detail}")
+            raise RuntimeError(f"the server exited with {proc.returncode}{_tail(log)}")
         try:
             with closing(http.client.HTTPConnection("127.0.0.1", port, timeout=2)) as c:
                 c.request("GET", "/v1/models", headers=headers or {})
@@ -35,7 +36,25 @@ def wait_ready(proc: subprocess.Popen, port: int, timeout: float = 120.0, header
                     return
         except OSError:
             time.sleep(0.3)
-    raise RuntimeError("the server did not come up in time")
+    raise RuntimeError(f"the server did not come up in {timeout:g} s{_tail(log)}")
+
+
+def _tail(log: Path | None) -> str:
+    return f": {log.read_text()[-4000:]}" if log is not None else ""
+
+
+@contextmanager
+def server_process(cmd: list[str], port: int, log: Path, timeout: float = 120.0, headers: dict | None = None,
+                   env: dict | None = None) -> Iterator[subprocess.Popen]:
+    """The server `cmd` (on `port`) as a child writing its stderr to `log`: a pipe nobody reads while it serves
+    fills with its log lines (-v's, one per request) and stalls it. Yields it once it answers; stops it after."""
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
+        try:
+            wait_ready(proc, port, timeout, headers, log)
+            yield proc
+        finally:
+            stop(proc, timeout=20)
 
 
 def stop(proc: subprocess.Popen, timeout: float = 30.0) -> None:

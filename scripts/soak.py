@@ -332,7 +332,7 @@ def soak_serve(args, reqs, want, report: Report) -> None:
     log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
     try:
-        wait_ready(proc, port, timeout=180.0)
+        wait_ready(proc, port, timeout=180.0, log=Path(args.server_log) if args.server_log else None)
         run_requests(reqs, lambda r: ask_server(port, alias, r), want, proc.pid, args.clients, args.n_warm,
                      args.sample_every, report)
         if proc.poll() is not None:

@@ -185,7 +185,7 @@ def test_serve_sigterm_finishes_the_running_request_then_exits(smollm2_path, tmp
                                  "--port", str(port), "-c", "1024", "-t", "2", "--draft-policy", "fixed"],
                                 stdout=subprocess.DEVNULL, stderr=err)
         try:
-            wait_ready(proc, port, timeout=300)
+            wait_ready(proc, port, timeout=300, log=log)
             import http.client
 
             answer: dict = {"events": []}

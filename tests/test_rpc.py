@@ -92,11 +92,11 @@ print(got == want, llm.spec_stats.n_accepted, ",".join(llm._e3_pair.target_model
 
 
 @needs_rpc
-def test_serve_over_rpc(servers):
+def test_serve_over_rpc(servers, tmp_path):
     """serve --rpc: the target on the servers, the answer a local plain Llama's."""
     import http.client
 
-    from serving import stop, wait_ready
+    from serving import server_process
 
     code = f"""
 from eagle3_gguf.assets import smollm2_path
@@ -109,19 +109,15 @@ print(plain({PROMPT!r}, max_tokens=24, temperature=0)["choices"][0]["text"], end
     port = free_port()
     from eagle3_gguf.assets import default_head_path, smollm2_path
 
-    proc = subprocess.Popen([sys.executable, "-m", "eagle3_gguf.cli.main", "serve", "-m", str(smollm2_path()),
-                             "--draft", str(default_head_path()), "--port", str(port), "-c", "1024", "-t", "2",
-                             "--rpc", servers], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    try:
-        wait_ready(proc, port)
+    cmd = [sys.executable, "-m", "eagle3_gguf.cli.main", "serve", "-m", str(smollm2_path()), "--draft",
+           str(default_head_path()), "--port", str(port), "-c", "1024", "-t", "2", "--rpc", servers]
+    with server_process(cmd, port, tmp_path / "serve.log", env=ENV):
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
         c.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT, "max_tokens": 24, "temperature": 0,
                                                               "repeat_penalty": 1.0}),  # the server says 1.1
                   headers={"Content-Type": "application/json"})
         answer = json.loads(c.getresponse().read())
         c.close()
-    finally:
-        stop(proc, timeout=20)
     assert answer["choices"][0]["text"] == want.stdout and len(want.stdout) > 20
 
 

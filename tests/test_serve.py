@@ -9,14 +9,16 @@ import json
 import socket
 import subprocess
 import sys
+import tempfile
 from contextlib import closing, contextmanager
+from pathlib import Path
 
 import llama_cpp
 import pytest
 
 from eagle3_gguf.assets import default_head_path
 from eagle3_gguf.native import CACHE_TYPES
-from serving import free_port, stop, wait_ready  # noqa: F401  (test_serve_load, test_faults import them from here)
+from serving import free_port, server_process, wait_ready  # noqa: F401  (test_serve_load, test_faults import them from here)
 from test_speculation_surfaces import COUNT, N
 
 pytest.importorskip("fastapi")
@@ -53,14 +55,14 @@ def serving(tiny_target, tiny_head, *flags, headers: dict | None = None, banner:
     port = free_port()
     cmd = [sys.executable, "-m", "eagle3_gguf.cli.main", "serve", "-m", str(tiny_target), "--draft", str(tiny_head),
            "--port", str(port), "-c", str(N_CTX), "--alias", ALIAS, "-t", "2", *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_ready(proc, port, headers=headers)
-        yield port
-    finally:
-        stop(proc, timeout=20)
-        if banner is not None:
-            banner.extend(proc.stderr.read().splitlines())
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "serve.log"
+        try:
+            with server_process(cmd, port, log, headers=headers):
+                yield port
+        finally:
+            if banner is not None:
+                banner.extend(log.read_text().splitlines())
 
 
 def openai_client(port: int):
@@ -245,21 +247,13 @@ def test_completion_and_stop(client, plain):
     assert (got.choices[0].text, got.choices[0].finish_reason) == (want["choices"][0]["text"], "stop")
 
 
-def test_the_kv_cache_types_are_llama_cpps_flags(tiny_target, tiny_head, tmp_path):
+def test_the_kv_cache_types_are_llama_cpps_flags(tiny_target, tiny_head):
     """-ctk / -ctv as generate's and llama-server's: the served target's cache holds them, and its greedy text is a
     plain Llama's with the same cache."""
-    port, log = free_port(), tmp_path / "serve.log"
-    with open(log, "w") as err:  # -v's llama.cpp log: a file, where a pipe nobody reads would fill and stall it
-        proc = subprocess.Popen([sys.executable, "-m", "eagle3_gguf.cli.main", "serve", "-m", str(tiny_target),
-                                 "--draft", str(tiny_head), "--port", str(port), "-c", str(N_CTX), "--alias", ALIAS,
-                                 "-t", "2", "-ctk", "bf16", "-ctv", "f16", "-v"], stdout=subprocess.DEVNULL, stderr=err)
-        try:
-            wait_ready(proc, port)
-            got = openai_client(port).completions.create(model=ALIAS, prompt=PROMPT, max_tokens=20, temperature=0,
-                                                         extra_body=EXTRA)
-        finally:
-            stop(proc, timeout=20)
-    banner = log.read_text().splitlines()
+    banner: list[str] = []
+    with serving(tiny_target, tiny_head, "-ctk", "bf16", "-ctv", "f16", "-v", banner=banner) as port:
+        got = openai_client(port).completions.create(model=ALIAS, prompt=PROMPT, max_tokens=20, temperature=0,
+                                                     extra_body=EXTRA)
     with closing(llama_cpp.Llama(model_path=str(tiny_target), n_ctx=N_CTX, flash_attn=True, type_k=CACHE_TYPES["bf16"],
                                  type_v=CACHE_TYPES["f16"], verbose=False)) as plain_same:
         want = plain_same.create_completion(PROMPT, max_tokens=20, **PLAIN)
@@ -267,6 +261,14 @@ def test_the_kv_cache_types_are_llama_cpps_flags(tiny_target, tiny_head, tmp_pat
     kv = [line for line in banner if "llama_kv_cache: size" in line]
     # the target's cache as asked (its default: K f16, V bf16); the head's keeps its own
     assert any("K (bf16)" in line and "V (f16)" in line for line in kv) and not any("V (bf16)" in x for x in kv), kv
+
+
+def test_a_server_that_exits_at_start_is_reported_with_its_log(tmp_path):
+    """The helpers above: a server that ends before it answers raises at once, with what it wrote to its log."""
+    cmd = [sys.executable, "-c", "import sys; sys.stderr.write('error: no such model\\n'); sys.exit(2)"]
+    with pytest.raises(RuntimeError, match="^the server exited with 2: error: no such model$"):
+        with server_process(cmd, free_port(), tmp_path / "serve.log"):
+            pass
 
 
 def test_a_cache_type_llama_cpp_refuses_is_one_line(tiny_target, tiny_head):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import subprocess
 import sys
 import threading
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from test_serve import ALIAS, EXTRA, N_CTX, PLAIN, free_port, openai_client, plain, stop, wait_ready  # noqa: F401
+from test_serve import ALIAS, EXTRA, N_CTX, PLAIN, free_port, openai_client, plain, server_process  # noqa: F401
 
 openai = pytest.importorskip("openai")
 
@@ -26,17 +25,12 @@ LONG_CTX = 2048  # the server's context here: room for a long stream to drop (th
 
 @contextmanager
 def serving_logged(tiny_target, tiny_head, log: Path, *flags):
-    """`eagle3-gguf serve` on the tiny pair, its stderr in `log` (a pipe nobody reads could fill up)."""
+    """`eagle3-gguf serve` on the tiny pair, its stderr in `log`: (the process, its port)."""
     port = free_port()
     cmd = [sys.executable, "-m", "eagle3_gguf.cli.main", "serve", "-m", str(tiny_target), "--draft", str(tiny_head),
            "--port", str(port), "-c", str(N_CTX), "--alias", ALIAS, "-t", "2", *flags]
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True)
-        try:
-            wait_ready(proc, port)
-            yield proc, port
-        finally:
-            stop(proc, timeout=20)
+    with server_process(cmd, port, log) as proc:
+        yield proc, port
 
 
 def request_for(i: int) -> dict:
