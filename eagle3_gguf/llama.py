@@ -304,6 +304,32 @@ class Eagle3Llama(Llama):
             raise Eagle3Error(f"token id {bad} is outside the vocabulary (0 to {self._n_vocab - 1})")
         return super().detokenize(tokens, prev_tokens, special)
 
+    # Llama's calls on its context or model, which close() frees: refused in one line, not a segfault (these check
+    # the Llama alone: its constructor makes some before the head is set up)
+    def n_ctx(self) -> int:
+        _require_live(self)
+        return super().n_ctx()
+
+    def n_embd(self) -> int:
+        _require_live(self)
+        return super().n_embd()
+
+    def pooling_type(self) -> str:
+        _require_live(self)
+        return super().pooling_type()
+
+    def embed(self, *args, **kwargs):
+        _require_live(self)
+        return super().embed(*args, **kwargs)
+
+    def save_state(self) -> llama_cpp.LlamaState:
+        _require_live(self)
+        return super().save_state()
+
+    def load_state(self, state: llama_cpp.LlamaState) -> None:
+        _require_live(self)
+        super().load_state(state)
+
     def __getstate__(self):
         return {**super().__getstate__(), "draft_model_path": str(self._e3_head_path), "draft_config": self.draft_config,
                 "n_gpu_layers_draft": self._e3_head_ngl, "rpc_servers": self._e3_rpc[0], "rpc_backend": self._e3_rpc[1]}
@@ -375,6 +401,7 @@ class Eagle3Llama(Llama):
                         logits_processor=logits_processor, grammar=grammar)
         tokens = list(tokens)
         self._require_open()
+        self._fit_rows_to_context()  # again: Llama.load_state (a cache's hit too) puts back rows of the n_ctx asked for
         if grammar is not None:
             _check_grammar(self._model.vocab, grammar)
         turn = _Turn(self)
@@ -529,6 +556,11 @@ class Eagle3Llama(Llama):
 def _closed(llm: Llama) -> bool:
     """Whether llama-cpp-python has freed the Llama's context (close(); its calls would then segfault)."""
     return getattr(getattr(llm, "_ctx", None), "ctx", None) is None
+
+
+def _require_live(llm: Llama) -> None:
+    if _closed(llm):
+        raise Eagle3Error("this Eagle3Llama is closed")
 
 
 def _check_grammar(vocab, grammar) -> None:

@@ -635,14 +635,42 @@ def test_n_threads_minus_one_is_ggmls_default_as_on_plain_llama(tiny_target, tin
         assert llm._e3_spec.session.draft_ctx.n_threads == -1 and llm.spec_stats.n_drafted > 0
 
 
+@pytest.mark.slow
+def test_a_state_loaded_at_a_padded_context_speculates_on(smollm2_path):
+    """n_ctx 300 (llama.cpp pads it to 512): a plain Llama's saved state holds 300 input_ids, where a cycle keeps rows
+    up to 512. Loaded into an Eagle3Llama, or into the Llama one is attached to, the next answer is plain Llama's
+    from the same state, with drafts kept past row 300 (it raised numpy's ValueError on every call)."""
+    from eagle3_gguf.assets import default_head_path
+
+    prompt = "The quick brown fox jumps over the lazy dog. " * 26  # 261 tokens: the answer runs past row 300
+    kw = dict(KW, n_ctx=300, n_batch=512)
+    with closing(llama_cpp.Llama(model_path=str(smollm2_path), **kw)) as plain, \
+            closing(Eagle3Llama(model_path=str(smollm2_path), draft_model_path=str(default_head_path()), **kw)) as ours, \
+            closing(llama_cpp.Llama(model_path=str(smollm2_path), **kw)) as under:
+        plain(prompt, max_tokens=1, **GREEDY)
+        state = plain.save_state()
+        assert len(state.input_ids) == 300
+        want = plain(prompt, max_tokens=60, **GREEDY)
+        assert want["usage"]["total_tokens"] > 300
+        attached = attach_eagle3(under, default_head_path())
+        for llm, loads in ((ours, ours), (attached, attached), (attached, under)):
+            loads.load_state(state)
+            got = llm(prompt, max_tokens=60, **GREEDY)
+            assert text_of(got) == text_of(want) and got["usage"] == want["usage"]
+            assert llm.spec_stats.n_accepted > 0
+
+
 def test_a_closed_eagle3llama_refuses_every_call(tiny_target, tiny_head):
     """Plain Llama hands llama.cpp the freed model or context after close() (a segfault); an Eagle3Llama, or one
     attached to a Llama since closed, refuses in one line, and a closed Llama takes no head."""
     llm = Eagle3Llama(model_path=str(tiny_target), draft_model_path=tiny_head, draft_policy="fixed", **KW)
+    state = llm.save_state()
     llm.close()
     calls = [lambda x: x("Hi", max_tokens=4), lambda x: x.create_chat_completion(CHAT, max_tokens=4),
              lambda x: x.create_completion([1, 2], max_tokens=2), lambda x: x.tokenize(b"Hi"),
-             lambda x: x.eval([1, 2]), lambda x: x.detokenize([1])]
+             lambda x: x.eval([1, 2]), lambda x: x.detokenize([1]), lambda x: x.n_ctx(), lambda x: x.n_embd(),
+             lambda x: x.pooling_type(), lambda x: x.embed("Hi"), lambda x: x.save_state(),
+             lambda x: x.load_state(state)]
     for call in calls:
         with pytest.raises(Eagle3Error, match="^this Eagle3Llama is closed$"):
             call(llm)
