@@ -86,6 +86,7 @@ INEXACT_WARNING = ("no verify batch of 2 or more rows is computed bit for bit as
 VOCAB_ONLY = "vocab_only=True loads no weights for the head to draft from: tokenize with a plain llama_cpp.Llama"
 BUSY = ("this Eagle3Llama is generating in another thread: use one Eagle3Llama per thread, or a lock around "
         "its calls (llama_cpp.Llama is not thread-safe either)")
+GRAMMAR_FAILS = "the grammar does not parse (llama.cpp's log says where; check its rules and its root)"
 SUPERSEDED = ("this generation was superseded by a newer call on the same Eagle3Llama (from another thread, or "
               "after this stream was left unfinished): use one Eagle3Llama per thread")
 
@@ -402,8 +403,8 @@ class Eagle3Llama(Llama):
         tokens = list(tokens)
         self._require_open()
         self._fit_rows_to_context()  # again: Llama.load_state (a cache's hit too) puts back rows of the n_ctx asked for
-        if grammar is not None:
-            _check_grammar(self._model.vocab, grammar)
+        if grammar is not None and not grammar_parses(self, grammar._grammar, grammar._root):
+            raise Eagle3Error(GRAMMAR_FAILS)
         turn = _Turn(self)
         try:
             if self._e3_unfinished:  # an earlier generation was left suspended
@@ -563,16 +564,17 @@ def _require_live(llm: Llama) -> None:
         raise Eagle3Error("this Eagle3Llama is closed")
 
 
-def _check_grammar(vocab, grammar) -> None:
-    """llama.cpp's grammar parser on `grammar` first: llama-cpp-python adds the sampler it makes to its chain unchecked,
-    and the NULL one a grammar that does not parse gives crashed the process at the first token (a served request
-    killed the server)."""
+def grammar_parses(llm: Llama, text: str, root: str = "root") -> bool:
+    """Whether llama.cpp's grammar parser takes the GBNF `text` for this Llama's vocabulary. llama-cpp-python adds the
+    sampler it makes to its chain unchecked, and the NULL one a grammar that does not parse gives crashed the process
+    at the first token (a served request killed the server)."""
     # LLAMA_API struct llama_sampler * llama_sampler_init_grammar(const struct llama_vocab * vocab,
     #                                                             const char * grammar_str, const char * grammar_root);
-    sampler = C.llama_sampler_init_grammar(vocab, grammar._grammar.encode("utf-8"), grammar._root.encode("utf-8"))
+    sampler = C.llama_sampler_init_grammar(llm._model.vocab, text.encode("utf-8"), root.encode("utf-8"))
     if not sampler:
-        raise Eagle3Error("the grammar does not parse (llama.cpp's log says where; check its rules and its root)")
+        return False
     C.llama_sampler_free(sampler)
+    return True
 
 
 class _DropInHooks(RunHooks):

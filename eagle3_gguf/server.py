@@ -113,6 +113,7 @@ def build_app(config: ServeConfig):
     from llama_cpp.server import app as server_app
     from llama_cpp.server.model import LlamaProxy
     from llama_cpp.server.settings import ModelSettings, ServerSettings
+    from starlette.middleware import Middleware
 
     from .llama import attach_eagle3
     from .native import CACHE_TYPES, cache_type
@@ -154,7 +155,7 @@ def build_app(config: ServeConfig):
             except BaseException:
                 engine.close()
                 raise
-            SLOTS.engine = engine
+            SLOTS.engine, SLOTS.llm = engine, llm
             return llm
 
         def __call__(self, model: Optional[str] = None):
@@ -181,12 +182,23 @@ def build_app(config: ServeConfig):
                                      api_key=config.api_key)
     app = create_app_with(server_app, Eagle3LlamaProxy, server_settings, model_settings)
     no_bos = any(kv.key == keys.KEY_ADD_BOS and kv.value is False for kv in target.tokenizer)
-    app.add_middleware(RequestCheck, parallel=config.parallel, empty_prompt_fails=no_bos)
-    app.add_middleware(SpeculationReport)
     app.get("/v1/eagle3/stats", dependencies=[Depends(server_app.authenticate)])(speculation_stats)
-    if config.api_key is not None:  # outermost: a request without the key reaches nothing else
-        app.add_middleware(ApiKeyCheck, key=config.api_key, open_paths=open_paths(app))
+    # inside llama-cpp-python's CORS and request-id middleware (app.add_middleware would wrap them around it): our
+    # 400s and 401s carry their headers, so a browser on another origin can read them
+    if config.api_key is not None:  # a request without the key reaches nothing of ours
+        app.user_middleware.append(Middleware(ApiKeyCheck, key=config.api_key, open_paths=open_paths(app)))
+    app.user_middleware.append(Middleware(SpeculationReport))  # (the first listed runs outermost)
+    app.user_middleware.append(Middleware(RequestCheck, parallel=config.parallel, empty_prompt_fails=no_bos,
+                                          grammar_parses=served_grammar_parses))
     return app
+
+
+def served_grammar_parses(text: str) -> bool:
+    """Whether the served target's grammar parser takes `text` (True while no model is loaded: its route says so)."""
+    from .llama import grammar_parses
+
+    llm = SLOTS.llm
+    return llm is None or grammar_parses(llm, text)
 
 
 def create_app_with(server_app, proxy_class, server_settings, model_settings):
@@ -302,11 +314,12 @@ class SlotState:
     pool: object = None  # slots.SlotPool
     engine: object = None  # slots.Engine
     free: object = None  # asyncio.Semaphore, made in the server's event loop
+    llm: object = None  # the served Eagle3Llama (its vocabulary checks a request's grammar before the request runs)
 
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
-        self.pool = self.engine = self.free = None
+        self.pool = self.engine = self.free = self.llm = None
 
 
 SLOTS = SlotState()
@@ -458,14 +471,17 @@ class RequestCheck:
     """ASGI middleware: completion requests whose body is not JSON, does not fit llama-cpp-python's own request model,
     or asks what its completion code fails on (`refusal`) get a 400 in OpenAI's error shape (llama-cpp-python's route
     handler answers them 500, or a stream with no error event). `parallel`: serve's slots; `empty_prompt_fails`: the
-    target adds no BOS token, so an empty prompt leaves nothing to decode."""
+    target adds no BOS token, so an empty prompt leaves nothing to decode; `grammar_parses`: the target's grammar
+    parser."""
 
-    def __init__(self, app, parallel: int = 1, empty_prompt_fails: bool = False):
+    def __init__(self, app, parallel: int = 1, empty_prompt_fails: bool = False,
+                 grammar_parses: Callable[[str], bool] | None = None):
         from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
 
         self.app = app
         self.parallel = parallel
         self.empty_prompt_fails = empty_prompt_fails
+        self.grammar_parses = grammar_parses
         self.models = {"/v1/completions": CreateCompletionRequest, "/v1/chat/completions": CreateChatCompletionRequest}
 
     async def __call__(self, scope, receive, send) -> None:
@@ -483,7 +499,7 @@ class RequestCheck:
         body = b"".join(chunks)
         error = self.check(model, body)
         if error is None:
-            error = refusal(json.loads(body), self.parallel, self.empty_prompt_fails)
+            error = refusal(json.loads(body), self.parallel, self.empty_prompt_fails, self.grammar_parses)
         if error is not None:
             await self.reject(send, error)
             return
@@ -521,16 +537,23 @@ class RequestCheck:
         await send({"type": "http.response.body", "body": payload})
 
 
-def refusal(request: dict, parallel: int, empty_prompt_fails: bool = False) -> str | None:
+def refusal(request: dict, parallel: int, empty_prompt_fails: bool = False,
+            grammar_parses: Callable[[str], bool] | None = None) -> str | None:
     """What a valid completion request (a chat one where it has messages) asks that llama-cpp-python's completion code
     fails on (a 500, or a stream with no error event), said as a 400 would say it; None where nothing is.
-    `empty_prompt_fails`: the target adds no BOS token (with one, an empty prompt is the BOS alone)."""
+    `empty_prompt_fails`: the target adds no BOS token (with one, an empty prompt is the BOS alone); `grammar_parses`:
+    the target's grammar parser, where the request's grammar is to be checked."""
     chat = "messages" in request
     prompt = request.get("prompt", "")  # the request model's default
     if not chat and isinstance(prompt, list) and len(prompt) > 1:  # (one string in a list: the route takes it)
         return "one prompt a request: give prompt as a string"
     if not chat and empty_prompt_fails and prompt in ("", [], [""]):
         return "the prompt is empty, and this model adds no BOS token to start from: give it some text"
+    grammar = request.get("grammar")
+    if grammar and grammar_parses is not None and not grammar_parses(grammar):
+        from .llama import GRAMMAR_FAILS
+
+        return GRAMMAR_FAILS
     bias = request.get("logit_bias")
     if isinstance(bias, dict) and request.get("logit_bias_type") != "tokens":  # "tokens": its keys are token texts
         for key in bias:

@@ -31,6 +31,7 @@ PLAIN = dict(temperature=0.0, repeat_penalty=1.0)  # what the requests below ask
 EXTRA = {"repeat_penalty": 1.0}  # the server's own default is 1.1
 CHAT = [{"role": "user", "content": "Name three colours."}]
 PROMPT = "The capital of France is"
+ORIGIN = "http://ui.example"  # a web page's, calling the server from another origin
 
 
 def get_json(port: int, path: str) -> dict:
@@ -123,11 +124,16 @@ def test_llama_cpp_server_adapter(monkeypatch):
 
 
 def status_of(port: int, method: str, path: str, headers: dict, body: dict | None = None) -> tuple[int, bytes]:
+    return answer_of(port, method, path, headers, body)[:2]
+
+
+def answer_of(port: int, method: str, path: str, headers: dict, body: dict | None = None) -> tuple[int, bytes, dict]:
+    """(status, body, headers with lower-case names) of one request."""
     with closing(http.client.HTTPConnection("127.0.0.1", port, timeout=60)) as c:
         c.request(method, path, body=None if body is None else json.dumps(body),
                   headers={"Content-Type": "application/json", **headers})
         r = c.getresponse()
-        return r.status, r.read()
+        return r.status, r.read(), {k.lower(): v for k, v in r.getheaders()}
 
 
 def test_api_key(tiny_target, tiny_head, plain, tmp_path):
@@ -147,6 +153,9 @@ def test_api_key(tiny_target, tiny_head, plain, tmp_path):
                 assert (status, json.loads(body)) == (401, {"detail": "Invalid API key"}), (headers, stream)
             for path in ("/v1/models", "/v1/eagle3/stats"):
                 assert status_of(port, "GET", path, headers)[0] == 401, (headers, path)
+        # a browser page on another origin reads the 401, as llama-cpp-python's CORS middleware lets it
+        status, _, got = answer_of(port, "GET", "/v1/models", {"Origin": ORIGIN})
+        assert status == 401 and got.get("access-control-allow-origin") == ORIGIN and "x-request-id" in got, got
         assert status_of(port, "GET", "/openapi.json", {})[0] == 200  # llama-cpp-python guards no docs
         want = plain.create_completion(PROMPT, max_tokens=12, **PLAIN)["choices"][0]["text"]
         keyed = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="s3cret-key", timeout=120, max_retries=0)
@@ -337,6 +346,20 @@ def test_requests_llama_cpp_dies_on_fail_alone(server, client, path, body):
     assert got.usage.completion_tokens == 3
 
 
+def test_a_grammar_that_does_not_parse_is_400_streamed_or_not(server, client):
+    """Checked by the target's parser before the route runs: a stream of it was a 200 with no event at all."""
+    want = "the grammar does not parse (llama.cpp's log says where; check its rules and its root)"
+    for path, request in (("/v1/completions", {"prompt": "hi"}),
+                          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        for stream in (False, True):
+            status, answer = status_of(server, "POST", path, {}, {**request, "max_tokens": 4, "stream": stream,
+                                                                  "grammar": "root ::= ("})
+            assert (status, json.loads(answer)["error"]["message"]) == (400, want), (path, stream)
+    got = client.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=6, temperature=0,
+                                    extra_body={**EXTRA, "grammar": 'root ::= [a-z ]+'})
+    assert got.usage.completion_tokens > 0 and set(got.choices[0].text) <= set("abcdefghijklmnopqrstuvwxyz ")
+
+
 def test_what_llama_cpp_pythons_completions_fail_on_is_400():
     """Valid requests its completion code answers 500 (or with an empty stream) get a 400 that says why."""
     from eagle3_gguf.server import refusal
@@ -365,6 +388,9 @@ def test_what_llama_cpp_pythons_completions_fail_on_is_400():
 def test_an_empty_prompt_is_400_and_the_server_keeps_serving(server, client):
     status, answer = raw_post(server, "/v1/completions", b'{"prompt": "", "max_tokens": 4, "stream": true}')
     assert status == 400 and b"the prompt is empty, and this model adds no BOS token" in answer, (status, answer)
+    # with the headers llama-cpp-python's middleware gives every answer: a web page on another origin reads it
+    status, _, headers = answer_of(server, "POST", "/v1/completions", {"Origin": ORIGIN}, {"prompt": "", "max_tokens": 4})
+    assert status == 400 and headers.get("access-control-allow-origin") == ORIGIN and "x-request-id" in headers
     got = client.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=3, temperature=0, extra_body=EXTRA)
     assert got.usage.completion_tokens == 3
 
