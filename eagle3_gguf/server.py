@@ -440,7 +440,7 @@ class ApiKeyCheck:
     """ASGI middleware: a request to any path but those llama-cpp-python's server leaves open gets 401 (its
     answer) unless it sends `Authorization: Bearer KEY`, compared in constant time (llama-cpp-python compares
     with ==, which a wrong key then never reaches). A browser's CORS preflight (OPTIONS, which carries no
-    credentials) passes to the CORS middleware, as without a key."""
+    credentials) passes, as without a key (serve's CORS middleware, around this one, answers it first)."""
 
     def __init__(self, app, key: str, open_paths: frozenset[str]):
         self.app = app
