@@ -522,8 +522,14 @@ class RequestCheck:
             model.model_validate(json.loads(body))
         except ValueError as e:  # json.JSONDecodeError and pydantic's ValidationError are ValueErrors
             if isinstance(e, ValidationError):
-                first = e.errors()[0]
+                errors = e.errors()
+                first = errors[0]
                 where = ".".join(str(x) for x in first["loc"]) or "body"
+                # a field of several types fails once per type, e.g. prompt.str and prompt.list[str]: name them all
+                kinds = list(dict.fromkeys(str(x["loc"][1]) for x in errors
+                                           if len(x["loc"]) > 1 and x["loc"][0] == first["loc"][0]))
+                if len(first["loc"]) > 1 and len(kinds) > 1:
+                    return f"invalid request: {first['loc'][0]}: should be one of {', '.join(kinds)}"
                 return f"invalid request: {where}: {first['msg']}"
             return f"the request body is not valid JSON: {e}"
         return None

@@ -360,6 +360,22 @@ def test_a_grammar_that_does_not_parse_is_400_streamed_or_not(server, client):
     assert got.usage.completion_tokens > 0 and set(got.choices[0].text) <= set("abcdefghijklmnopqrstuvwxyz ")
 
 
+def test_a_request_that_fits_no_type_of_a_field_says_which_would():
+    """A field of several types (prompt: str or list[str]) fails once per type: the 400 names them all, not the first
+    alone (a prompt of token ids was told 'prompt.str: Input should be a valid string')."""
+    from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
+
+    from eagle3_gguf.server import RequestCheck
+
+    cases = [(CreateCompletionRequest, {"prompt": [1, 2, 3]}, "prompt: should be one of str, list[str]"),
+             (CreateCompletionRequest, {"prompt": "hi", "stop": 3}, "stop: should be one of str, list[str]"),
+             (CreateCompletionRequest, {"prompt": "hi", "max_tokens": "many"},
+              "max_tokens: Input should be a valid integer, unable to parse string as an integer"),
+             (CreateChatCompletionRequest, {"messages": "hi"}, "messages: Input should be a valid list")]
+    for model, body, message in cases:
+        assert RequestCheck.check(model, json.dumps(body).encode()) == f"invalid request: {message}", body
+
+
 def test_what_llama_cpp_pythons_completions_fail_on_is_400():
     """Valid requests its completion code answers 500 (or with an empty stream) get a 400 that says why."""
     from eagle3_gguf.server import refusal
