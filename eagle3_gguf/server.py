@@ -44,6 +44,7 @@ from typing import Callable, Optional
 from . import keys, rpc
 from .config import COMMAND_LINE, DraftConfig
 from .errors import Eagle3Error
+from .request_errors import explain
 
 SERVER_EXTRA_HINT = "pip install 'eagle3-gguf[server]'"
 SERVER_MODULES = ("fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings")
@@ -519,18 +520,11 @@ class RequestCheck:
         from pydantic import ValidationError
 
         try:
-            model.model_validate(json.loads(body))
+            request = json.loads(body)
+            model.model_validate(request)
         except ValueError as e:  # json.JSONDecodeError and pydantic's ValidationError are ValueErrors
             if isinstance(e, ValidationError):
-                errors = e.errors()
-                first = errors[0]
-                where = ".".join(str(x) for x in first["loc"]) or "body"
-                # a field of several types fails once per type, e.g. prompt.str and prompt.list[str]: name them all
-                kinds = list(dict.fromkeys(str(x["loc"][1]) for x in errors
-                                           if len(x["loc"]) > 1 and x["loc"][0] == first["loc"][0]))
-                if len(first["loc"]) > 1 and len(kinds) > 1:
-                    return f"invalid request: {first['loc'][0]}: should be one of {', '.join(kinds)}"
-                return f"invalid request: {where}: {first['msg']}"
+                return f"invalid request: {explain(e.errors(), request)}"
             return f"the request body is not valid JSON: {e}"
         return None
 

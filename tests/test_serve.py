@@ -362,7 +362,8 @@ def test_a_grammar_that_does_not_parse_is_400_streamed_or_not(server, client):
 
 def test_a_request_that_fits_no_type_of_a_field_says_which_would():
     """A field of several types (prompt: str or list[str]) fails once per type: the 400 names them all, not the first
-    alone (a prompt of token ids was told 'prompt.str: Input should be a valid string')."""
+    alone (a prompt of token ids was told 'prompt.str: Input should be a valid string'); where the request's own
+    fields say which type it meant (a message's role), that type's failure is told."""
     from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
 
     from eagle3_gguf.server import RequestCheck
@@ -372,6 +373,18 @@ def test_a_request_that_fits_no_type_of_a_field_says_which_would():
              (CreateCompletionRequest, {"prompt": "hi", "max_tokens": "many"},
               "max_tokens: Input should be a valid integer, unable to parse string as an integer"),
              (CreateChatCompletionRequest, {"messages": "hi"}, "messages: Input should be a valid list")]
+    # a message is one of five types told apart by role: the one its role names says what it lacks (pydantic's first
+    # error was the system message's, 'messages.0.ChatCompletionRequestSystemMessage.role: Input should be 'system'')
+    chat = [([{"role": "user"}], "messages.0.content: Field required"),
+            ([{"role": "robot", "content": "hi"}],
+             "messages.0.role: should be one of 'system', 'user', 'assistant', 'tool', 'function'"),
+            ([{"content": "hi"}], "messages.0.role: Field required"),
+            ([{"role": "system", "content": "be brief"}, {"role": "tool", "content": "4"}],
+             "messages.1.tool_call_id: Field required"),
+            ([{"role": "user", "content": [{"type": "image_url"}]}], "messages.0.content.0.image_url: Field required")]
+    cases += [(CreateChatCompletionRequest, {"messages": messages}, message) for messages, message in chat]
+    cases.append((CreateChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}],
+                                                "tool_choice": {"type": "function"}}, "tool_choice.function: Field required"))
     for model, body, message in cases:
         assert RequestCheck.check(model, json.dumps(body).encode()) == f"invalid request: {message}", body
 
