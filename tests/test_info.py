@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +26,16 @@ def test_help_lists_commands():
     r = run("--help")
     assert r.returncode == 0
     assert "info" in r.stdout
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="/dev/full: a disk always full (Linux)")
+def test_output_that_cannot_be_written_is_one_line_not_a_cut_file(smollm2_path):
+    """stdout on a full disk: `info --json > file` exited 0 with its JSON cut at 4096 bytes (the interpreter's last
+    flush failed unseen), and `--tensors` ended in a traceback. Now one line and exit 2, whichever command writes."""
+    for args in (["info", str(smollm2_path), "--json"], ["info", str(smollm2_path), "--tensors"], ["info", "--help"]):
+        with open("/dev/full", "w") as full:
+            r = subprocess.run([*CLI, *args], stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+        assert (r.returncode, r.stderr) == (2, "error: the output could not be written (No space left on device)\n")
 
 
 def test_info_target_smollm2(smollm2_path):

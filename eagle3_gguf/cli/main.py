@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import signal
 import sys
 
@@ -38,6 +39,7 @@ def main() -> None:
     try:
         try:
             code = app(prog_name="eagle3-gguf", standalone_mode=False)  # usage errors come here, not to a boxed screen
+            sys.stdout.flush()  # a full disk fails here, not silently at the interpreter's exit
             sys.exit(code if isinstance(code, int) else 0)  # a command's typer.Exit(code), or 0
         except NoArgsIsHelpError:  # `eagle3-gguf` alone: typer has shown the help; click's exit code
             sys.exit(2)
@@ -56,6 +58,8 @@ def main() -> None:
             sys.exit(2)
         except KeyboardInterrupt:  # outside a command (typer turns one inside into exit 130)
             sys.exit(EXIT_INTERRUPTED)
+        except OSError as e:  # commands say their own files' errors: this is the output (a full disk, `| head`)
+            sys.exit(output_failed(e))
     except SystemExit as e:
         if e.code is not None and not isinstance(e.code, int):
             raise  # sys.exit("message"): Python prints it
@@ -63,6 +67,24 @@ def main() -> None:
         if code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
             typer.echo("terminated" if termination.signum == signal.SIGTERM else "interrupted", err=True)
         sys.exit(code)
+
+
+def output_failed(e: OSError) -> int:
+    """The exit code where writing failed: a reader that stopped reading (`| head -1`) ends the run quietly with 1,
+    as click ends one whose pipe closes mid-command; anything else is one line and 2."""
+    try:
+        sys.stdout.flush()
+    except OSError:
+        pass  # what is left in the buffer cannot be written: it goes
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's last flush would fail again
+    except (OSError, ValueError):
+        pass  # stdout is no file (captured): nothing flushes it at exit
+    if isinstance(e, BrokenPipeError):
+        return 1
+    what = e.filename if e.filename is not None else "the output"
+    typer.echo(f"error: {what} could not be written ({e.strerror or e})", err=True)
+    return 2
 
 
 if __name__ == "__main__":
