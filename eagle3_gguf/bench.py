@@ -142,7 +142,7 @@ def read_prompt_file(path: Path, what: str = "") -> str:
     if not path.exists():
         raise Eagle3Error(f"{path}: no such prompt file")
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # a BOM, as some Windows editors write, is no prompt text
     except UnicodeDecodeError:
         raise Eagle3Error(f"{path}: not UTF-8 text{what}") from None
     except OSError as e:
@@ -153,7 +153,7 @@ def load_jsonl(path: Path, limit: int | None = None) -> list[BenchPrompt]:
     """A user's prompts: one per line, a JSON object with "text" (and optionally "id"; default: the line's number)
     or a JSON string. The workload is named for the file."""
     lines = read_prompt_file(path, " (one JSON object or string a line)").splitlines()
-    out = []
+    out, seen = [], {}  # id -> its line
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -164,8 +164,12 @@ def load_jsonl(path: Path, limit: int | None = None) -> list[BenchPrompt]:
         text = item if isinstance(item, str) else item.get("text") if isinstance(item, dict) else None
         if not isinstance(text, str) or not text.strip():
             raise Eagle3Error(f"{path}:{n}: no prompt text (a line is {{\"text\": \"...\"}} or a JSON string)")
-        pid = item.get("id", n) if isinstance(item, dict) else n
-        out.append(BenchPrompt(path.stem, str(pid), text))
+        pid = str(item.get("id", n) if isinstance(item, dict) else n)
+        if pid in seen:  # runs are told apart by their prompt's id: two would be measured as one
+            raise Eagle3Error(f"{path}:{n}: the id {pid} is line {seen[pid]}'s too: give each prompt its own id (a line "
+                              "without one has its line number)")
+        seen[pid] = n
+        out.append(BenchPrompt(path.stem, pid, text))
     if not out:
         raise Eagle3Error(f"{path}: no prompts in it")
     return out[:limit] if limit else out
@@ -202,7 +206,8 @@ class PromptRun:
 
     @property
     def tok_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        """As SpecStats.tokens_per_second: the tokens after the prefill's, over the time after it."""
+        return (self.tokens - 1) / self.seconds if self.tokens > 1 and self.seconds > 0 else 0.0
 
     @property
     def tau(self) -> float:

@@ -144,7 +144,9 @@ class SpecStats:
 
     @property
     def tokens_per_second(self) -> float:
-        return self.n_generated / self.t_total if self.t_total > 0 else 0.0
+        """The tokens after the first over t_total: the first is chosen at the prompt's last row, in t_prefill
+        (counting it overstated every speed by n/(n-1), and made -n 1 thousands of tok/s); 0 where none came."""
+        return (self.n_generated - 1) / self.t_total if self.n_generated > 1 and self.t_total > 0 else 0.0
 
     @property
     def t_overhead(self) -> float:
@@ -250,7 +252,8 @@ class SpecStats:
             ("python per cycle", f"{self.python_per_cycle_ms:.2f} ms (outside llama.cpp: "
              + ", ".join(f"{name} {ms:.2f}" for name, ms in self.python_by_stage.items()) + ")"),
             ("prompt time", f"{self.t_prefill:.2f}s"),
-            ("speed", f"{self.tokens_per_second:.1f} tok/s"),
+            ("speed", f"{self.tokens_per_second:.1f} tok/s" if self.n_generated > 1 else
+             "n/a (no token after the first, which the prompt's processing chose)"),
             ("stopped by", self.stop_reason),
         ]
         width = max(len(k) for k, _ in rows)

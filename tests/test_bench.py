@@ -118,7 +118,19 @@ def test_bad_flags_and_files_are_one_line_exit_2(tmp_path, tiny_target):
         len(r.stderr.strip().splitlines()) == 1, r.stderr
     one_line_error(invoke("--workloads", ""),
                    "no prompts to measure: name workloads (chat, code, edit, extract) or give -f")
-    one_line_error(invoke("-n", "0"), "-n must be at least 1 (got 0)")
+    bad.write_text('{"text": "a", "id": 1}\n{"text": "b", "id": 1}\n')  # measured as one prompt, said "prompts 1"
+    one_line_error(invoke("-f", str(bad)), f"{bad}:2: the id 1 is line 1's too: give each prompt its own id (a line "
+                   "without one has its line number)")
+    bad.write_text('{"text": "a", "id": 2}\n"b"\n')
+    one_line_error(invoke("-f", str(bad)), f"{bad}:2: the id 2 is line 1's too: give each prompt its own id (a line "
+                   "without one has its line number)")
+    # llama.cpp's --draft N: bench has no --draft-max to point at (it pointed there, and bench said no such option)
+    one_line_error(invoke("--draft", "2"), "--draft 2: no such file; --draft is the EAGLE-3 head's GGUF here "
+                   "(llama.cpp's --draft N is --contenders k2, measured beside target-only)")
+    one_line_error(invoke("--draft", "0"), "--draft 0: no such file; --draft is the EAGLE-3 head's GGUF here "
+                   "(llama.cpp's --draft N is target-only, which bench always measures)")
+    # a run's first token is the prompt's, chosen untimed: -n 1 timed nothing and said tens of thousands of tok/s
+    one_line_error(invoke("-n", "1"), "-n must be at least 2: the speeds time the tokens after the first (got 1)")
     one_line_error(invoke("--exact", "maybe"), "--exact must be auto, strict, off (got maybe)")
     one_line_error(invoke("--repeat", "0"), "--repeat must be at least 1 (got 0)")
     one_line_error(invoke("-ngl", "many"), "-ngl must be a number of layers, 'auto' or 'all' (got many)")
@@ -133,6 +145,9 @@ def test_user_prompts_file(user_prompts):
     assert [(p.workload, p.id, p.text) for p in ps] == [("mine", "sea", "Write a haiku about the sea."),
                                                         ("mine", "3", "List three prime numbers.")]
     assert len(lib.load_jsonl(user_prompts, limit=1)) == 1
+    bom = user_prompts.with_name("bom.jsonl")  # as a Windows editor saves UTF-8
+    bom.write_bytes(b"\xef\xbb\xbf" + user_prompts.read_bytes())
+    assert [(p.id, p.text) for p in lib.load_jsonl(bom)] == [(p.id, p.text) for p in ps]
 
 
 def _run(pid: str, contender: str, rnd: int, tok_s: float, workload: str = "chat") -> PromptRun:

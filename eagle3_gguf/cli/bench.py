@@ -23,6 +23,7 @@ from .common import (EXIT_INTERRUPTED, cache_type_k_option, cache_type_v_option,
 WORKLOADS_HELP = ("Comma-separated, of: chat (MT-bench's first turns), code (HumanEval: complete a function), edit "
                   "(a HumanEval function to edit and return whole: text that repeats the prompt), extract (copy one "
                   "docstring out of eight: 1-2k token prompts). Default: all four, or none with -f.")
+WORKLOAD_LIMIT = 5  # prompts of each workload by default: with the default contenders, minutes on 2 CPU cores
 CONTENDERS_HELP = ("Comma-separated, measured beside target-only (always run, first and last per prompt): default "
                    "(generate's defaults: adaptive, lookup drafts, trees where they pay), kN (fixed K=N at p_min 0.5, "
                    "e.g. k1,k2,k4), lookup (lookup drafts only, no draft step: --draft-head off), head (the head's "
@@ -37,7 +38,8 @@ def register(app: typer.Typer) -> None:
         file: Optional[Path] = typer.Option(None, "-f", "--file", help="Your prompts, JSON Lines: a line is "
                                             "{\"text\": \"...\"} (an \"id\" optional) or a JSON string."),
         workloads: Optional[str] = typer.Option(None, "--workloads", help=WORKLOADS_HELP),
-        limit: int = typer.Option(5, "--limit", help="Prompts per workload (0: all)."),
+        limit: Optional[int] = typer.Option(None, "--limit", help="Prompts per workload, and of -f's file (0: all). "
+                                            f"Default: {WORKLOAD_LIMIT} of each workload, all of the file."),
         contenders: Optional[str] = typer.Option(None, "--contenders", help=CONTENDERS_HELP
                                                  + " Default: default,k2,lookup,head."),
         n_predict: int = typer.Option(128, "-n", "--n-predict", help="Tokens to generate per prompt."),
@@ -69,7 +71,8 @@ def register(app: typer.Typer) -> None:
             from .. import bench as lib
 
             _check_flags(n_predict, limit, repeat, time_limit, n_ctx, threads, plot, exact)
-            check_head_flag(draft)
+            check_head_flag(draft, instead=lambda n: f"--contenders k{n}, measured beside target-only" if n else
+                            "target-only, which bench always measures")
             named = _names(contenders, ",".join(lib.DEFAULT_CONTENDERS))
             if not named:
                 raise Eagle3Error("--contenders names none: name one or more (e.g. default,k2), or leave it out for "
@@ -79,7 +82,7 @@ def register(app: typer.Typer) -> None:
                                                  n_gpu_layers_draft, rpc, rpc_backend, tensor_split)
             prompts = lib.load_jsonl(file, limit or None) if file is not None else []
             names = _names(workloads, "" if file is not None else ",".join(WORKLOADS))
-            prompts += lib.load_workloads(names, limit or None)
+            prompts += lib.load_workloads(names, (WORKLOAD_LIMIT if limit is None else limit) or None)
             if not prompts:
                 raise Eagle3Error(f"no prompts to measure: name workloads ({', '.join(WORKLOADS)}) or give -f")
             code = _run(model, draft, pair_config, chosen, prompts, n_predict, repeat,
@@ -94,14 +97,14 @@ def _names(value: str | None, default: str) -> list[str]:
     return [x.strip() for x in (default if value is None else value).split(",") if x.strip()]
 
 
-def _check_flags(n_predict: int, limit: int, repeat: int, time_limit: float, n_ctx: int, threads: int | None,
+def _check_flags(n_predict: int, limit: int | None, repeat: int, time_limit: float, n_ctx: int, threads: int | None,
                  plot: Path | None, exact: str) -> None:
     from ..config import DraftConfig
 
     DraftConfig.from_flags(exact=exact)  # its own check, naming the flag
-    if n_predict < 1:
-        raise Eagle3Error(f"-n must be at least 1 (got {n_predict})")
-    if limit < 0:
+    if n_predict < 2:  # the first token comes with the prompt's processing, untimed
+        raise Eagle3Error(f"-n must be at least 2: the speeds time the tokens after the first (got {n_predict})")
+    if limit is not None and limit < 0:
         raise Eagle3Error(f"--limit cannot be negative (got {limit})")
     if repeat < 1:
         raise Eagle3Error(f"--repeat must be at least 1 (got {repeat})")

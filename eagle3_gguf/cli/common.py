@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import sys
+from typing import Callable
 
 import typer
 
@@ -163,11 +164,12 @@ def head_option():
     return typer.Option(None, *HEAD_FLAGS, help="EAGLE-3 head GGUF (default: the embedded SmolLM2 head).")
 
 
-def check_head_flag(draft: Path | None) -> None:
-    """A number for --draft where no such file is: llama.cpp's --draft N, which is --draft-max here."""
+def check_head_flag(draft: Path | None, instead: Callable[[int], str] = lambda n: f"--draft-max {n}") -> None:
+    """A number for --draft where no such file is: llama.cpp's --draft N, which is `instead` here (bench has no
+    --draft-max: its fixed drafts are contenders)."""
     if draft is not None and str(draft).isdigit() and not draft.exists():
         raise Eagle3Error(f"--draft {draft}: no such file; --draft is the EAGLE-3 head's GGUF here (llama.cpp's "
-                          f"--draft N is --draft-max {draft})")
+                          f"--draft N is {instead(int(str(draft)))})")
 
 
 def ctx_option():

@@ -161,7 +161,8 @@ def _run(model, draft, prompt, file, pair_config, config, temp, seed, chat, base
         cmp = Comparison(spec, base)
         typer.echo(f"\ntarget only        {base.stats.tokens_per_second:.1f} tok/s ({base.stats.n_generated} tokens)",
                    err=True)
-        typer.echo(f"speedup            {cmp.speedup:.2f}x", err=True)
+        typer.echo(f"speedup            {cmp.speedup:.2f}x" if cmp.speedup else "speedup            n/a (no token "
+                   "after the first to time)", err=True)
         if same_draws:
             typer.echo(f"identical output   {'yes' if cmp.identical else 'NO'}", err=True)
         else:
@@ -205,7 +206,7 @@ def demo_line(st, speedup: float | None) -> str:
             f"{st.n_accepted - st.lookup_accepted} from the head's drafts{speed}. Chat text has little to copy, and a "
             f"head draft {verdict} (2 verify rows cost "
             f"{c2:.2f}x one row, a draft step {step:.2f}x): {chat}; where verify rows are nearly free (a GPU) far "
-            "more pays. `eagle3-gguf bench` measures chat, code and edit text on this machine.")
+            "more pays. `eagle3-gguf bench` measures chat, code, edit and extraction text on this machine.")
 
 
 def _emit(text: str) -> None:
