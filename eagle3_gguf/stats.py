@@ -192,7 +192,8 @@ class SpecStats:
     def policy_rows(self) -> list[tuple[str, str]]:
         p = self.policy
         rows = [("draft policy", p.name),
-                (f"drafts verified 0..{len(p.chosen) - 1} (cycles)", " ".join(str(x) for x in p.chosen))]
+                (f"{'chain ' if self.tree_cycles else ''}drafts verified 0..{len(p.chosen) - 1} (cycles)",
+                 " ".join(str(x) for x in p.chosen))]
         if p.name == "adaptive":
             rows += [
                 ("plain cycles / probes", f"{p.plain_cycles} / {p.probes}"
@@ -228,7 +229,8 @@ class SpecStats:
             rows += self.exact.rows()
         if self.draft_max or self.lookup_max:
             rows += [
-                ("drafted / accepted", f"{self.n_drafted} / {self.n_accepted}"),
+                ("drafted / accepted", f"{self.n_drafted} / {self.n_accepted}"
+                 + (" (a tree counts the depth it reached: its tokens are under draft trees)" if self.tree_cycles else "")),
                 ("of them from lookup", f"{self.lookup_drafted} / {self.lookup_accepted} ({self.lookup_cycles} cycles, "
                  f"{1e3 * self.t_lookup:.1f} ms looking up)"),
                 ("acceptance rate", f"{self.acceptance_rate:.1%}"),
@@ -239,7 +241,7 @@ class SpecStats:
             ]
             if self.tree_cycles:
                 rows.append(("draft trees", f"{self.tree_cycles} cycles, {self.tree_nodes / self.tree_cycles:.1f} "
-                             f"tokens each; a branch kept in {self.tree_branch_kept}"))
+                             f"tokens each ({self.tree_nodes} verified); a branch kept in {self.tree_branch_kept}"))
             if self.spec_sampling:
                 rows.append(("verification", self.spec_sampling))
         if self.policy is not None:
