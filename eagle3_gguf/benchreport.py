@@ -145,12 +145,17 @@ def advice(rows: list[Row], setup: Setup, flags: dict[str, str]) -> str:
 
 
 def _caveats(rows: list[Row]) -> str:
-    """What makes the figures weak: a busy machine (target-only's own runs far apart), or few prompts."""
+    """What makes the figures weak: a busy machine (target-only's own runs far apart), a contender whose text was
+    not target-only's, or few prompts."""
     text = ""
     noise = min((r.ratio.median for r in rows if r.contender == TARGET.name), default=1.0)
     if noise < 0.9:
         text += (f"; caution: target-only's two runs of a prompt differed by {1 - noise:.0%} (a busy machine): "
                  "measure again when it is quiet")
+    parted = sorted({r.contender for r in rows if r.identical < r.compared and r.contender != TARGET.name})
+    if parted:  # faster, but not target-only's text: a speed that cannot be bought losslessly here
+        text += (f"; caution: {', '.join(parted)} parted from target-only's text on some prompts (verify widths that "
+                 "are not exact on this set-up: keep --exact auto, which keeps to the exact ones)")
     n = min(r.prompts for r in rows)
     if n < 3:
         text += f"; {n} prompt(s) a workload: raise --limit and --time-limit for firmer figures"

@@ -204,6 +204,12 @@ def test_advice_names_the_best_contender_and_workload():
     assert "caution: target-only's two runs of a prompt differed by 40% (a busy machine)" in text
     assert "1 prompt(s) a workload: raise --limit and --time-limit" in text
 
+    # the best contender's text was not target-only's on a prompt (--exact off on inexact widths): said beside it
+    assert "parted" not in text
+    rows[3].identical = 4
+    text = advice(rows, SETUP, flags)
+    assert "caution: default parted from target-only's text on some prompts (verify widths that are not exact" in text
+
 
 def test_summary_rows_pool_acceptance_and_count_identity():
     runs = [_run("a", "target", 0, 100), _run("a", "x", 0, 120), _run("a", "target", 0, 90)]
