@@ -223,7 +223,10 @@ def read_gguf_metadata(path: str | Path) -> GGUFMetadata:
             cur.pos = 4
             version, n_tensors, n_kv = cur.unpack("<I"), cur.unpack("<Q"), cur.unpack("<Q")
             if version not in (2, 3):
-                raise Eagle3Error(f"{path}: unsupported GGUF version {version}")
+                swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+                raise Eagle3Error(f"{path}: a big-endian GGUF (version {swapped}): llama.cpp reads little-endian "
+                                  "ones here (gguf-convert-endian converts it)" if swapped in (2, 3) else
+                                  f"{path}: unsupported GGUF version {version}")
             kvs = []
             for _ in range(n_kv):
                 key = cur.string()
@@ -306,7 +309,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
         tensors.append(TensorEntry(t.name, list(t.shape), t.ggml_type.name, n))
         data_end = max(data_end, t.offset + n)
     if data_end > size:
-        raise Eagle3Error(f"{path}: truncated GGUF (tensor data needs {data_end} bytes, the file has {size}): "
+        raise Eagle3Error(f"{path}: truncated GGUF (its tensors end at byte {data_end}, the file has {size}): "
                           "download or convert it again")
     metadata = meta.as_dict()
     arch = metadata.get(keys.KEY_ARCHITECTURE)

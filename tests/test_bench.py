@@ -133,6 +133,7 @@ def test_bad_flags_and_files_are_one_line_exit_2(tmp_path, tiny_target):
     one_line_error(invoke("-n", "1"), "-n must be at least 2: the speeds time the tokens after the first (got 1)")
     one_line_error(invoke("--exact", "maybe"), "--exact must be auto, strict, off (got maybe)")
     one_line_error(invoke("--repeat", "0"), "--repeat must be at least 1 (got 0)")
+    one_line_error(invoke("--time-limit", "nan"), "--time-limit must be seconds, 0 or more (got nan)")
     one_line_error(invoke("-ngl", "many"), "-ngl must be a number of layers, 'auto' or 'all' (got many)")
     good = tmp_path / "ok.jsonl"
     good.write_text('"hi"\n')

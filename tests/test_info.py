@@ -86,7 +86,8 @@ def test_info_head(tiny_head_d2t):
     assert "fc.weight" not in text and "fc.weight" in run("info", str(tiny_head_d2t), "--tensors").stdout
 
 
-@pytest.mark.parametrize("case", ["missing", "not-gguf", "truncated-header", "truncated-data", "directory"])
+@pytest.mark.parametrize("case", ["missing", "not-gguf", "truncated-header", "truncated-data", "directory",
+                                  "big-endian"])
 def test_info_bad_input_one_line_exit_2(case, tmp_path, tiny_head):
     path = tmp_path / "x.gguf"
     expected = {
@@ -94,8 +95,12 @@ def test_info_bad_input_one_line_exit_2(case, tmp_path, tiny_head):
         "not-gguf": f"error: {path}: not a GGUF file (expected magic 'GGUF', found b'hell')",
         "truncated-header": f"error: {path}: corrupt GGUF (its header ends early: the file is cut short): download or "
                             "convert it again",
-        "truncated-data": f"error: {path}: truncated GGUF (tensor data ",
+        "truncated-data": f"error: {path}: truncated GGUF (its tensors end at byte {len(tiny_head.read_bytes())}, the "
+                          f"file has {len(tiny_head.read_bytes()) - 1000})",
         "directory": f"error: {tmp_path}: not a file",
+        # it read 'unsupported GGUF version 50331648': 3, byte-swapped
+        "big-endian": f"error: {path}: a big-endian GGUF (version 3): llama.cpp reads little-endian ones here "
+                      "(gguf-convert-endian converts it)",
     }[case]
     data = tiny_head.read_bytes()
     if case == "not-gguf":
@@ -104,6 +109,8 @@ def test_info_bad_input_one_line_exit_2(case, tmp_path, tiny_head):
         path.write_bytes(data[:100])
     elif case == "truncated-data":
         path.write_bytes(data[: len(data) - 1000])
+    elif case == "big-endian":  # the version field as a big-endian writer leaves it (the rest need not be)
+        path.write_bytes(data[:4] + (3).to_bytes(4, "big") + data[8:])
     r = run("info", str(tmp_path if case == "directory" else path))
     assert r.returncode == 2
     assert r.stdout == ""

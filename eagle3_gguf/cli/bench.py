@@ -109,7 +109,7 @@ def _check_flags(n_predict: int, limit: int | None, repeat: int, time_limit: flo
     if repeat < 1:
         raise Eagle3Error(f"--repeat must be at least 1 (got {repeat})")
     if not time_limit >= 0:
-        raise Eagle3Error(f"--time-limit cannot be negative (got {time_limit})")
+        raise Eagle3Error(f"--time-limit must be seconds, 0 or more (got {time_limit})")
     check_context_flags(n_ctx, threads)
     if plot is not None:
         if plot.suffix.lower() != ".png":
