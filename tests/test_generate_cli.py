@@ -342,6 +342,12 @@ def test_the_demo_says_what_it_shows():
         demo_line(cheap, None) and "(--baseline adds the speedup)" in demo_line(cheap, None)
     dear = SpecStats(n_generated=10, policy=PolicyStats("adaptive", cost_curve=[1.0, 2.0], draft_step_cost=0.05))
     assert "a head draft cannot pay here even when always kept (2 verify rows cost 2.00x one row" in demo_line(dear, 1.2)
+    # far below 1x, another job slowed one of the two runs (a newcomer read 0.30x and no word of why)
+    assert "busy" not in line and "busy" not in demo_line(dear, 0.95)
+    assert demo_line(dear, 0.3).endswith(" Below 1x here, the machine was likely busy while one of the two runs ran "
+                                         "(they are timed one after the other): run it again when it is idle, or "
+                                         "`eagle3-gguf bench`, which interleaves them and says when target-only's own "
+                                         "runs differ.")
 
 
 @pytest.mark.slow

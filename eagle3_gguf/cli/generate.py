@@ -206,7 +206,15 @@ def demo_line(st, speedup: float | None) -> str:
             f"{st.n_accepted - st.lookup_accepted} from the head's drafts{speed}. Chat text has little to copy, and a "
             f"head draft {verdict} (2 verify rows cost "
             f"{c2:.2f}x one row, a draft step {step:.2f}x): {chat}; where verify rows are nearly free (a GPU) far "
-            "more pays. `eagle3-gguf bench` measures chat, code, edit and extraction text on this machine.")
+            "more pays. `eagle3-gguf bench` measures chat, code, edit and extraction text on this machine."
+            + (BUSY_NOTE if speedup is not None and speedup < BUSY_BELOW else ""))
+
+
+# the demo runs above target-only on an idle 2-core machine (README); far below, another job slowed one of the two runs
+BUSY_BELOW = 0.9
+BUSY_NOTE = (" Below 1x here, the machine was likely busy while one of the two runs ran (they are timed one after the "
+             "other): run it again when it is idle, or `eagle3-gguf bench`, which interleaves them and says when "
+             "target-only's own runs differ.")
 
 
 def _emit(text: str) -> None:
