@@ -294,16 +294,22 @@ def plot(report: Report, path: Path) -> None:
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks(range(len(workloads)), workloads)
     ax.set_ylabel("speed vs target-only (median prompt; quartiles)")
-    ax.legend(fontsize=8)
+    if names:
+        ax.legend(fontsize=8)
+    drew = False
     for name in names:
         by_pos = acceptance_by_pos([r for r in report.runs if r.contender == name])
         if by_pos:
             ax2.plot(range(1, len(by_pos) + 1), by_pos, "o-", label=name)
+            drew = True
+    if not drew:  # a legend of nothing is matplotlib's warning on stderr
+        ax2.text(0.5, 0.5, "no drafts were verified", ha="center", va="center", transform=ax2.transAxes)
     ax2.set_xlabel("draft position")
     ax2.xaxis.get_major_locator().set_params(integer=True)
     ax2.set_ylabel("drafts kept (all workloads)")
     ax2.set_ylim(0, 1)
-    ax2.legend(fontsize=8)
+    if drew:
+        ax2.legend(fontsize=8)
     fig.suptitle(f"{report.setup.target} + {report.setup.head}: {report.setup.machine}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
