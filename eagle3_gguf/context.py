@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ctypes
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -79,20 +81,47 @@ def decode_failure(rc: int) -> str:
     return f"llama_decode failed (rc={rc}): llama.cpp's log (-v, verbose=True) says why"
 
 
+@dataclass(frozen=True)
+class Adapters:
+    """The LoRA adapters a target context computes with (llama-cpp-python's Llama owns their handles): a context of
+    the same set-up sets them too (the exactness probe's), and the cost key names them (they change what a row
+    costs and which rows are exact)."""
+    handles: tuple  # llama_adapter_lora_p, each
+    scales: tuple[float, ...]
+    ident: str  # each file's path, size and mtime, and its scale
+
+    @classmethod
+    def of_files(cls, handles: tuple, paths: tuple[str, ...], scales: tuple[float, ...]) -> "Adapters":
+        def ident(path: str, scale: float) -> str:
+            st = Path(path).stat()
+            return f"{Path(path).resolve()}:{st.st_size}:{st.st_mtime_ns}x{scale!r}"
+
+        return cls(handles, scales, " ".join(ident(p, sc) for p, sc in zip(paths, scales)))
+
+    def set_on(self, ctx) -> None:
+        # LLAMA_API int32_t llama_set_adapters_lora(struct llama_context * ctx, struct llama_adapter_lora ** adapters,
+        #                                           size_t n_adapters, float * scales);
+        n = len(self.handles)
+        if C.llama_set_adapters_lora(ctx, (C.llama_adapter_lora_p_ctypes * n)(*self.handles), n,
+                                     (ctypes.c_float * n)(*self.scales)):
+            raise Eagle3Error(f"llama.cpp could not set the LoRA adapters ({self.ident}) on a context of the target")
+
+
 class Context(_Owner):
     """A llama_context; `ctx_other` pairs an EAGLE-3 head with its target."""
 
     def __init__(self, model: Model, *, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int | None = None,
                  n_threads: int | None = None, ctx_other: "Context | None" = None, n_seq_max: int = 1,
                  kv_unified: bool = True, type_k: int | None = None, type_v: int | None = None,
-                 flash_attn: int | None = None, borrowed=None, capture=None):
+                 flash_attn: int | None = None, borrowed=None, capture=None, adapters: Adapters | None = None):
         """kv_unified=False gives every sequence its own KV stream (n_ctx / n_seq_max cells): a row attends
         over its own sequence only, but llama.cpp then orders a batch's rows by sequence id in its ubatches
         (so layer-input rows come out in that order: keep batches sorted by sequence). type_k/type_v: the
         KV cache's ggml types (`cache_type`); llama.cpp's default is f16 for both. flash_attn: llama.cpp's
         flash_attn_type (default: auto). borrowed: a llama_context someone else owns (`llama_cpp.Llama._ctx.ctx`)
         to wrap, made with these settings; close() won't free it. capture: a capture.LayerCapture whose eval
-        callback gives the layer inputs of a graph without llama.cpp's hook (set_layer_inp then reads it)."""
+        callback gives the layer inputs of a graph without llama.cpp's hook (set_layer_inp then reads it).
+        adapters: the LoRA adapters it computes with (set here unless borrowed, whose owner has set them)."""
         self.model = model
         self.ctx_other = ctx_other  # keeps the target alive while the head borrows from it
         threads = n_threads or default_threads()
@@ -137,6 +166,13 @@ class Context(_Owner):
             raise Eagle3Error(f"{model.path}: llama.cpp could not create a context (n_ctx={n_ctx}{cache}; "
                               "-v shows why)")
         self.ptr = ptr
+        self.adapters = adapters
+        if adapters is not None and self._owned:
+            try:
+                adapters.set_on(ptr)
+            except Eagle3Error:
+                C.llama_free(ptr)
+                raise
         # how this context's graphs are called: runner(graph_call) in this thread by default; slots.Engine
         # passes its own, which runs every graph on one thread
         self.runner: Callable[..., int] | None = None

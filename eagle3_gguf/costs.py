@@ -169,7 +169,8 @@ class CostKey:
         # n_ubatch: a batch wider than it is computed as ubatches (the probe compares products up to it)
         setup = (f"kv {target.kv_types[0]}/{target.kv_types[1]} fa {target.flash_attn} ub {target.n_ubatch} "
                  f"repack {target.model.repack} on {target.model.placement} / {head.model.placement}"
-                 + (f" env {ggml}" if ggml else "") + (f" reads {reads}" if reads else ""))
+                 + (f" env {ggml}" if ggml else "") + (f" reads {reads}" if reads else "")
+                 + (f" lora {target.adapters.ident}" if target.adapters is not None else ""))
         return cls.for_files(target.model.path, head.model.path, target.n_threads, setup, n_batch)
 
     def path(self) -> Path:

@@ -293,11 +293,11 @@ class ProbeCallback:
 
 
 def _probe_context(target: Context, rec: ProbeCallback, n_ctx: int, n_ubatch: int | None = None) -> Context:
-    """A context of the target's set-up (n_ubatch: the target's unless given), n_ctx cells, with rec as its eval
-    callback."""
+    """A context of the target's set-up (its LoRA adapters too; n_ubatch: the target's unless given), n_ctx cells,
+    with rec as its eval callback."""
     return Context(target.model, n_ctx=n_ctx, n_batch=target.n_batch, n_ubatch=n_ubatch or target.n_ubatch,
                    n_threads=target.n_threads, type_k=target.kv_types[0], type_v=target.kv_types[1],
-                   flash_attn=target.flash_attn, n_seq_max=target.n_seq_max, capture=rec)
+                   flash_attn=target.flash_attn, n_seq_max=target.n_seq_max, capture=rec, adapters=target.adapters)
 
 
 def _prefix(ctx: Context, batch: Batch, tokens: np.ndarray, pos: int, depth: int) -> None:

@@ -15,6 +15,11 @@ KEY_ARCHITECTURE = "general.architecture"
 KEY_NAME = "general.name"
 KEY_FILE_TYPE = "general.file_type"
 KEY_ALIGNMENT = "general.alignment"
+# a LoRA adapter's (llama.cpp's llama-adapter.cpp): general.type "adapter", adapter.type "lora"
+KEY_GENERAL_TYPE = "general.type"
+KEY_ADAPTER_TYPE = "adapter.type"
+KEY_ADAPTER_LORA_ALPHA = "adapter.lora.alpha"
+LORA_A, LORA_B = ".lora_a", ".lora_b"  # a weight's adapter tensors: its name + these
 
 # -- per-architecture keys ("{arch}." prefix) -----------------------------------------------------
 KEY_CONTEXT_LENGTH = "{arch}.context_length"

@@ -169,6 +169,24 @@ def write_random_head(path: str | Path, spec: HeadSpec, *, tokenizer_from: Path,
     return _write(w, path)
 
 
+def write_lora(path: str | Path, target: str | Path, dims: TinyDims = TinyDims(), *, rank: int = 4,
+               scale: float = 0.5, seed: int = 3) -> Path:
+    """A random LoRA adapter (F32, alpha = rank) for write_tiny_target's target: on every block's attn_q and
+    ffn_down, so that it changes the logits."""
+    w = gguf.GGUFWriter(str(path), read_gguf_metadata(target).as_dict()[keys.KEY_ARCHITECTURE])
+    w.add_string(keys.KEY_GENERAL_TYPE, "adapter")
+    w.add_string(keys.KEY_ADAPTER_TYPE, "lora")
+    w.add_float32(keys.KEY_ADAPTER_LORA_ALPHA, float(rank))
+    rng = np.random.default_rng(seed)
+    hd = dims.n_embd // dims.n_head
+    for i in range(dims.n_layer):
+        for name, n_out, n_in in ((keys.blk(keys.T_ATTN_Q, i), dims.n_head * hd, dims.n_embd),
+                                  (keys.blk(keys.T_FFN_DOWN, i), dims.n_embd, dims.n_ff)):
+            w.add_tensor(name + keys.LORA_A, (rng.standard_normal((rank, n_in)) * scale).astype(np.float32))
+            w.add_tensor(name + keys.LORA_B, (rng.standard_normal((n_out, rank)) * scale).astype(np.float32))
+    return _write(w, Path(path))
+
+
 def rewrite_gguf(src: str | Path, dst: str | Path, *, kvs: dict[str, KeyValue | None] | None = None,
                  tensors: dict[str, np.ndarray | None] | None = None) -> Path:
     """A copy of the GGUF at `src` with metadata keys set (`kvs`, typed) or dropped (None), and tensors replaced

@@ -106,9 +106,10 @@ def test_llama_cpps_head_and_draft_flags(tiny_target, tiny_head, tmp_path, monke
     r = invoke("generate", "-m", str(tiny_target), "--model-draft", str(tiny_head), "-p", "hello", "-n", "2")
     assert r.exit_code == 0, r.output
     monkeypatch.chdir(tmp_path)  # no file named 8 here
-    hint = "--draft 8: no such file; --draft is the EAGLE-3 head's GGUF here (llama.cpp's --draft N is --draft-max 8)"
-    for command in ("generate", "bench", "serve"):
-        one_line_error(invoke(command, "-m", str(tiny_target), "--draft", "8"), hint)
+    hint = "--draft 8: no such file; --draft is the EAGLE-3 head's GGUF here (llama.cpp's --draft N is {})"
+    for command, instead in (("generate", "--draft-max 8"), ("serve", "--draft-max 8"),
+                             ("bench", "--contenders k8, measured beside target-only")):  # bench has no --draft-max
+        one_line_error(invoke(command, "-m", str(tiny_target), "--draft", "8"), hint.format(instead))
 
 
 def test_a_prompt_file_that_is_no_text_is_one_line(tiny_target, tiny_head, tmp_path):

@@ -414,6 +414,44 @@ def test_one_cost_key_per_setup(tiny_target, tiny_head):
         assert key != CostKey.for_contexts(narrow._e3_pair.target, narrow._e3_pair.head, 64)
 
 
+def test_a_lora_adapter_is_part_of_the_set_up_the_probe_measures(tiny_target, tiny_head, tmp_path):
+    """Llama(lora_path=...) computes with the adapter: the exactness probe's own context (made beside the Llama's,
+    for its eval callback) computes with it too, so it judges the products the run computes (it made its context
+    without: a strong adapter's F32 products parted from one-token decoding unseen, under --exact strict too), and
+    the cost key names the adapter and its scale (a probe cached without it was reused with it)."""
+    from eagle3_gguf.batch import Batch
+    from eagle3_gguf.costs import CostKey
+    from eagle3_gguf.exactness import ProbeCallback, _probe_context
+    from model_factory import write_lora
+
+    lora = write_lora(tmp_path / "lora.gguf", tiny_target)
+    setup = dict(model_path=str(tiny_target), draft_model_path=tiny_head, draft_policy="fixed", verbose=False,
+                 n_ctx=256, n_batch=64, n_threads=1, exact="strict")  # strict: no warning where a width parts
+    tokens = [1, 17, 402, 9, 33]
+
+    def last_logits(ctx) -> np.ndarray:
+        with Batch(64) as batch:
+            ctx.clear()
+            batch.set(tokens, 0, logits="last")
+            ctx.decode(batch)
+            out = ctx.logits_ith(len(tokens) - 1).copy()
+            ctx.clear()
+            return out
+
+    with closing(Eagle3Llama(**setup)) as plain:
+        without = last_logits(plain._e3_pair.target)
+        keys_seen = [CostKey.for_contexts(plain._e3_pair.target, plain._e3_pair.head, 64)]
+    for scale in (1.0, 0.5):
+        with closing(Eagle3Llama(**setup, lora_path=str(lora), lora_scale=scale)) as llm:
+            target = llm._e3_pair.target
+            adapted = last_logits(target)
+            assert not np.array_equal(adapted, without)  # the adapter changes what the target computes
+            with _probe_context(target, ProbeCallback(), 64) as probe_ctx:
+                assert np.array_equal(last_logits(probe_ctx), adapted)
+            keys_seen.append(CostKey.for_contexts(target, llm._e3_pair.head, 64))
+    assert len(set(keys_seen)) == 3
+
+
 def test_the_v_cache_default_follows_where_attention_runs(tiny_target, tiny_head, monkeypatch):
     """With its layers on a GPU (pretended here: rpc.local_devices) Eagle3Llama keeps llama.cpp's f16 V, unless
     offload_kqv=False leaves the cache and attention on the CPU, where bf16 keeps them batch-invariant."""
