@@ -121,11 +121,12 @@ def check_pair(target: TargetInfo, head: HeadInfo, d2t: np.ndarray | None = None
             raise Eagle3Error(
                 f"{head.path.name}: head has hidden size {head.n_embd} and no {what} of its own, but "
                 f"{target.path.name}'s are {target.n_embd} wide: this head was trained for another model")
+    top = target.n_layer if target.arch in keys.FINAL_OUTPUT_TARGET_ARCHS else target.n_layer - 1  # the ids it serves
     for lid in head.target_layers:
         if lid < 0 or lid > target.n_layer:
             raise Eagle3Error(
                 f"head extracts target layer {lid}, but {target.path.name} has {target.n_layer} layers "
-                f"(ids 0..{target.n_layer}): reconvert the head with --layer-ids")
+                f"(ids 0..{top}): reconvert the head with --layer-ids")
         if lid == target.n_layer and target.arch not in keys.FINAL_OUTPUT_TARGET_ARCHS:
             raise Eagle3Error(
                 f"head extracts layer id {lid} (the final output), which the pinned llama.cpp does not expose for "

@@ -53,7 +53,7 @@ def test_pair_mismatches_one_line_exit_2(tiny_target, tiny_head, heads, mla_targ
                    "head expects target hidden size 128, but tiny-target.gguf has 64: this head was trained for "
                    "another model")
     one_line_error(invoke(*base, "--draft", str(heads["far"])),
-                   "head extracts target layer 9, but tiny-target.gguf has 6 layers (ids 0..6): reconvert the head "
+                   "head extracts target layer 9, but tiny-target.gguf has 6 layers (ids 0..5): reconvert the head "
                    "with --layer-ids")
     one_line_error(invoke(*base, "--draft", str(heads["final"])),
                    "head extracts layer id 6 (the final output), which the pinned llama.cpp does not expose for "
