@@ -77,13 +77,17 @@ def output_failed(e: OSError) -> int:
     except OSError:
         pass  # what is left in the buffer cannot be written: it goes
     try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's last flush would fail again
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())  # the interpreter's last flush would fail again
+        os.close(null)
     except (OSError, ValueError):
         pass  # stdout is no file (captured): nothing flushes it at exit
     if isinstance(e, BrokenPipeError):
         return 1
-    what = e.filename if e.filename is not None else "the output"
-    typer.echo(f"error: {what} could not be written ({e.strerror or e})", err=True)
+    if e.filename is not None:  # a file a command did not say its own error for
+        typer.echo(f"error: {e.filename}: {e.strerror or e}", err=True)
+    else:
+        typer.echo(f"error: the output could not be written ({e.strerror or e})", err=True)
     return 2
 
 
