@@ -203,6 +203,7 @@ class PromptRun:
     draft_s: float = 0.0  # in the head's draft steps
     prefill_s: float = 0.0
     identical: bool | None = None  # the same tokens as the round's first target-only run (greedy runs)
+    stopped: str = ""  # why the run ended (SpecStats.stop_reason)
 
     @property
     def tok_s(self) -> float:
@@ -219,7 +220,8 @@ class PromptRun:
         return cls(p.workload, p.id, contender, rnd, st.n_prompt, st.n_generated, st.t_total, st.n_target_forwards,
                    st.n_drafted, st.n_accepted, list(st.drafted_by_pos), list(st.accepted_by_pos), st.lookup_drafted,
                    st.lookup_accepted, st.tree_cycles, st.tree_branch_kept, list(pol.chosen) if pol else [],
-                   pol.probes if pol else 0, st.python_per_cycle_ms, st.t_draft, st.t_prefill, identical)
+                   pol.probes if pol else 0, st.python_per_cycle_ms, st.t_draft, st.t_prefill, identical,
+                   st.stop_reason)
 
 
 # -- the per-prompt ratio --------------------------------------------------------------------------------

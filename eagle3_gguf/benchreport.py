@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .bench import TARGET, PromptRun, Setup, fastest, per_prompt_ratio
+from .decode import CONTEXT_FULL
 from .errors import Eagle3Error
 
 
@@ -47,6 +48,7 @@ class Row:
     compared: int  # greedy runs compared
     lookup_share: float = 0.0  # of the drafts kept, those a lookup proposed
     tree_cycles: int = 0
+    context_full: int = 0  # runs that ended at the context's end, short of -n
 
 
 def summarize(runs: list[PromptRun], contenders: list[str]) -> list[Row]:
@@ -70,7 +72,7 @@ def summarize(runs: list[PromptRun], contenders: list[str]) -> list[Row]:
                             sum(r.tokens for r in rs) / max(sum(r.forwards for r in rs), 1), acceptance_by_pos(rs),
                             sum(r.drafted for r in rs), sum(same), len(same),
                             sum(r.lookup_accepted for r in rs) / kept if kept else 0.0,
-                            sum(r.tree_cycles for r in rs)))
+                            sum(r.tree_cycles for r in rs), sum(r.stopped == CONTEXT_FULL for r in rs)))
     return rows
 
 
@@ -146,7 +148,7 @@ def advice(rows: list[Row], setup: Setup, flags: dict[str, str]) -> str:
 
 def _caveats(rows: list[Row]) -> str:
     """What makes the figures weak: a busy machine (target-only's own runs far apart), a contender whose text was
-    not target-only's, or few prompts."""
+    not target-only's, runs the context cut short, or few prompts."""
     text = ""
     noise = min((r.ratio.median for r in rows if r.contender == TARGET.name), default=1.0)
     if noise < 0.9:
@@ -156,6 +158,9 @@ def _caveats(rows: list[Row]) -> str:
     if parted:  # faster, but not target-only's text: a speed that cannot be bought losslessly here
         text += (f"; caution: {', '.join(parted)} parted from target-only's text on some prompts (verify widths that "
                  "are not exact on this set-up: keep --exact auto, which keeps to the exact ones)")
+    short = sum(r.context_full for r in rows)
+    if short:  # the header's tokens a prompt overstate them (llama.cpp pads -c up to 256 cells)
+        text += f"; {short} run(s) ended at the end of the context, short of -n tokens: raise -c"
     n = min(r.prompts for r in rows)
     if n < 3:
         text += f"; {n} prompt(s) a workload: raise --limit and --time-limit for firmer figures"

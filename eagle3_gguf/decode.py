@@ -24,6 +24,9 @@ from .stats import ExactReport, RunResult, SpecStats
 from .tokens import detokenize
 
 
+CONTEXT_FULL = "context full"  # a run's stop_reason where the context held no more rows
+
+
 @dataclass
 class Sampler:
     """temperature 0 = greedy; otherwise llama.cpp's usual chain: top-k → top-p → min-p → temperature
@@ -112,7 +115,7 @@ class _RunnerHooks(RunHooks):
             return None
         room = self.n_ctx - pos - 1  # rows that fit after id_last
         if room < 0:
-            st.stop_reason = "context full"
+            st.stop_reason = CONTEXT_FULL
             return None
         return min(self.n_predict - st.n_generated - 1, room)
 

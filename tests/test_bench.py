@@ -211,6 +211,11 @@ def test_advice_names_the_best_contender_and_workload():
     text = advice(rows, SETUP, flags)
     assert "caution: default parted from target-only's text on some prompts (verify widths that are not exact" in text
 
+    # runs that ended at the context's end made fewer tokens than the header says (-c 64 is 256 cells, unsaid)
+    assert "end of the context" not in text
+    rows[0].context_full = rows[2].context_full = 1
+    assert "; 2 run(s) ended at the end of the context, short of -n tokens: raise -c" in advice(rows, SETUP, flags)
+
 
 def test_summary_rows_pool_acceptance_and_count_identity():
     runs = [_run("a", "target", 0, 100), _run("a", "x", 0, 120), _run("a", "target", 0, 90)]
