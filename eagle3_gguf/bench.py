@@ -37,7 +37,7 @@ from .errors import Eagle3Error
 from .pair import Pair, PairConfig, load_pair
 from .costs import CostCurve, cpu_model
 from .session import Eagle3Session
-from .stats import ExactReport, RunResult, SpecStats
+from .stats import ExactReport, RunResult, SpecStats, tokens_per_second
 from .tokens import Message, apply_chat_template, tokenize
 
 
@@ -207,8 +207,7 @@ class PromptRun:
 
     @property
     def tok_s(self) -> float:
-        """As SpecStats.tokens_per_second: the tokens after the prefill's, over the time after it."""
-        return (self.tokens - 1) / self.seconds if self.tokens > 1 and self.seconds > 0 else 0.0
+        return tokens_per_second(self.tokens, self.seconds)
 
     @property
     def tau(self) -> float:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -84,19 +83,11 @@ def decode_failure(rc: int) -> str:
 @dataclass(frozen=True)
 class Adapters:
     """The LoRA adapters a target context computes with (llama-cpp-python's Llama owns their handles): a context of
-    the same set-up sets them too (the exactness probe's), and the cost key names them (they change what a row
-    costs and which rows are exact)."""
+    the same set-up sets them too (the exactness probe's), and the cost key names their files and scales (they
+    change what a row costs and which rows are exact)."""
     handles: tuple  # llama_adapter_lora_p, each
+    paths: tuple[str, ...]
     scales: tuple[float, ...]
-    ident: str  # each file's path, size and mtime, and its scale
-
-    @classmethod
-    def of_files(cls, handles: tuple, paths: tuple[str, ...], scales: tuple[float, ...]) -> "Adapters":
-        def ident(path: str, scale: float) -> str:
-            st = Path(path).stat()
-            return f"{Path(path).resolve()}:{st.st_size}:{st.st_mtime_ns}x{scale!r}"
-
-        return cls(handles, scales, " ".join(ident(p, sc) for p, sc in zip(paths, scales)))
 
     def set_on(self, ctx) -> None:
         # LLAMA_API int32_t llama_set_adapters_lora(struct llama_context * ctx, struct llama_adapter_lora ** adapters,
@@ -104,7 +95,8 @@ class Adapters:
         n = len(self.handles)
         if C.llama_set_adapters_lora(ctx, (C.llama_adapter_lora_p_ctypes * n)(*self.handles), n,
                                      (ctypes.c_float * n)(*self.scales)):
-            raise Eagle3Error(f"llama.cpp could not set the LoRA adapters ({self.ident}) on a context of the target")
+            raise Eagle3Error(f"llama.cpp could not set the LoRA adapters {', '.join(self.paths)} on a context of the "
+                              "target")
 
 
 class Context(_Owner):

@@ -152,11 +152,7 @@ class CostKey:
     def for_files(cls, target: Path, head: Path, n_threads: int, setup: str, n_batch: int) -> "CostKey":
         from .native import backend_fingerprint  # here: the CLI imports this module before it needs llama.cpp
 
-        def ident(p: Path) -> str:
-            st = Path(p).stat()
-            return f"{Path(p).resolve()}:{st.st_size}:{st.st_mtime_ns}"
-
-        return cls(ident(target), ident(head), n_threads, setup, n_batch,
+        return cls(file_ident(target), file_ident(head), n_threads, setup, n_batch,
                    f"{os.uname().machine}:{os.cpu_count()}:{cpu_model()}:{backend_fingerprint()}")
 
     @classmethod
@@ -166,17 +162,24 @@ class CostKey:
         to the key (a cost curve: "graph" choices or "logits"; the graph's argmax costs more on a CPU)."""
         # ggml's switches in the environment pick kernels too (GGML_CPU_TILED_MM=0: K-quants without the tiled matmul)
         ggml = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("GGML_"))
+        adapters = zip(target.adapters.paths, target.adapters.scales) if target.adapters is not None else ()
         # n_ubatch: a batch wider than it is computed as ubatches (the probe compares products up to it)
         setup = (f"kv {target.kv_types[0]}/{target.kv_types[1]} fa {target.flash_attn} ub {target.n_ubatch} "
                  f"repack {target.model.repack} on {target.model.placement} / {head.model.placement}"
                  + (f" env {ggml}" if ggml else "") + (f" reads {reads}" if reads else "")
-                 + (f" lora {target.adapters.ident}" if target.adapters is not None else ""))
+                 + "".join(f" lora {file_ident(p)}x{scale!r}" for p, scale in adapters))
         return cls.for_files(target.model.path, head.model.path, target.n_threads, setup, n_batch)
 
     def path(self) -> Path:
         base = Path(os.environ.get("EAGLE3_GGUF_CACHE", Path.home() / ".cache" / "eagle3-gguf"))
         digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:20]
         return base / "costs" / f"{digest}.json"
+
+
+def file_ident(p: str | Path) -> str:
+    """A file as a key names it: its path, size and mtime (a file written again is another)."""
+    st = Path(p).stat()
+    return f"{Path(p).resolve()}:{st.st_size}:{st.st_mtime_ns}"
 
 
 def cpu_model() -> str:

@@ -16,9 +16,10 @@ own code. Only `generate()`, the token generator they all consume, is replaced:
 So each emitted token is sampled by the very sampler chain plain decoding uses, from the logits of the
 same context, once per token and in the same order: greedy and seeded sampling give the same text, and
 stateful samplers (grammar, repeat penalties, mirostat, logits processors) see the same sequence of
-calls, up to where the caller stops: a cycle samples its kept rows before handing out its first token, so a caller
-that stops inside one (a stop string, a stream closed) has had up to draft_max more calls made. While row i is sampled, `n_tokens`/`input_ids` describe exactly row i's context, as they do in
-plain decoding, so a logits processor reading `input_ids` sees what it would see there.
+calls, up to where the caller stops: a cycle samples its kept rows before handing out its first token, so a
+caller that stops inside one (a stop string, a stream closed) has had up to draft_max more calls made. While row
+i is sampled, `n_tokens`/`input_ids` describe exactly row i's context, as they do in plain decoding, so a logits
+processor reading `input_ids` sees what it would see there.
 
 State kept consistent with what Llama expects: `input_ids[:n_tokens]` is always what the KV cache
 holds; when the caller stops consuming (stop string, max_tokens) the cache is cut back to exactly where
@@ -250,7 +251,7 @@ class Eagle3Llama(Llama):
         n_gpu_layers = self.model_params.n_gpu_layers
         model = Model(self.model_path, n_gpu_layers=n_gpu_layers, borrowed=self._model.model)
         # the Llama set its LoRA adapter on this context: the exactness probe's own context sets it too
-        adapters = Adapters.of_files((self._lora_adapter,), (self.lora_path,), (self.lora_scale,)) \
+        adapters = Adapters((self._lora_adapter,), (self.lora_path,), (self.lora_scale,)) \
             if self._lora_adapter is not None else None
         target = Context(model, n_ctx=self._n_ctx, n_batch=self.n_batch, n_threads=cp.n_threads, type_k=cp.type_k,
                          type_v=cp.type_v, flash_attn=cp.flash_attn_type, borrowed=self._ctx.ctx, adapters=adapters)

@@ -43,6 +43,13 @@ class ExactReport:
                 ("kept to them", kept)]
 
 
+def tokens_per_second(n_generated: int, seconds: float) -> float:
+    """A run's speed: the tokens after the first over the generation's time (the first is chosen at the prompt's
+    last row, in t_prefill: counting it overstated every speed by n/(n-1), and made -n 1 thousands of tok/s); 0
+    where none came."""
+    return (n_generated - 1) / seconds if n_generated > 1 and seconds > 0 else 0.0
+
+
 @dataclass
 class SpecStats:
     draft_max: int = 0  # K: the head's drafts per cycle at most
@@ -144,9 +151,7 @@ class SpecStats:
 
     @property
     def tokens_per_second(self) -> float:
-        """The tokens after the first over t_total: the first is chosen at the prompt's last row, in t_prefill
-        (counting it overstated every speed by n/(n-1), and made -n 1 thousands of tok/s); 0 where none came."""
-        return (self.n_generated - 1) / self.t_total if self.n_generated > 1 and self.t_total > 0 else 0.0
+        return tokens_per_second(self.n_generated, self.t_total)
 
     @property
     def t_overhead(self) -> float:
